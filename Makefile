@@ -1,0 +1,30 @@
+# One entry point per job; .ci/run calls `make test` on a clean clone.
+PY ?= python3
+PIP = $(PY) -m pip
+
+.PHONY: install test test-fast lint bench compile
+
+install:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+
+# `install` first so a fresh clone needs nothing else.
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+test-fast:
+	$(PY) -m pytest -q -m "not slow"
+
+lint:
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench:
+	$(PY) bench/bench_slot_mapping.py
+	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_compile.py
+	$(PY) bench/bench_runtime.py
+
+compile: install
+	nb compile

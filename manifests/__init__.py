@@ -1,0 +1,1 @@
+"""Manifest JSON Schema and example bucket configs, shipped as package data."""
