@@ -53,6 +53,8 @@ class BlockPool:
         """Return a finished request's blocks; freeing a block twice is a bug, so it raises."""
         if stray := [b for b in blocks if b not in self._used]:
             raise ValueError(f"blocks {stray} are not allocated")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks {blocks} list a block twice; it would be handed out twice")
         for b in blocks:
             self._used.discard(b)
             self._free.append(b)
