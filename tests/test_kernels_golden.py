@@ -1,0 +1,175 @@
+"""The torch kernel goldens on the seed document's worked examples and their invariants."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
+
+from neuron_buckets.block_table import compute_slot_mapping, remap_null_block_to_sentinel
+
+KVH, D = 2, 8
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern of a float32 tensor, so NaN == NaN and -0.0 != 0.0."""
+    return t.view(torch.int32)
+
+
+def garbage_cache(num_blocks: int, block_size: int) -> torch.Tensor:
+    cache = torch.full((num_blocks, block_size, KVH, D), float("nan"))
+    cache[1::2] = 3e38
+    return cache
+
+
+def write_example(block_table: list[int], positions: list[int], num_tokens: int, bs: int):
+    """Write tokens 0..len(positions)-1 (padded to num_tokens with slot -1) into garbage caches."""
+    table = torch.tensor([block_table])
+    real = compute_slot_mapping(table, torch.zeros(len(positions), dtype=torch.int64),
+                                torch.tensor(positions), bs)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    slots[: len(positions)] = real
+    k = torch.randn(num_tokens, KVH, D)
+    v = torch.randn(num_tokens, KVH, D)
+    k_cache, v_cache = garbage_cache(16, bs), garbage_cache(16, bs)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    return slots, k, v, (k_cache, before_k), (v_cache, before_v)
+
+
+def test_prefill_example_100_tokens_padded_to_128():
+    """Seed: 100 tokens in blocks [10, 15], block_size 64: 100 writes, 28 pads skip."""
+    slots, k, v, (kc, kb), (vc, vb) = write_example([10, 15], list(range(100)), 128, 64)
+    assert slots[:64].tolist() == list(range(640, 704))
+    assert slots[64:100].tolist() == list(range(960, 996))
+    assert (slots[100:] == -1).all()
+    assert torch.equal(kc[10], k[:64]) and torch.equal(vc[10], v[:64])
+    assert torch.equal(kc[15, :36], k[64:100]) and torch.equal(vc[15, :36], v[64:100])
+    written = torch.zeros(16, 64, dtype=torch.bool)
+    written[10] = True
+    written[15, :36] = True
+    assert torch.equal(bits(kc[~written]), bits(kb[~written]))  # incl. null block and 15[36:]
+    assert torch.equal(bits(vc[~written]), bits(vb[~written]))
+
+
+def test_speculative_decode_example_crosses_block_boundary():
+    """Seed: positions 62..65 in blocks [10, 15] land in slots 702, 703, 960, 961."""
+    slots, k, _, (kc, kb), _ = write_example([10, 15], [62, 63, 64, 65], 4, 64)
+    assert slots.tolist() == [702, 703, 960, 961]
+    assert torch.equal(kc[10, 62:64], k[:2]) and torch.equal(kc[15, :2], k[2:])
+    kb[10, 62:64], kb[15, :2] = k[:2], k[2:]
+    assert torch.equal(bits(kc), bits(kb))
+
+
+def test_all_pad_step_writes_nothing():
+    """A dummy decode row (every slot -1) leaves every cache byte, null block too, untouched."""
+    kc, vc = garbage_cache(4, 8), garbage_cache(4, 8)
+    kb, vb = kc.clone(), vc.clone()
+    write_kv_cache(torch.randn(8, KVH, D), torch.randn(8, KVH, D), kc, vc,
+                   torch.full((8,), -1, dtype=torch.int64))
+    assert torch.equal(bits(kc), bits(kb)) and torch.equal(bits(vc), bits(vb))
+
+
+def dense_reference(q, k_seq, v_seq, cache_len: int, scale: float) -> torch.Tensor:
+    """One row's attention on contiguous (L, KVH, D) K/V: query i sits at cache_len + i."""
+    s, h = q.shape[0], q.shape[1]
+    length = cache_len + s
+    k = k_seq[:length].repeat_interleave(h // KVH, dim=1).transpose(0, 1)
+    v = v_seq[:length].repeat_interleave(h // KVH, dim=1).transpose(0, 1)
+    mask = torch.arange(length)[None, :] <= (cache_len + torch.arange(s))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_case(cache_lens: list[int], seq: int, bs: int, max_blocks: int, heads: int, seed: int):
+    """Random rows laid out in shuffled physical blocks; returns kernel inputs and row K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(cache_lens)
+    num_blocks = 1 + batch * max_blocks
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, max_blocks)
+    used = (torch.tensor(cache_lens)[:, None] + bs - 1) // bs > torch.arange(max_blocks)
+    table = torch.where(used, perm, 0)
+    k_seq = torch.randn(batch, max_blocks * bs + seq, KVH, D, generator=gen)
+    v_seq = torch.randn(batch, max_blocks * bs + seq, KVH, D, generator=gen)
+    q = torch.randn(batch, seq, heads, D, generator=gen)
+    k_cache, v_cache = torch.zeros(num_blocks, bs, KVH, D), torch.zeros(num_blocks, bs, KVH, D)
+    for b, n in enumerate(cache_lens):  # test setup: place each row's history in its blocks
+        pos = torch.arange(n)
+        k_cache[table[b, pos // bs], pos % bs] = k_seq[b, :n]
+        v_cache[table[b, pos // bs], pos % bs] = v_seq[b, :n]
+    k_act = torch.stack([k_seq[b, n : n + seq] for b, n in enumerate(cache_lens)])
+    v_act = torch.stack([v_seq[b, n : n + seq] for b, n in enumerate(cache_lens)])
+    return q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq
+
+
+def run_attention(case, cache_lens, scale=0.3, table=None):
+    q, k_act, v_act, k_cache, v_cache, base_table, _, _ = case
+    table = remap_null_block_to_sentinel(base_table) if table is None else table
+    return block_kv_attention(q, k_act, v_act, k_cache, v_cache, table,
+                              torch.tensor(cache_lens), scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    seq=st.integers(1, 5),
+    bs=st.sampled_from([4, 8, 16]),
+    group=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_matches_dense_reference(lens, seq, bs, group, seed):
+    max_blocks = 40 // bs + 1
+    case = paged_case(lens, seq, bs, max_blocks, KVH * group, seed)
+    out = run_attention(case, lens)
+    q, _, _, _, _, _, k_seq, v_seq = case
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(out[b], dense_reference(q[b], k_seq[b], v_seq[b], n, 0.3),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+    seq=st.integers(1, 4),
+    fill=st.sampled_from([float("nan"), float("inf"), -3e38, 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_null_block_and_unwritten_slots_never_reach_the_output(lens, seq, fill, seed):
+    """Garbage anywhere outside [0, cache_len) of each row leaves the output bit-identical."""
+    bs, max_blocks = 8, 4
+    case = paged_case(lens, seq, bs, max_blocks, KVH * 2, seed)
+    clean = run_attention(case, lens)
+    q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
+    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        live[table[b, pos // bs], pos % bs] = True
+    dirty_k = torch.where(live[..., None, None], k_cache, fill)
+    dirty_v = torch.where(live[..., None, None], v_cache, fill)
+    dirty = run_attention((q, k_act, v_act, dirty_k, dirty_v, table, k_seq, v_seq), lens)
+    assert torch.isfinite(clean).all()
+    assert torch.equal(bits(dirty), bits(clean))
+
+
+def test_sentinel_and_null_block_entries_read_alike():
+    """-1 and 0 in unused table entries (before and after the remap) give identical outputs."""
+    lens = [3, 17, 0]
+    case = paged_case(lens, 2, 8, 4, 4, seed=1)
+    raw = case[5]
+    assert (raw == 0).any()
+    assert torch.equal(run_attention(case, lens, table=raw), run_attention(case, lens))
+
+
+def test_causal_among_active_tokens():
+    """Token i of the step never sees step tokens after it: changing them leaves i unchanged."""
+    lens = [5, 0]
+    case = paged_case(lens, 4, 8, 2, 4, seed=2)
+    out = run_attention(case, lens)
+    q, k_act, v_act, *rest = case
+    k2, v2 = k_act.clone(), v_act.clone()
+    k2[:, 2:], v2[:, 2:] = 7.0, -7.0
+    out2 = run_attention((q, k2, v2, *rest), lens)
+    assert torch.equal(out[:, :2], out2[:, :2])
+    assert not torch.allclose(out[:, 2:], out2[:, 2:])
