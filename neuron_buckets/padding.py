@@ -70,7 +70,11 @@ def pad_prefill(chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int)
 
 
 def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> StepInputs:
-    """One row per request of ``1 + speculation_length`` tokens; every real token is sampled."""
+    """One row per request of exactly ``1 + speculation_length`` tokens; every real token is sampled.
+
+    Rows must be full: the real samples are the first ``num_rows * seq`` entries, so a short row
+    would put a pad token's logits among them.
+    """
     return _pad(rows, bucket, block_size, sample_every_token=True)
 
 
@@ -91,6 +95,11 @@ def _pad(
         raise NoBucketFits(
             f"a request of {int(lens.max())} tokens does not fit bucket {bucket.name} (seq {seq})"
         )
+    if sample_every_token and int(lens.min()) != seq:
+        raise ValueError(
+            f"decode rows must carry exactly {seq} tokens (1 + speculation_length) for bucket "
+            f"{bucket.name}, got {lens.tolist()}"
+        )
     starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
     if int(starts.min()) < 0:
         raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
@@ -104,6 +113,16 @@ def _pad(
         blocks = torch.as_tensor(row.block_ids, dtype=torch.int64)[:max_blocks]
         table[r, : blocks.numel()] = blocks
     table[len(rows) :] = table[0]
+    # Every block under a row's context must be allocated: attention reads [0, start) from the
+    # cache, and a hole there would silently read the null block as if it held real K/V.
+    needed = -(-(starts + lens) // block_size)
+    holes = (torch.arange(max_blocks) < needed[:, None]) & (table[: len(rows)] <= NULL_BLOCK_ID)
+    if bool(holes.any()):
+        r, col = (int(i) for i in holes.nonzero()[0])
+        raise ValueError(
+            f"request {r} covers positions [0, {int(starts[r] + lens[r])}) but its logical block {col} "
+            f"is unallocated (entry {int(table[r, col])}); allocate blocks before padding"
+        )
 
     offsets = torch.arange(seq, dtype=torch.int64)
     real = torch.zeros(batch, seq, dtype=torch.bool)
@@ -117,15 +136,17 @@ def _pad(
     flat_real = real.reshape(-1)
     req_indices = torch.arange(batch).repeat_interleave(seq)
     slot_mapping = torch.full((batch * seq,), PAD_SLOT_ID, dtype=torch.int64)
-    slot_mapping[flat_real] = compute_slot_mapping(
-        table, req_indices[flat_real], positions[flat_real], block_size
-    )
+    real_slots = compute_slot_mapping(table, req_indices[flat_real], positions[flat_real], block_size)
+    if real_slots.unique().numel() != real_slots.numel():
+        raise ValueError("two real tokens of the step map to the same cache slot (a block is listed twice)")
+    slot_mapping[flat_real] = real_slots
 
     cache_lens = torch.zeros(batch, dtype=torch.int64)
     cache_lens[: len(rows)] = starts
     if sample_every_token:
-        sampling = torch.arange(batch * seq, dtype=torch.int64)
         num_samples = len(rows) * seq
+        tokens = torch.arange(batch * seq, dtype=torch.int64)
+        sampling = torch.where(tokens < num_samples, tokens, tokens // seq * seq)  # dummies: token 0
     else:
         sampling = torch.arange(batch, dtype=torch.int64) * seq
         sampling[: len(rows)] += lens - 1

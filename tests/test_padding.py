@@ -1,0 +1,199 @@
+"""Padding steps to bucket shapes: the seed's layouts bit for bit, a property test, refusals."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neuron_buckets.block_manager import BlockPool
+from neuron_buckets.grid import Bucket, NoBucketFits, select_bucket
+from neuron_buckets.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+
+
+def test_seed_prefill_100_tokens_padded_to_128():
+    tokens = list(range(1000, 1100))
+    step = pad_prefill([PrefillChunk(tokens, 0, [10, 15])], Bucket("prefill", 1, 128, 256), 64)
+    assert step.slot_mapping.tolist() == [*range(640, 704), *range(960, 996)] + [-1] * 28
+    assert step.positions.tolist() == list(range(100)) + [0] * 28
+    assert step.input_ids.tolist() == tokens + [0] * 28
+    assert step.block_table.tolist() == [[10, 15, -1, -1]]
+    assert step.cache_lens.tolist() == [0]
+    assert step.sampling_positions.tolist() == [99]  # the last real token, not the last pad
+    assert (step.num_rows, step.num_samples) == (1, 1)
+    order = (step.input_ids, step.positions, step.slot_mapping, step.block_table, step.cache_lens)
+    assert all(a is b for a, b in zip(step.args(), order, strict=False))  # the graph's input order
+    assert all(t.dtype == torch.int64 for t in step.args())
+
+
+def test_seed_prefill_scheduler_table_with_zeros_is_remapped():
+    # The seed's "Block Table: [10, 15, 0, 0, ...]" as a scheduler emits it.
+    step = pad_prefill([PrefillChunk([5] * 100, 0, [10, 15, 0, 0])], Bucket("prefill", 1, 128, 256), 64)
+    assert step.block_table.tolist() == [[10, 15, -1, -1]]
+    assert step.slot_mapping[99] == 995 and step.slot_mapping[100] == -1
+
+
+def test_seed_decode_bucket_8_with_2_active_requests():
+    rows = [DecodeRow([7], 50, [10]), DecodeRow([9], 75, [8, 12])]
+    step = pad_decode(rows, Bucket("decode", 8, 1, 256), 64)
+    assert step.input_ids.tolist() == [7, 9, 0, 0, 0, 0, 0, 0]
+    assert step.positions.tolist() == [50, 75, 0, 0, 0, 0, 0, 0]
+    assert step.slot_mapping.tolist() == [690, 779, -1, -1, -1, -1, -1, -1]  # 10*64+50, 12*64+11
+    for t in (step.input_ids, step.positions, step.slot_mapping, step.cache_lens):
+        assert t.shape == (8,)
+    assert step.block_table.shape == (8, 256 // 64)
+    assert step.block_table[:2].tolist() == [[10, -1, -1, -1], [8, 12, -1, -1]]
+    assert (step.block_table[2:] == step.block_table[0]).all()  # dummies point at a valid row
+    assert step.cache_lens.tolist() == [50, 75, 0, 0, 0, 0, 0, 0]
+    assert step.real_sampling_positions.tolist() == [0, 1]
+    assert step.sampling_positions.tolist() == list(range(8))  # S = 1: token 0 of each row
+    assert (step.num_rows, step.num_samples) == (2, 2)
+
+
+def test_prefill_batch_of_two_chunks_and_a_dummy_row():
+    # Row 0: a fresh prompt of 5 tokens; row 1: the continuation of a chunked prompt at 6..8.
+    chunks = [PrefillChunk([1, 2, 3, 4, 5], 0, [3, 9]), PrefillChunk([6, 7, 8], 6, [4, 7, 2])]
+    step = pad_prefill(chunks, Bucket("prefill", 3, 8, 16), block_size=4)
+    pad3, pad5 = [-1] * 3, [-1] * 5
+    assert step.slot_mapping.tolist() == [12, 13, 14, 15, 36, *pad3, 30, 31, 8, *pad5, *[-1] * 8]
+    assert step.positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0] + [0] * 8
+    assert step.input_ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0] + [0] * 8
+    assert step.block_table.tolist() == [[3, 9, -1, -1], [4, 7, 2, -1], [3, 9, -1, -1]]
+    assert step.cache_lens.tolist() == [0, 6, 0]
+    assert step.sampling_positions.tolist() == [4, 10, 16]  # last real token; dummy: its token 0
+    assert (step.num_rows, step.num_samples) == (2, 2)
+
+
+def test_speculative_decode_rows_cross_the_block_boundary():
+    # The seed's base token at 62 plus 3 drafts, beside a request crossing at 127 -> 128.
+    rows = [DecodeRow([1, 2, 3, 4], 62, [10, 15]), DecodeRow([5, 6, 7, 8], 125, [3, 5, 7])]
+    step = pad_decode(rows, Bucket("decode", 4, 4, 256), 64)
+    assert step.slot_mapping.tolist() == [702, 703, 960, 961, 381, 382, 383, 448] + [-1] * 8
+    assert step.positions.tolist() == [62, 63, 64, 65, 125, 126, 127, 128] + [0] * 8
+    assert step.cache_lens.tolist() == [62, 125, 0, 0]
+    assert step.real_sampling_positions.tolist() == list(range(8))  # every draft is verified
+    assert step.sampling_positions.tolist() == list(range(8)) + [8] * 4 + [12] * 4
+    assert (step.num_rows, step.num_samples) == (2, 8)
+
+
+def test_dummy_rows_allocate_nothing_and_copy_row_0():
+    pool = BlockPool(num_blocks=64, block_size=16)
+    a, b = pool.grow([], 41), pool.grow([], 20)  # actual tokens only: 3 + 2 blocks
+    free_before = pool.num_free
+    step = pad_decode([DecodeRow([1], 40, a), DecodeRow([2], 19, b)], Bucket("decode", 8, 1, 64), 16)
+    assert pool.num_free == free_before == 63 - 5
+    used = set(step.block_table.flatten().tolist()) - {-1}
+    assert used == {*a, *b}
+    assert (step.block_table[2:] == step.block_table[0]).all()
+    assert (step.slot_mapping[2:] == -1).all() and (step.cache_lens[2:] == 0).all()
+
+
+def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[str, list]:
+    """The seed's layout token by token in plain Python, to check the vectorised padding against."""
+    ids, pos, slot, table, lens, sampling = [], [], [], [], [], []
+    max_blocks = bucket.ctx // block_size
+    for r in range(bucket.batch):
+        row = rows[r] if r < len(rows) else rows[0]
+        blocks = [b if b > 0 else -1 for b in row.block_ids][:max_blocks]
+        table.append(blocks + [-1] * (max_blocks - len(blocks)))
+        real = r < len(rows)
+        lens.append(row.start_pos if real else 0)
+        for j in range(bucket.seq):
+            if real and j < len(row.token_ids):
+                p = row.start_pos + j
+                ids.append(row.token_ids[j])
+                pos.append(p)
+                slot.append(row.block_ids[p // block_size] * block_size + p % block_size)
+            else:
+                ids.append(0)
+                pos.append(0)
+                slot.append(-1)
+        if decode:
+            sampling += [r * bucket.seq + j if real else r * bucket.seq for j in range(bucket.seq)]
+        else:
+            sampling.append(r * bucket.seq + (len(row.token_ids) - 1 if real else 0))
+    return dict(input_ids=ids, positions=pos, slot_mapping=slot, block_table=table, cache_lens=lens,
+                sampling_positions=sampling)  # fmt: skip
+
+
+@st.composite
+def steps(draw):
+    """Random real rows over shuffled physical blocks, padded to a random larger bucket."""
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    decode = draw(st.booleans())
+    n = draw(st.integers(1, 4))
+    seq = draw(st.integers(1, 6 if decode else 24))
+    lens = [seq] * n if decode else [draw(st.integers(1, seq)) for _ in range(n)]
+    starts = [draw(st.integers(0, 40)) for _ in range(n)]
+    needed = [-(-(s + n_tok) // block_size) for s, n_tok in zip(starts, lens, strict=True)]
+    max_blocks = max(needed) + draw(st.integers(0, 2))
+    physical = draw(st.permutations(range(1, sum(needed) + 1)))  # distinct blocks, any order
+    rows, used = [], 0
+    for start, length, k in zip(starts, lens, needed, strict=True):
+        tokens = draw(st.lists(st.integers(1, 32000), min_size=length, max_size=length))
+        trailing_zeros = [0] * draw(st.integers(0, max_blocks - k))  # scheduler-style unused entries
+        rows.append(PrefillChunk(tokens, start, list(physical[used : used + k]) + trailing_zeros))
+        used += k
+    batch = n + draw(st.integers(0, 3))  # dummy rows
+    bucket = Bucket("decode" if decode else "prefill", batch, seq, max_blocks * block_size)
+    return rows, bucket, block_size, decode
+
+
+@given(steps())
+@settings(max_examples=200, deadline=None)
+def test_padding_matches_the_reference_and_keeps_the_slot_invariants(case):
+    rows, bucket, block_size, decode = case
+    step: StepInputs = (pad_decode if decode else pad_prefill)(rows, bucket, block_size)
+    want = reference_step(rows, bucket, block_size, decode)
+    for name, expected in want.items():
+        assert getattr(step, name).tolist() == expected, name
+    slots = step.slot_mapping
+    real = torch.zeros(bucket.batch, bucket.seq, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        real[r, : len(row.token_ids)] = True
+    real = real.flatten()
+    assert (slots[~real] == -1).all()  # a pad maps to -1 and nothing else
+    assert (slots[real] >= block_size).all()  # a real token never lands on -1 or the null block
+    assert slots[real].unique().numel() == int(real.sum())  # no two real tokens share a slot
+    assert step.num_rows == len(rows)
+    assert step.num_samples == (len(rows) * bucket.seq if decode else len(rows))
+
+
+def test_a_request_larger_than_every_bucket_is_refused():
+    with pytest.raises(NoBucketFits, match="no bucket fits 129: the largest bucket is 128"):
+        select_bucket([32, 64, 128], 129)
+    with pytest.raises(NoBucketFits, match=r"a request of 129 tokens does not fit bucket prefill_b1_s128"):
+        pad_prefill([PrefillChunk([1] * 129, 0, [1, 2, 3])], Bucket("prefill", 1, 128, 256), 64)
+
+
+def test_more_requests_than_rows_are_refused():
+    rows = [DecodeRow([1], 0, [b]) for b in (1, 2, 3)]
+    with pytest.raises(NoBucketFits, match=r"3 requests do not fit bucket decode_b2_s1_c64 \(batch 2\)"):
+        pad_decode(rows, Bucket("decode", 2, 1, 64), 16)
+
+
+def test_context_beyond_the_bucket_is_refused():
+    with pytest.raises(NoBucketFits, match=r"context 65 exceeds bucket decode_b1_s1_c64 \(ctx 64\)"):
+        pad_decode([DecodeRow([1], 64, [1, 2, 3, 4, 5])], Bucket("decode", 1, 1, 64), 16)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "at least one request"),
+        ([PrefillChunk([], 0, [1])], "at least one token"),
+        ([PrefillChunk([1], -1, [1])], r"start positions must be >= 0, got \[-1\]"),
+        # A hole under the context would read the null block as if it held the prompt's K/V.
+        ([PrefillChunk([1], 20, [0, 2])], r"request 0 covers positions \[0, 21\).*logical block 0"),
+        ([PrefillChunk([1] * 4, 0, [3]), PrefillChunk([2] * 4, 0, [3])], "same cache slot"),
+        ([PrefillChunk([1] * 20, 0, [3, 3])], "same cache slot"),
+    ],
+)
+def test_bad_prefill_steps_are_refused(rows, message):
+    with pytest.raises(ValueError, match=message):
+        pad_prefill(rows, Bucket("prefill", 2, 32, 64), 16)
+
+
+def test_decode_rows_must_fill_the_speculation_width():
+    rows = [DecodeRow([1, 2, 3, 4], 10, [1]), DecodeRow([5, 6], 10, [2])]
+    with pytest.raises(ValueError, match=r"exactly 4 tokens \(1 \+ speculation_length\).*\[4, 2\]"):
+        pad_decode(rows, Bucket("decode", 2, 4, 64), 16)
