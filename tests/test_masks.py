@@ -1,0 +1,37 @@
+"""Cache and active masks: shapes, dtypes, and exactly which positions a query may see."""
+
+import pytest
+import torch
+
+from neuron_buckets.masks import gen_active_mask, gen_cache_mask
+
+
+@pytest.mark.parametrize("shape", [(3,), (3, 1)])
+def test_cache_mask_accepts_b_and_b1_lengths(shape):
+    lens = torch.tensor([0, 2, 5]).reshape(shape)
+    mask = gen_cache_mask(lens, num_heads=2, s_tkg=4, s_ctx=5)
+    assert mask.shape == (3, 2, 4, 5) and mask.dtype == torch.bool
+    expected_rows = torch.tensor([[0, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected_rows[:, None, None, :].expand(3, 2, 4, 5))
+
+
+def test_cache_mask_hides_everything_at_or_beyond_the_length():
+    lens = torch.tensor([17, 64, 100])
+    mask = gen_cache_mask(lens, num_heads=1, s_tkg=1, s_ctx=128)[:, 0, 0]
+    assert mask.sum(dim=1).tolist() == [17, 64, 100]
+    for row, n in enumerate(lens.tolist()):
+        assert mask[row, :n].all() and not mask[row, n:].any()
+
+
+def test_active_mask_is_causal_among_the_steps_tokens():
+    mask = gen_active_mask(batch=2, num_heads=3, s_tkg=4)
+    assert mask.shape == (2, 3, 4, 4) and mask.dtype == torch.bool
+    causal = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool
+    )  # draft i sees the base token and drafts before it, never later ones
+    assert torch.equal(mask, causal.expand(2, 3, 4, 4))
+
+
+def test_active_mask_for_plain_decode_is_the_token_itself():
+    mask = gen_active_mask(batch=5, num_heads=2, s_tkg=1)
+    assert mask.shape == (5, 2, 1, 1) and mask.all()
