@@ -1,0 +1,69 @@
+"""Which implementation of the two block-KV ops the model runs: the torch goldens, or a swap-in.
+
+The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default they forward to
+the goldens of ``block_kv_torch``; a backend with its own kernels (Neuron: the NKI kernels of
+``block_kv_nki``) installs them with ``use(kernels)`` for the duration of a trace, so the model
+code is identical on every backend and the swap is visible in one place. The choice lives in a
+ContextVar, so two compiles in one process (threads) never see each other's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from neuron_buckets.kernels import block_kv_torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One implementation of both ops, with the goldens' signatures and semantics."""
+
+    name: str
+    write_kv_cache: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    block_kv_attention: Callable[..., Tensor]
+
+
+GOLDEN = KernelSet("torch", block_kv_torch.write_kv_cache, block_kv_torch.block_kv_attention)
+_ACTIVE: ContextVar[KernelSet] = ContextVar("block_kv_kernels", default=GOLDEN)
+
+
+def active() -> KernelSet:
+    """The kernel set the model calls right now."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def use(kernels: KernelSet) -> Iterator[KernelSet]:
+    """Run the model with ``kernels`` inside the ``with`` block; the previous set comes back after."""
+    token = _ACTIVE.set(kernels)
+    try:
+        yield kernels
+    finally:
+        _ACTIVE.reset(token)
+
+
+def write_kv_cache(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write K/V at ``slot_mapping`` in place (slot -1 writes nothing), with the active kernels."""
+    _ACTIVE.get().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def block_kv_attention(
+    q: Tensor,
+    k_active: Tensor,
+    v_active: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Paged attention over the block table plus the step's own tokens, with the active kernels."""
+    return _ACTIVE.get().block_kv_attention(
+        q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale
+    )
