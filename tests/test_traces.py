@@ -1,0 +1,134 @@
+"""Trace loading: the shared Azure traces, the other accepted shapes, and one clear error per
+kind of bad file."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from neuron_buckets.traces import TraceError, load_trace
+
+TRACES = Path(__file__).parents[2] / "shared" / "traces"
+CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"
+needs_traces = pytest.mark.skipif(
+    not CONV.exists() or not CODE.exists(), reason=f"shared Azure traces not found in {TRACES}"
+)
+
+
+def _plain_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@needs_traces
+@pytest.mark.parametrize(("path", "rows", "median"), [(CODE, 8819, 1469), (CONV, 19366, 1020)])
+def test_azure_traces_load_as_published(path: Path, rows: int, median: int) -> None:
+    trace = load_trace(path)
+    plain = _plain_rows(path)
+    assert len(trace) == rows == len(plain)
+    assert trace.source == "azure"
+    assert trace.prompt_lens.tolist() == [int(r["ContextTokens"]) for r in plain]
+    assert trace.output_lens.tolist() == [int(r["GeneratedTokens"]) for r in plain]
+    assert np.median(trace.prompt_lens) == median  # PROVENANCE.md's p50
+    assert trace.arrivals is not None and trace.arrivals[0] == 0.0
+    assert np.all(np.diff(trace.arrivals) >= 0)
+    assert 3400 < trace.arrivals[-1] < 3600  # about one hour
+
+
+def test_azure_timestamps_keep_sub_millisecond_resolution(tmp_path: Path) -> None:
+    f = tmp_path / "t.csv"
+    f.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,4808,10\n"
+        "2023-11-16 18:17:04.0319601,3180,8\n"
+        "2023-11-16 18:18:03.9799600,110,27\n"
+    )
+    trace = load_trace(f)
+    assert trace.arrivals.tolist() == pytest.approx([0.0, 0.0520001, 60.0], abs=1e-9)
+    assert trace.prompt_lens.dtype == np.int64
+
+
+def test_mooncake_jsonl_and_length_csv_give_the_same_requests(tmp_path: Path) -> None:
+    prompts, outputs, ms = [12, 4000, 7], [3, 0, 90], [1000, 0, 2500]
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.write_text(
+        "\n".join(
+            json.dumps({"timestamp": t, "input_length": p, "output_length": o, "hash_ids": [1]})
+            for t, p, o in zip(ms, prompts, outputs, strict=True)
+        )
+        + "\n\n"
+    )
+    lengths = tmp_path / "l.csv"
+    lengths.write_text(
+        "num_prefill_tokens,num_decode_tokens\n"
+        + "".join(f"{p},{o}\n" for p, o in zip(prompts, outputs, strict=True))
+    )
+    mooncake, plain = load_trace(jsonl), load_trace(lengths)
+    assert (mooncake.source, plain.source) == ("mooncake", "lengths")
+    for t in (mooncake, plain):
+        assert t.prompt_lens.tolist() == prompts and t.output_lens.tolist() == outputs
+    assert mooncake.arrivals.tolist() == [1.0, 0.0, 2.5]  # ms -> s after the first arrival
+    assert plain.arrivals is None
+
+
+def test_split_by_arrival_time(tmp_path: Path) -> None:
+    f = tmp_path / "t.csv"
+    f.write_text(
+        "timestamp,input_length,output_length\n" + "".join(f"{t},{t + 1},1\n" for t in [40, 0, 30, 10, 20])
+    )
+    head, tail = load_trace(f).split(0.6)
+    assert head.prompt_lens.tolist() == [1, 11, 21]
+    assert tail.prompt_lens.tolist() == [31, 41]
+    for bad in (0.0, 1.0, 0.01):
+        with pytest.raises(TraceError, match="split"):
+            load_trace(f).split(bad)
+
+
+def test_split_needs_arrivals(tmp_path: Path) -> None:
+    f = tmp_path / "t.csv"
+    f.write_text("num_prefill_tokens,num_decode_tokens\n5,1\n6,1\n")
+    with pytest.raises(TraceError, match="arrival times"):
+        load_trace(f).split(0.5)
+
+
+HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+ROW = "2023-11-16 18:17:03.9799600,"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty file"),
+        ("\n\n", "empty file"),
+        (HEADER, "no requests"),
+        ("when,prompt,answer\n1,2,3\n", r"found \['when', 'prompt', 'answer'\]"),
+        ("ContextTokens,other\n1,2\n", r"found \['ContextTokens', 'other'\].*GeneratedTokens"),
+        (HEADER + ROW + "10,1\n" + ROW + "-5,1\n", "'ContextTokens' row 2: -5 is below 1"),
+        (HEADER + ROW + "10,-1\n", "'GeneratedTokens' row 1: -1 is below 0"),
+        (HEADER + ROW + "0,1\n", "row 1: 0 is below 1 .a prompt needs at least one token"),
+        (HEADER + ROW + "10,1\n" + ROW + "12.5,1\n", r"'ContextTokens' row 2: '12.5' is not an integer"),
+        (HEADER + ROW + "ten,1\n", "'ContextTokens' row 1: 'ten' is not an integer"),
+        (HEADER + ROW + ",1\n", "'ContextTokens' row 1: '' is not an integer"),
+        (HEADER + ROW + "10,1\n" + ROW + "10\n", "row 2 has 2 fields, the header has 3"),
+        (HEADER + "yesterday,10,1\n", "'TIMESTAMP' row 1: 'yesterday' is not a date-time"),
+        ('{"input_length": 5, "output_length": 1}\n{"input_length": 7}\n', "record 2 has no 'output_length'"),
+        ('{"input_length": 5.5, "output_length": 1}\n', "'input_length' row 1: 5.5 is not an integer"),
+        ('{"input_length": 5, "output_length": 1}\n{"input_length": \n', "record 2 is not valid JSON"),
+        ('{"input_length": -2, "output_length": 1}\n', "'input_length' row 1: -2 is below 1"),
+    ],
+)
+def test_bad_traces_get_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "bad.csv"
+    f.write_text(text)
+    with pytest.raises(TraceError, match=message) as info:
+        load_trace(f)
+    assert str(info.value).startswith(str(f)) and "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_trace_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot read trace"):
+        load_trace(tmp_path / "nope.csv")
