@@ -76,6 +76,9 @@ def _sizes(key: str, spec: Any, default_max: int) -> tuple[int, ...]:
     if unknown := set(spec) - allowed:
         raise ConfigError(f"{key}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
     lo, hi = spec.get("min", 1), spec.get("max", default_max)
+    for name, value in (("min", lo), ("max", hi), ("step", spec.get("step", lo))):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}.{name} must be an integer, got {value!r}")
     try:
         if spec.get("strategy") == "powers_of_two":
             return tuple(powers_of_two(lo, hi))
@@ -146,7 +149,14 @@ def _build_buckets(raw: dict[str, Any], cache: CacheConfig) -> BucketConfig:
             )
     if base.speculation_length + 1 > cache.max_model_len:
         raise ConfigError("buckets.speculation_length must be below cache.max_model_len")
-    return BucketConfig(**{**base.__dict__, **lists})
+    out = BucketConfig(**{**base.__dict__, **lists})
+    if out.prefill_batch_buckets[0] * out.num_batched_tokens_buckets[0] > out.max_num_batched_tokens:
+        raise ConfigError(
+            f"buckets.prefill_batch_buckets: {out.prefill_batch_buckets[0]} rows x "
+            f"{out.num_batched_tokens_buckets[0]} tokens exceeds max_num_batched_tokens="
+            f"{out.max_num_batched_tokens}, so no prefill bucket would be compiled"
+        )
+    return out
 
 
 def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
@@ -156,6 +166,8 @@ def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         raise ConfigError(f"unknown section(s) {sorted(unknown)}; allowed: {sorted(sections)}")
     model_raw = _section(ModelSource, "model", raw.get("model", {}))
     path = model_raw.get("path")
+    if path is not None and not isinstance(path, str):
+        raise ConfigError(f"model.path must be a string (a directory), got {path!r}")
     if path is not None:
         path = Path(path) if base_dir is None else (base_dir / path)
     cache = CacheConfig(**_section(CacheConfig, "cache", raw.get("cache", {})))
@@ -164,6 +176,12 @@ def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         raise ConfigError(f"cache.dtype must be one of {DTYPES}, got {cache.dtype!r}")
     if cache.num_blocks < 2:
         raise ConfigError("cache.num_blocks must be at least 2 (block 0 is the reserved null block)")
+    if cache.max_model_len % cache.block_size:
+        # A bucket's block table has ctx // block_size columns; a partial last block would be cut off.
+        raise ConfigError(
+            f"cache.max_model_len={cache.max_model_len} must be a multiple of "
+            f"cache.block_size={cache.block_size}"
+        )
     comp_raw = _section(CompileConfig, "compile", raw.get("compile", {}))
     comp = CompileConfig(**comp_raw)
     if comp.backend not in BACKENDS:
@@ -184,6 +202,8 @@ def load_config(path: str | Path | None = None) -> Config:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:

@@ -1,0 +1,127 @@
+"""Config loading: the embedded default, strategies, and one clear error per bad key."""
+
+from pathlib import Path
+
+import pytest
+
+from neuron_buckets.config import ConfigError, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "nb.toml"
+    path.write_text(text)
+    return path
+
+
+def test_embedded_default_loads():
+    cfg = load_config()
+    assert cfg.model.path is None  # the embedded seeded model
+    assert (cfg.cache.block_size, cfg.cache.num_blocks, cfg.cache.max_model_len) == (16, 128, 256)
+    assert cfg.buckets.num_seqs_buckets == (1, 2, 4)
+    assert cfg.buckets.num_batched_tokens_buckets == (32, 64, 128)  # powers_of_two from 32
+    assert cfg.buckets.prefill_batch_buckets == (1,)
+    assert cfg.compile.backend == "inductor"
+
+
+def test_an_empty_file_gets_the_dataclass_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, ""))
+    assert cfg.buckets.num_seqs_buckets == (1, 2, 4)  # powers of two up to max_num_seqs
+    assert cfg.buckets.num_batched_tokens_buckets == (128,)  # one bucket at max_num_batched_tokens
+    assert cfg.buckets.decode_context_length_buckets is None
+
+
+def test_strategies_and_explicit_lists(tmp_path):
+    cfg = load_config(write(tmp_path, """
+[cache]
+block_size = 32
+max_model_len = 512
+[buckets]
+max_num_seqs = 8
+max_num_batched_tokens = 256
+num_seqs_buckets = { strategy = "linear", min = 2, step = 2 }
+num_batched_tokens_buckets = { strategy = "powers_of_two", min = 64 }
+prefill_batch_buckets = [1, 2]
+decode_context_length_buckets = [128, 512]
+speculation_length = 3
+[compile]
+backend = "eager"
+flags = { max_autotune = true }
+"""))  # fmt: skip
+    b = cfg.buckets
+    assert b.num_seqs_buckets == (2, 4, 6, 8)
+    assert b.num_batched_tokens_buckets == (64, 128, 256)
+    assert (b.prefill_batch_buckets, b.decode_context_length_buckets) == ((1, 2), (128, 512))
+    assert b.speculation_length == 3
+    assert cfg.compile.flags == {"max_autotune": True}
+
+
+def test_relative_model_path_resolves_next_to_the_file(tmp_path):
+    cfg = load_config(write(tmp_path, '[model]\npath = "weights/llama"\n'))
+    assert cfg.model.path == tmp_path / "weights" / "llama"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # unknown names
+        ("[modle]", r"unknown section\(s\) \['modle'\]"),
+        ("[cache]\nblocksize = 16", r"\[cache\] unknown key\(s\) \['blocksize'\]; allowed: \['block_size'"),
+        ("[buckets]\nnum_seq_buckets = [4]", r"\[buckets\] unknown key\(s\) \['num_seq_buckets'\]"),
+        ("[compile]\nbackends = 'eager'", r"\[compile\] unknown key\(s\) \['backends'\]"),
+        ("[buckets]\nnum_seqs_buckets = { strategy = 'powers_of_two', mx = 4 }",
+         r"buckets.num_seqs_buckets: unknown key\(s\) \['mx'\]"),
+        # wrong types
+        ("cache = 3", r"\[cache\] must be a table"),
+        ("[cache]\nblock_size = '16'", "cache.block_size must be a non-negative integer, got '16'"),
+        ("[cache]\nblock_size = 16.0", "cache.block_size must be a non-negative integer, got 16.0"),
+        ("[buckets]\nmax_num_seqs = true", "buckets.max_num_seqs must be a non-negative integer, got True"),
+        ("[cache]\ndtype = 16", "cache.dtype must be a string, got 16"),
+        ("[model]\npath = 5", "model.path must be a string"),
+        ("[compile]\nflags = 5", "compile.flags must be a table"),
+        ("[buckets]\nnum_seqs_buckets = 4", "num_seqs_buckets: expected a list of ints or a strategy"),
+        ("[buckets]\nnum_seqs_buckets = [1, '4']", "buckets.num_seqs_buckets must be positive integers"),
+        ("[buckets]\nnum_seqs_buckets = { strategy = 'linear', min = 'a' }",
+         "buckets.num_seqs_buckets.min must be an integer, got 'a'"),
+        # impossible values
+        ("[cache]\nblock_size = 0", "cache.block_size must be positive, got 0"),
+        ("[cache]\nnum_blocks = 1", "cache.num_blocks must be at least 2"),
+        ("[cache]\nmax_model_len = 100", "cache.max_model_len=100 must be a multiple of cache.block_size=16"),
+        ("[cache]\ndtype = 'int8'", "cache.dtype must be one of"),
+        ("[compile]\nbackend = 'tpu'", "compile.backend must be one of .* got 'tpu'"),
+        ("[compile]\njobs = 0", "compile.jobs must be positive, got 0"),
+        ("[buckets]\nmax_num_seqs = 0", "buckets.max_num_seqs must be positive, got 0"),
+        ("[buckets]\nspeculation_length = -1", "buckets.speculation_length must be a non-negative integer"),
+        ("[buckets]\nspeculation_length = 256", "speculation_length must be below cache.max_model_len"),
+        ("[buckets]\nnum_seqs_buckets = [1, 2]", r"num_seqs_buckets must equal 4, got \[1, 2\]"),
+        ("[buckets]\nnum_seqs_buckets = [2, 1, 4]", "buckets.num_seqs_buckets must be strictly ascending"),
+        ("[buckets]\nnum_seqs_buckets = [0, 4]", "buckets.num_seqs_buckets must be positive integers"),
+        ("[buckets]\nnum_batched_tokens_buckets = [64]", "num_batched_tokens_buckets must equal 128"),
+        ("[buckets]\nnum_seqs_buckets = { strategy = 'exp' }", "strategy must be 'powers_of_two' or"),
+        ("[buckets]\nnum_seqs_buckets = { strategy = 'linear', min = 8 }",
+         "buckets.num_seqs_buckets: linear buckets need 0 < min <= max"),
+        ("[buckets]\ndecode_context_length_buckets = [40, 256]", "40 is not a multiple of cache.block_size"),
+        ("[buckets]\ndecode_context_length_buckets = [128]", "decode_context_length_buckets must equal 256"),
+        ("[buckets]\nprefill_batch_buckets = [2]\nnum_batched_tokens_buckets = [128]",
+         "2 rows x 128 tokens exceeds max_num_batched_tokens=128"),
+        # not TOML at all
+        ("[cache\nblock_size = 16", "not valid TOML"),
+    ],
+)  # fmt: skip
+def test_bad_files_fail_with_one_message_naming_the_key(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path}: ")
+    assert "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path)  # a directory
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"# caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(bad)
