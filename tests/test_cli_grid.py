@@ -1,0 +1,62 @@
+"""`nb grid`: the bucket table a config compiles, and a clean exit 2 on a bad config."""
+
+from typer.testing import CliRunner
+
+from neuron_buckets.cli import app
+from neuron_buckets.config import load_config
+from neuron_buckets.grid import enumerate_grid
+
+runner = CliRunner()
+
+
+def table_rows(output: str) -> list[tuple[str, ...]]:
+    """The body rows of the rich table, cell text only."""
+    lines = [line for line in output.splitlines() if "│" in line]
+    return [tuple(cell.strip() for cell in line.strip("│ ").split("│")) for line in lines]
+
+
+def expected_rows(config) -> list[tuple[str, ...]]:
+    return [(b.kind, str(b.batch), str(b.seq), str(b.ctx), str(b.tokens)) for b in enumerate_grid(config)]
+
+
+def test_help_lists_grid():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "grid" in result.stdout
+
+
+def test_grid_prints_the_default_table():
+    result = runner.invoke(app, ["grid"])
+    assert result.exit_code == 0, result.output
+    assert "kind" in result.stdout and "tokens per graph" in result.stdout
+    rows = table_rows(result.stdout)
+    assert rows == expected_rows(load_config())
+    assert rows[0] == ("prefill", "1", "32", "256", "32")
+    assert result.stdout.rstrip().endswith(f"{len(rows)} graphs")
+
+
+def test_grid_of_a_config_file_with_speculation(tmp_path):
+    path = tmp_path / "spec.toml"
+    path.write_text("[buckets]\nmax_num_seqs = 2\nnum_seqs_buckets = [1, 2]\nspeculation_length = 3\n")
+    result = runner.invoke(app, ["grid", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert rows == expected_rows(load_config(path))
+    decode = [r for r in rows if r[0] == "decode"]
+    assert decode == [("decode", "1", "4", "256", "4"), ("decode", "2", "4", "256", "8")]
+
+
+def test_bad_config_exits_2_with_a_message(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[cache]\nblock_size = 0\n")
+    result = runner.invoke(app, ["grid", str(path)])
+    assert result.exit_code == 2
+    assert "error:" in result.stderr and "cache.block_size must be positive, got 0" in result.stderr
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_missing_config_exits_2(tmp_path):
+    result = runner.invoke(app, ["grid", str(tmp_path / "absent.toml")])
+    assert result.exit_code == 2
+    assert "config file not found" in result.stderr
