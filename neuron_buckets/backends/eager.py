@@ -1,0 +1,53 @@
+"""The eager backend: compiles nothing and runs the PyTorch model as is.
+
+It is the reference ``nb verify`` compares compiled graphs against, and the quickest way to try a
+config. Its "graph" file records the bucket's input shapes so that it refuses a mis-padded step
+exactly as a compiled fixed-shape graph would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from neuron_buckets.backends.base import GraphFn
+
+
+class EagerBackend:
+    name = "eager"
+    graph_ext = "json"
+
+    def available(self) -> tuple[bool, str]:
+        return True, f"torch {torch.__version__}"
+
+    def versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__, "compiler": "none"}
+
+    def compile(
+        self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
+    ) -> None:
+        out_file.write_text(json.dumps({"input_shapes": [list(t.shape) for t in example]}))
+
+    def load(
+        self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
+    ) -> GraphFn:
+        from neuron_buckets.checkpoint import load_weights
+        from neuron_buckets.model import Llama, LlamaConfig
+
+        shapes = [tuple(s) for s in json.loads(path.read_text())["input_shapes"]]
+        dtype = next(iter(weights.values())).dtype
+        model = Llama(LlamaConfig.from_hf(model_config)).to(device=device, dtype=dtype)
+        load_weights(model, weights).eval()
+
+        @torch.no_grad()
+        def run(*args: Tensor) -> Tensor:
+            got = [tuple(t.shape) for t in args]
+            if got != shapes:
+                raise ValueError(f"{path.name}: inputs {got} do not match the bucket's shapes {shapes}")
+            return model(*args)
+
+        return run

@@ -1,0 +1,50 @@
+"""Content-addressed keys: a bucket's graph is reused exactly when nothing that shapes it changed.
+
+The key hashes the model config, the source of the model and its kernels, the bucket shape, the
+cache geometry and dtype, the backend with its compiler/torch versions, flags and device. Weights
+are not in it: graphs take them at load time, so new weights of the same model reuse every graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from neuron_buckets import masks, model
+from neuron_buckets.grid import Bucket
+
+# Code whose text decides what a compiled graph computes.
+_GRAPH_SOURCES = (Path(model.__file__), Path(masks.__file__))
+
+
+def source_digest(extra: tuple[Path, ...] = ()) -> str:
+    """sha256 over the model and kernel sources (by file name and bytes, in a stable order)."""
+    from neuron_buckets.kernels.digest import kernel_source_digest
+
+    h = hashlib.sha256(kernel_source_digest().encode())
+    for path in sorted((*_GRAPH_SOURCES, *extra)):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def graph_key(
+    *,
+    bucket: Bucket,
+    model_config: dict[str, Any],
+    cache: dict[str, Any],
+    backend: dict[str, Any],
+    sources: str,
+) -> str:
+    """sha256 of everything that changes one bucket's compiled graph, as canonical JSON."""
+    material = {
+        "bucket": [bucket.kind, bucket.batch, bucket.seq, bucket.ctx],
+        "model_config": model_config,
+        "cache": cache,
+        "backend": backend,
+        "sources": sources,
+    }
+    text = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,277 @@
+"""``nb compile``: config -> grid -> one graph per bucket -> artifact directory.
+
+Only buckets whose key is in neither the artifact directory nor the shared cache are compiled,
+each in a worker process (``--jobs``). After every finished bucket the manifest is rewritten
+atomically, so a kill at any moment loses at most the graphs still compiling, and the next run
+resumes with exactly those. A failing bucket is recorded with its error and log; the rest go on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_buckets import __version__
+from neuron_buckets.backends import get_backend
+from neuron_buckets.cache_key import graph_key, source_digest
+from neuron_buckets.checkpoint import default_model, load_model, save_weights
+from neuron_buckets.config import Config
+from neuron_buckets.grid import Bucket, enumerate_grid
+from neuron_buckets.lock import directory_lock
+from neuron_buckets.manifest import (
+    GRAPHS,
+    SCHEMA_VERSION,
+    WEIGHTS,
+    atomic_write,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
+from neuron_buckets.model import Llama
+from neuron_buckets.padding import PrefillChunk, pad_decode, pad_prefill
+from neuron_buckets.store import GraphStore
+
+
+@dataclass
+class Outcome:
+    """One bucket's result, as it goes into the manifest."""
+
+    bucket: Bucket
+    key: str
+    status: str = "ok"
+    compile_seconds: float = 0.0
+    cached: bool = False
+    error: str | None = None
+    log: str | None = None
+
+
+@dataclass
+class CompileReport:
+    out: Path
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status != "ok"]
+
+    @property
+    def compiled(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "ok" and not o.cached]
+
+
+def build_model(config: Config) -> Llama:
+    dtype = getattr(torch, config.cache.dtype)
+    if config.model.path is None:
+        return default_model(dtype)
+    return load_model(config.model.path, dtype)
+
+
+def example_args(model: Llama, bucket: Bucket, config: Config, device: str) -> tuple[torch.Tensor, ...]:
+    """Inputs of the bucket's exact shapes (one real token, the rest padding) plus the caches."""
+    pad = pad_decode if bucket.kind == "decode" else pad_prefill
+    step = pad([PrefillChunk([0], 0, [1])], bucket, config.cache.block_size)
+    shape = model.cache_shape(config.cache.num_blocks, config.cache.block_size)
+    dtype = getattr(torch, config.cache.dtype)
+    caches = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    return tuple(t.to(device) for t in (*step.args(), *caches))
+
+
+def cache_geometry(model: Llama, config: Config) -> dict[str, Any]:
+    c = config.cache
+    return {
+        "block_size": c.block_size,
+        "num_blocks": c.num_blocks,
+        "num_layers": model.config.num_layers,
+        "num_kv_heads": model.config.num_kv_heads,
+        "head_dim": model.config.head_dim,
+        "dtype": c.dtype,
+        "max_model_len": c.max_model_len,
+    }
+
+
+def _compile_worker(config: Config, bucket: Bucket, key: str, store_root: str) -> tuple[float, str | None]:
+    """Runs in a worker process: rebuild the model, compile one bucket into the cache."""
+    backend = get_backend(config.compile.backend)
+    store = GraphStore(Path(store_root))
+    device = config.compile.device
+    model = build_model(config).to(device)
+    temp = store.temp_path(key, backend.graph_ext)
+    start = time.perf_counter()
+    try:
+        backend.compile(model, example_args(model, bucket, config, device), temp, config.compile.flags)
+        store.commit(temp, key, backend.graph_ext)
+    except Exception:
+        temp.unlink(missing_ok=True)
+        return time.perf_counter() - start, traceback.format_exc()
+    return time.perf_counter() - start, None
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+class Compiler:
+    def __init__(self, config: Config, out: Path, cache_dir: Path, fail_fast: bool = False) -> None:
+        self.config, self.out, self.fail_fast = config, Path(out), fail_fast
+        self.backend = get_backend(config.compile.backend)
+        ok, why = self.backend.available()
+        if not ok:
+            raise RuntimeError(f"backend {self.backend.name!r} is not usable here: {why}")
+        self.store = GraphStore(cache_dir)
+        self.model = build_model(config)
+        self.buckets = enumerate_grid(config)
+        backend_info = {
+            "name": self.backend.name,
+            "device": config.compile.device,
+            "versions": self.backend.versions(),
+            "flags": config.compile.flags,
+        }
+        self.manifest: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "toolchain": {"name": "neuron-buckets", "version": __version__},
+            "backend": backend_info,
+            "model": {
+                "source": str(config.model.path) if config.model.path else "embedded-default",
+                "config": self.model.config.to_hf(),
+                "dtype": config.cache.dtype,
+            },
+            "cache": cache_geometry(self.model, config),
+            "decode": {
+                "speculation_length": config.buckets.speculation_length,
+                "max_num_seqs": config.buckets.max_num_seqs,
+                "max_num_batched_tokens": config.buckets.max_num_batched_tokens,
+            },
+        }
+        sources = source_digest()
+        self.keys = {
+            b: graph_key(
+                bucket=b,
+                model_config=self.manifest["model"]["config"],
+                cache=self.manifest["cache"],
+                backend=backend_info,
+                sources=sources,
+            )
+            for b in self.buckets
+        }
+
+    def graph_file(self, key: str) -> Path:
+        return self.out / GRAPHS / f"{key}.{self.backend.graph_ext}"
+
+    def _previous(self) -> dict[str, dict[str, Any]]:
+        """Records of the last run whose graph file is still intact, by key."""
+        try:
+            old = read_manifest(self.out)
+        except ValueError:
+            return {}
+        intact = {}
+        for rec in old["buckets"]:
+            path = self.out / rec["file"]
+            if rec["status"] == "ok" and path.is_file() and sha256_file(path) == rec["sha256"]:
+                intact[rec["key"]] = rec
+        return intact
+
+    def _write_weights(self) -> None:
+        atomic_write(self.out / WEIGHTS, lambda p: save_weights(self.model, p))
+        path = self.out / WEIGHTS
+        self.manifest["weights"] = {
+            "file": WEIGHTS,
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+        }
+
+    def _record(self, o: Outcome) -> dict[str, Any]:
+        path = self.graph_file(o.key)
+        ok = o.status == "ok"
+        return {
+            "kind": o.bucket.kind,
+            "batch": o.bucket.batch,
+            "seq": o.bucket.seq,
+            "ctx": o.bucket.ctx,
+            "key": o.key,
+            "file": path.relative_to(self.out).as_posix(),
+            "sha256": sha256_file(path) if ok else None,
+            "bytes": path.stat().st_size if ok else 0,
+            "compile_seconds": round(o.compile_seconds, 3),
+            "cached": o.cached,
+            "status": o.status,
+            "error": o.error,
+            "log": o.log,
+        }
+
+    def _save(self, done: dict[Bucket, Outcome]) -> None:
+        """Rewrite the manifest with every bucket finished so far (atomic)."""
+        self.manifest["created"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        self.manifest["buckets"] = [self._record(done[b]) for b in self.buckets if b in done]
+        if self.manifest["buckets"]:
+            write_manifest(self.out, self.manifest)
+
+    def _finish(self, o: Outcome, err: str | None) -> Outcome:
+        if err is None:
+            self.store.place(self.store.path(o.key, self.backend.graph_ext), self.graph_file(o.key))
+            return o
+        log = self.out / "logs" / f"{o.bucket.name}.log"
+        atomic_write(log, lambda p: p.write_text(err))
+        last = err.strip().splitlines()[-1]
+        o.status, o.error, o.log = "failed", last, log.relative_to(self.out).as_posix()
+        return o
+
+    def run(self, jobs: int, on_event: Callable[[str, Outcome | None], None] | None = None) -> CompileReport:
+        """Compile what is missing; ``on_event`` sees ("start"|"done", outcome) for a progress bar."""
+        notify = on_event or (lambda *_: None)
+        with directory_lock(self.out):
+            previous = self._previous()
+            self._write_weights()
+            done: dict[Bucket, Outcome] = {}
+            todo: list[Outcome] = []
+            for b in self.buckets:
+                key = self.keys[b]
+                if key in previous:
+                    secs = previous[key]["compile_seconds"]
+                    done[b] = Outcome(b, key, compile_seconds=secs, cached=True)
+                elif self.store.get(key, self.backend.graph_ext):
+                    done[b] = self._finish(Outcome(b, key, cached=True), None)
+                else:
+                    todo.append(Outcome(b, key))
+            self._save(done)
+            for o in done.values():
+                notify("done", o)
+            if todo:
+                self._compile_all(todo, done, jobs, notify)
+            return CompileReport(self.out, [done[b] for b in self.buckets if b in done])
+
+    def _compile_all(self, todo: list[Outcome], done: dict[Bucket, Outcome], jobs: int, notify) -> None:
+        threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads,)) as pool:
+            futures: dict[Future, Outcome] = {}
+            for o in todo:
+                fut = pool.submit(_compile_worker, self.config, o.bucket, o.key, str(self.store.root))
+                futures[fut] = o
+                notify("queued", o)
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    o = futures[fut]
+                    try:
+                        o.compile_seconds, err = fut.result()
+                    except Exception:  # the worker process itself died (OOM kill, segfault)
+                        err = traceback.format_exc()
+                    done[o.bucket] = self._finish(o, err)
+                    self._save(done)
+                    notify("done", o)
+                    if err and self.fail_fast:
+                        for f in pending:
+                            f.cancel()
+                        pool.shutdown(wait=True, cancel_futures=True)
+                        return

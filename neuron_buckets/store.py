@@ -1,0 +1,53 @@
+"""The shared compile cache: graphs by key, reused across runs and artifact directories.
+
+Inductor's own caches do not cover AOT packages, so this one does. A graph enters the cache only
+by an atomic rename of a finished file, so a killed compile never leaves a valid-looking entry.
+Artifact directories get a hard link when possible (no extra disk), else a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("NB_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-buckets"
+
+
+class GraphStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str, ext: str) -> Path:
+        return self.root / f"{key}.{ext}"
+
+    def get(self, key: str, ext: str) -> Path | None:
+        path = self.path(key, ext)
+        return path if path.is_file() else None
+
+    def temp_path(self, key: str, ext: str) -> Path:
+        """Where a worker writes before ``commit``; unique per process, ignored by ``get``."""
+        return self.root / f".{key}.{os.getpid()}.tmp.{ext}"
+
+    def commit(self, temp: Path, key: str, ext: str) -> Path:
+        final = self.path(key, ext)
+        os.replace(temp, final)
+        return final
+
+    @staticmethod
+    def place(src: Path, dest: Path) -> None:
+        """Put a cached graph into an artifact directory atomically: hard link, else copy."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
