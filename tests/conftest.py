@@ -1,0 +1,98 @@
+"""Shared fixtures: a small random Llama in transformers format, and one compiled artifact of it.
+
+Compiling costs seconds per graph, so the suite compiles one tiny grid once per session; xdist
+workers share the graph cache (under a file lock), so the second worker only links graphs.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+# prefill 16/32 tokens, decode batches 1/2: four graphs, enough to mix buckets, chunk and split.
+TINY_CONFIG = """
+[model]
+path = "{model}"
+
+[cache]
+block_size = 8
+num_blocks = 64
+max_model_len = 128
+
+[buckets]
+max_num_seqs = 2
+max_num_batched_tokens = 32
+num_seqs_buckets = [1, 2]
+num_batched_tokens_buckets = [16, 32]
+
+[compile]
+backend = "inductor"
+jobs = 2
+"""
+
+
+def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A random transformers LlamaForCausalLM saved with save_pretrained (safetensors)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def graph_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One graph cache for the whole run, shared by xdist workers."""
+    return tmp_path_factory.getbasetemp().parent / "nb-graph-cache"
+
+
+def write_config(directory: Path, model_dir: Path, text: str = TINY_CONFIG) -> Path:
+    path = directory / "nb.toml"
+    path.write_text(textwrap.dedent(text).format(model=model_dir.as_posix()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_config_file(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("config"), hf_model_dir)
+
+
+@pytest.fixture(scope="session")
+def compiled_dir(
+    tiny_config_file: Path, graph_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny model compiled with inductor (four graphs), compiled once per test session."""
+    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    out = tmp_path_factory.mktemp("artifact")
+    graph_cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(graph_cache_dir) + ".lock"):
+        report = Compiler(load_config(tiny_config_file), out, graph_cache_dir).run(jobs=2)
+    assert not report.failed, [o.error for o in report.failed]
+    return out
