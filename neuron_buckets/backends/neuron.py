@@ -1,0 +1,227 @@
+"""The Neuron backend: one NEFF per bucket via ``torch_neuronx.trace``, with the NKI kernels inside.
+
+Written against the public torch-neuronx (XLA-based ``trace`` API) and NKI 0.3 APIs of Neuron SDK
+2.29+; the SDK cannot be installed on the machines this project is built on, so none of this has
+run on Neuron hardware. Without the SDK, ``available()`` says what to install and ``compile`` and
+``load`` raise ``BackendUnavailable`` with the same message; nothing is emulated.
+
+Per bucket: the model runs with the NKI kernels swapped in for the goldens (``dispatch.use``); the
+KV cache becomes module state aliased to outputs 1 and 2 (``input_output_aliases``: the graph
+updates it in device memory, no copy); weights stay out of the NEFF
+(``inline_weights_to_neff=False``) and are supplied once at load time with ``replace_weights``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from importlib import import_module, metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from neuron_buckets.backends.base import BackendUnavailable, GraphFn
+
+INSTALL_HINT = (
+    "install the AWS Neuron SDK 2.29 or later (on a Trn/Inf instance or the Neuron DLAMI): "
+    "pip install torch-neuronx neuronx-cc nki --extra-index-url https://pip.repos.neuron.amazonaws.com"
+)
+SDK_MODULES = ("torch_neuronx", "nki")  # the tracer/compiler driver, and the NKI kernel compiler
+SDK_PACKAGES = ("torch-neuronx", "neuronx-cc", "nki", "torch-xla")
+TARGETS = ("trn1", "trn1n", "inf2", "trn2", "trn3")
+LNC2_TARGETS = ("trn2", "trn3")  # logical NeuronCores of two physical cores exist from Trainium2
+AUTO_CAST = ("none", "matmult", "all")
+
+
+@dataclass(frozen=True)
+class NeuronFlags:
+    """The neuronx-cc options that shape a bucket's NEFF; all of them go into manifest and key."""
+
+    target: str = "trn1"
+    optlevel: int = 2
+    lnc: int = 1
+    auto_cast: str = "none"  # keep the model's dtypes: the goldens are the numerical reference
+    model_type: str = "transformer"
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, flags: dict[str, Any]) -> NeuronFlags:
+        """Validate ``[compile] flags`` for the neuron backend; defaults fill missing keys."""
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(flags) - known):
+            raise ValueError(f"unknown neuron compile flags {unknown}; allowed: {sorted(known)}")
+        out = cls(**{**flags, "extra_args": tuple(flags.get("extra_args", ()))})
+        if out.target not in TARGETS:
+            raise ValueError(f"flags.target={out.target!r}; allowed: {list(TARGETS)}")
+        if out.optlevel not in (1, 2, 3):
+            raise ValueError(f"flags.optlevel={out.optlevel!r}; allowed: 1, 2, 3")
+        if out.lnc not in (1, 2) or (out.lnc == 2 and out.target not in LNC2_TARGETS):
+            raise ValueError(
+                f"flags.lnc={out.lnc!r} with target {out.target!r}; allowed: 1, or 2 on "
+                f"{list(LNC2_TARGETS)}"
+            )
+        if out.auto_cast not in AUTO_CAST:
+            raise ValueError(f"flags.auto_cast={out.auto_cast!r}; allowed: {list(AUTO_CAST)}")
+        if not all(isinstance(a, str) for a in out.extra_args):
+            raise ValueError(f"flags.extra_args must be strings, got {list(out.extra_args)}")
+        return out
+
+    def compiler_args(self) -> list[str]:
+        """The neuronx-cc command line these flags stand for."""
+        return [
+            "--target", self.target,
+            "--optlevel", str(self.optlevel),
+            "--logical-nc-config", str(self.lnc),
+            "--auto-cast", self.auto_cast,
+            "--model-type", self.model_type,
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, defaults filled in: what the manifest records and the key hashes."""
+        return {**asdict(self), "extra_args": list(self.extra_args)}
+
+
+def _import_error(module: str) -> str:
+    """Empty if ``module`` imports, else the ImportError's text (placeholder wheels raise one)."""
+    try:
+        import_module(module)
+    except ImportError as exc:
+        return f"{module}: {exc}"
+    return ""
+
+
+def _sdk() -> Any:
+    """``torch_neuronx`` with ``nki`` importable, or BackendUnavailable naming what to install."""
+    if errors := [e for e in map(_import_error, SDK_MODULES) if e]:
+        raise BackendUnavailable(f"Neuron SDK not importable ({'; '.join(errors)}); {INSTALL_HINT}")
+    return import_module("torch_neuronx")
+
+
+def neuron_device_present() -> bool:
+    """Whether this machine exposes a Neuron device (the driver creates /dev/neuron0 and up)."""
+    return Path("/dev/neuron0").exists()
+
+
+def core_index(device: str) -> int:
+    """NeuronCore index of ``'neuron'`` (0) or ``'neuron:N'``; anything else is an error."""
+    kind, _, index = device.partition(":")
+    if kind != "neuron" or not (index == "" or index.isdigit()):
+        raise ValueError(f"neuron graphs run on a NeuronCore: device 'neuron' or 'neuron:N', got {device!r}")
+    return int(index or 0)
+
+
+class CacheStateStep(nn.Module):
+    """The model with its KV cache held as parameters, returned as outputs 1 and 2.
+
+    torch_neuronx aliases only parameters of the traced module to outputs, so the caches move from
+    forward arguments into module state here; the graph then updates them in device memory.
+    """
+
+    def __init__(self, model: nn.Module, k_cache: Tensor, v_cache: Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.k_cache = nn.Parameter(k_cache, requires_grad=False)
+        self.v_cache = nn.Parameter(v_cache, requires_grad=False)
+
+    def forward(self, *step: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = self.model(*step, self.k_cache, self.v_cache)
+        return logits, self.k_cache, self.v_cache
+
+    def aliases(self) -> dict[Tensor, int]:
+        """``input_output_aliases`` of ``torch_neuronx.trace``: state tensor -> output index."""
+        return {self.k_cache: 1, self.v_cache: 2}
+
+
+class _SharedCache:
+    """Keeps one logical KV cache across bucket graphs that each hold their own device copy.
+
+    The graph last run holds the newest cache on device. When another graph runs, the newest cache
+    comes back to the runtime's host tensors and is placed into that graph's state first; steps
+    that stay on one graph (a decode run) copy nothing.
+    """
+
+    def __init__(self) -> None:
+        self.holder: NeuronGraph | None = None
+        self.newest: tuple[Tensor, Tensor] | None = None
+
+    def hand_to(self, graph: NeuronGraph, k_cache: Tensor, v_cache: Tensor) -> None:
+        if self.holder is graph:
+            return
+        if self.newest is not None:
+            k_cache.copy_(self.newest[0])
+            v_cache.copy_(self.newest[1])
+        graph.sdk.replace_weights(graph.traced, {"k_cache": k_cache, "v_cache": v_cache})
+        self.holder = graph
+
+
+class NeuronGraph:
+    """One loaded bucket NEFF, called with the model's forward arguments (caches included)."""
+
+    def __init__(self, sdk: Any, traced: Any, shared: _SharedCache) -> None:
+        self.sdk, self.traced, self.shared = sdk, traced, shared
+
+    def __call__(self, *args: Tensor) -> Tensor:
+        *step, k_cache, v_cache = args
+        self.shared.hand_to(self, k_cache, v_cache)
+        logits, k_new, v_new = self.traced(*step)
+        self.shared.newest = (k_new, v_new)
+        return logits
+
+
+class NeuronBackend:
+    name = "neuron"
+    graph_ext = "pt"  # a TorchScript archive around the NEFF, as torch.jit.save writes it
+
+    def __init__(self) -> None:
+        self._shared = _SharedCache()  # one KV cache for every graph this backend loads
+
+    def available(self) -> tuple[bool, str]:
+        if errors := [e for e in map(_import_error, SDK_MODULES) if e]:
+            return False, f"{'; '.join(errors)}; {INSTALL_HINT}"
+        where = "a Neuron device" if neuron_device_present() else "no Neuron device (compile only)"
+        return True, f"torch-neuronx {self.versions()['torch-neuronx']}, {where}"
+
+    def versions(self) -> dict[str, str]:
+        out = {"torch": torch.__version__}
+        for package in SDK_PACKAGES:
+            try:
+                out[package] = metadata.version(package)
+            except metadata.PackageNotFoundError:
+                out[package] = "not installed"
+        return out
+
+    def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
+        """``flags`` validated, defaults filled: what the manifest should record and the key hash."""
+        return NeuronFlags.from_dict(flags).as_dict()
+
+    def compile(
+        self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
+    ) -> None:
+        sdk = _sdk()
+        from neuron_buckets.kernels import block_kv_nki, dispatch
+
+        args = NeuronFlags.from_dict(flags).compiler_args()
+        *step, k_cache, v_cache = example
+        module = CacheStateStep(model, k_cache, v_cache).eval()
+        with torch.no_grad(), dispatch.use(block_kv_nki.KERNELS):
+            traced = sdk.trace(
+                module,
+                tuple(step),
+                input_output_aliases=module.aliases(),
+                compiler_args=args,
+                inline_weights_to_neff=False,
+                cpu_backend=not neuron_device_present(),  # compile-only hosts trace on CPU
+            )
+        sdk.async_load(traced)  # must precede jit.save: loading overlaps across bucket graphs
+        torch.jit.save(traced, str(out_file))
+
+    def load(
+        self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
+    ) -> GraphFn:
+        sdk = _sdk()
+        traced = torch.jit.load(str(path))
+        sdk.replace_weights(traced, {f"model.{k}": w for k, w in weights.items()})
+        sdk.move_trace_to_device(traced, core_index(device))
+        return NeuronGraph(sdk, traced, self._shared)
