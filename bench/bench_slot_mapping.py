@@ -1,0 +1,75 @@
+"""How long the per-step host work takes: slot mapping and padding, on realistic block tables.
+
+Slot mapping and padding run on the host before every graph call, so they must stay far below a
+decode step's device time. Prints figures only; timing varies by machine, so nothing is asserted.
+Run: python bench/bench_slot_mapping.py
+"""
+
+from __future__ import annotations
+
+import timeit
+
+import torch
+
+from neuron_buckets.block_table import compute_slot_mapping
+from neuron_buckets.grid import Bucket
+from neuron_buckets.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
+
+BLOCK_SIZE = 16
+CTX = 4096  # tokens of context per request; 256 blocks per block-table row
+gen = torch.Generator().manual_seed(0)
+
+
+def shuffled_tables(rows: int) -> torch.Tensor:
+    """Each request owns CTX // BLOCK_SIZE physical blocks drawn from a shuffled pool (no block 0)."""
+    per_row = CTX // BLOCK_SIZE
+    return (torch.randperm(rows * per_row, generator=gen) + 1).reshape(rows, per_row)
+
+
+def best_seconds(fn, repeat: int = 7) -> float:
+    """Best of ``repeat`` runs of an autoranged loop: the figure least disturbed by other load."""
+    timer = timeit.Timer(fn)
+    number, _ = timer.autorange()
+    return min(timer.repeat(repeat=repeat, number=number)) / number
+
+
+def bench_slot_mapping(num_tokens: int = 65_536) -> None:
+    rows = num_tokens // CTX  # 16 requests of 4096 tokens each
+    table = shuffled_tables(rows)
+    req_indices = torch.arange(rows).repeat_interleave(CTX)
+    positions = torch.arange(CTX).repeat(rows)
+    seconds = best_seconds(lambda: compute_slot_mapping(table, req_indices, positions, BLOCK_SIZE))
+    print(
+        f"compute_slot_mapping  {num_tokens:>6} tokens  {seconds * 1e3:8.3f} ms  "
+        f"{seconds * 1e6 / (num_tokens / 1000):8.2f} us per 1000 tokens"
+    )
+
+
+def bench_pad_decode(rows: int = 64) -> None:
+    """Requests at random context lengths, each holding the blocks its tokens need, as a pool hands out."""
+    table = shuffled_tables(rows)
+    starts = torch.randint(0, CTX - 1, (rows,), generator=gen).tolist()
+    step = [DecodeRow([1], s, table[r, : s // BLOCK_SIZE + 1].tolist()) for r, s in enumerate(starts)]
+    bucket = Bucket("decode", rows, 1, CTX)
+    seconds = best_seconds(lambda: pad_decode(step, bucket, BLOCK_SIZE))
+    print(f"pad_decode            {rows:>3} rows x 1 token into {bucket.name}  {seconds * 1e6:8.1f} us")
+
+
+def bench_pad_prefill(tokens: int = 4096) -> None:
+    """A 4000-token prompt padded to the 4096-token bucket."""
+    real = tokens - 96
+    blocks = shuffled_tables(1)[0, : -(-real // BLOCK_SIZE)].tolist()
+    chunk = PrefillChunk(torch.randint(0, 32000, (real,), generator=gen), 0, blocks)
+    bucket = Bucket("prefill", 1, tokens, CTX)
+    seconds = best_seconds(lambda: pad_prefill([chunk], bucket, BLOCK_SIZE))
+    print(f"pad_prefill          {real} tokens into {bucket.name}  {seconds * 1e6:8.1f} us")
+
+
+if __name__ == "__main__":
+    # One thread: the runtime's host thread does this work, and intra-op threads on tensors this
+    # small only add noise (and oversubscribe a machine that is compiling graphs meanwhile).
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block_size {BLOCK_SIZE}")
+    bench_slot_mapping()
+    bench_pad_decode()
+    bench_pad_prefill()
