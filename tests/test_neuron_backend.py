@@ -1,0 +1,144 @@
+"""The Neuron backend without the SDK (clear refusals), its flags, state wrapper, dispatch, digest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from neuron_buckets.kernels import dispatch
+from neuron_buckets.kernels.digest import KERNELS_DIR, kernel_source_digest
+from torch import nn
+
+from neuron_buckets.backends import BackendUnavailable, get_backend
+from neuron_buckets.backends.neuron import CacheStateStep, NeuronFlags, core_index
+from neuron_buckets.doctor import doctor_report
+
+SDK_PRESENT = get_backend("neuron").available()[0]  # placeholder wheels import-fail: absent
+without_sdk = pytest.mark.skipif(SDK_PRESENT, reason="the Neuron SDK is installed here")
+INSTALL = "pip install torch-neuronx neuronx-cc nki --extra-index-url https://pip.repos.neuron"
+
+
+class CacheBump(nn.Module):
+    """Stands in for the model: writes its caches in place, returns logits from the step."""
+
+    def forward(self, input_ids, k_cache, v_cache):
+        k_cache[0] += 1
+        v_cache[1] -= 1
+        return input_ids.float() * 2
+
+
+@without_sdk
+def test_unavailable_without_the_sdk_says_what_to_install():
+    usable, why = get_backend("neuron").available()
+    assert not usable
+    assert "torch_neuronx" in why and INSTALL in why
+
+
+@without_sdk
+def test_compile_and_load_refuse_at_once_with_the_install_hint(tmp_path):
+    backend = get_backend("neuron")
+    out = tmp_path / f"graph.{backend.graph_ext}"
+    example = (torch.zeros(4, dtype=torch.int64), torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(BackendUnavailable, match=INSTALL):
+        backend.compile(CacheBump(), example, out, {"target": "trn1"})
+    assert not out.exists()
+    with pytest.raises(BackendUnavailable, match=INSTALL):
+        backend.load(out, {}, {}, "neuron:0")
+
+
+@without_sdk
+def test_doctor_lists_every_backend_and_device_and_why_neuron_is_not_usable():
+    lines = {name: (usable, why) for name, usable, why in doctor_report()}
+    assert {"inductor", "eager", "neuron", "cuda device", "neuron device"} <= set(lines)
+    assert lines["eager"][0]
+    assert not lines["neuron"][0] and INSTALL in lines["neuron"][1]
+    assert all(why for _, why in lines.values())
+
+
+def test_versions_name_the_sdk_packages_even_when_absent():
+    versions = get_backend("neuron").versions()
+    assert versions["torch"] == torch.__version__
+    assert {"torch-neuronx", "neuronx-cc", "nki"} <= set(versions)
+    if not SDK_PRESENT:
+        assert versions["nki"] == "not installed"
+
+
+def test_flags_fill_defaults_and_map_to_the_neuronx_cc_command_line():
+    backend = get_backend("neuron")
+    assert backend.resolved_flags({}) == {
+        "target": "trn1", "optlevel": 2, "lnc": 1, "auto_cast": "none",
+        "model_type": "transformer", "extra_args": [],
+    }  # fmt: skip
+    args = NeuronFlags.from_dict(
+        {"target": "trn2", "optlevel": 3, "lnc": 2, "extra_args": ["--verbose", "info"]}
+    ).compiler_args()
+    assert args[:6] == ["--target", "trn2", "--optlevel", "3", "--logical-nc-config", "2"]
+    assert args[-2:] == ["--verbose", "info"]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"optimise": 3}, "unknown neuron compile flags .*optimise"),
+        ({"target": "inf1"}, "flags.target='inf1'"),
+        ({"optlevel": 4}, "flags.optlevel=4"),
+        ({"target": "trn1", "lnc": 2}, "flags.lnc=2 with target 'trn1'"),
+        ({"auto_cast": "fp8"}, "flags.auto_cast='fp8'"),
+        ({"extra_args": [3]}, "flags.extra_args must be strings"),
+    ],
+)
+def test_bad_flags_name_the_key_and_what_is_allowed(flags, message):
+    with pytest.raises(ValueError, match=message):
+        NeuronFlags.from_dict(flags)
+
+
+def test_core_index_accepts_only_neuron_devices():
+    assert core_index("neuron") == 0 and core_index("neuron:3") == 3
+    with pytest.raises(ValueError, match="got 'cpu'"):
+        core_index("cpu")
+
+
+def test_cache_state_step_holds_the_caches_as_aliased_parameters():
+    k, v = torch.zeros(2, 3), torch.zeros(2, 3)
+    step = CacheStateStep(CacheBump(), k, v)
+    logits, k_out, v_out = step(torch.arange(4))
+    assert torch.equal(logits, torch.arange(4).float() * 2)
+    # The updated caches come back as outputs 1 and 2, and they are the module's own parameters,
+    # which is what torch_neuronx matches input_output_aliases against.
+    assert k_out is step.k_cache and v_out is step.v_cache
+    assert k_out[0].tolist() == [1, 1, 1] and v_out[1].tolist() == [-1, -1, -1]
+    params = dict(step.named_parameters())
+    assert step.aliases() == {params["k_cache"]: 1, params["v_cache"]: 2}
+
+
+def test_dispatch_runs_the_goldens_unless_a_backend_swaps_its_kernels_in():
+    calls = []
+    fake = dispatch.KernelSet(
+        "fake", lambda *a: calls.append("write"), lambda *a: calls.append("attend") or a[0]
+    )
+    assert dispatch.active() is dispatch.GOLDEN
+    with pytest.raises(RuntimeError, match="boom"), dispatch.use(fake):
+        dispatch.write_kv_cache(*[torch.zeros(1)] * 5)
+        assert dispatch.block_kv_attention(*[torch.ones(1)] * 7, 1.0).item() == 1
+        raise RuntimeError("boom")
+    assert calls == ["write", "attend"] and dispatch.active() is dispatch.GOLDEN
+
+
+def test_kernel_digest_changes_when_any_kernel_source_changes(tmp_path):
+    copy = tmp_path / "kernels"
+    shutil.copytree(KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    base = kernel_source_digest(copy)
+    assert base == kernel_source_digest(KERNELS_DIR)  # content and names, not the location
+    nki_src = copy / "block_kv_nki.py"
+    nki_src.write_text(nki_src.read_text().replace("NEG_INF = -1.0e30", "NEG_INF = -1.0e29"))
+    edited = kernel_source_digest(copy)
+    assert edited != base
+    (copy / "block_kv_torch.py").rename(copy / "golden.py")
+    assert kernel_source_digest(copy) not in {base, edited}
+
+
+def test_kernel_digest_refuses_a_directory_without_sources(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="no kernel sources"):
+        kernel_source_digest(tmp_path)
