@@ -70,10 +70,10 @@ def pad_prefill(chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int)
 
 
 def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> StepInputs:
-    """One row per request of exactly ``1 + speculation_length`` tokens; every real token is sampled.
+    """One row per request of up to ``1 + speculation_length`` tokens; every real token is sampled.
 
-    Rows must be full: the real samples are the first ``num_rows * seq`` entries, so a short row
-    would put a pad token's logits among them.
+    The first ``num_rows * seq`` samples are the real rows, row by row; a short row's pad entries
+    point at its token 0, so a caller slicing per row never reads a pad token's logits.
     """
     return _pad(rows, bucket, block_size, sample_every_token=True)
 
@@ -94,11 +94,6 @@ def _pad(
     if int(lens.max()) > seq:
         raise NoBucketFits(
             f"a request of {int(lens.max())} tokens does not fit bucket {bucket.name} (seq {seq})"
-        )
-    if sample_every_token and int(lens.min()) != seq:
-        raise ValueError(
-            f"decode rows must carry exactly {seq} tokens (1 + speculation_length) for bucket "
-            f"{bucket.name}, got {lens.tolist()}"
         )
     starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
     if int(starts.min()) < 0:
@@ -146,7 +141,7 @@ def _pad(
     if sample_every_token:
         num_samples = len(rows) * seq
         tokens = torch.arange(batch * seq, dtype=torch.int64)
-        sampling = torch.where(tokens < num_samples, tokens, tokens // seq * seq)  # dummies: token 0
+        sampling = torch.where(flat_real, tokens, tokens // seq * seq)  # pads: their row's token 0
     else:
         sampling = torch.arange(batch, dtype=torch.int64) * seq
         sampling[: len(rows)] += lens - 1

@@ -108,7 +108,8 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
                 pos.append(0)
                 slot.append(-1)
         if decode:
-            sampling += [r * bucket.seq + j if real else r * bucket.seq for j in range(bucket.seq)]
+            n_real = len(row.token_ids) if real else 0
+            sampling += [r * bucket.seq + (j if j < n_real else 0) for j in range(bucket.seq)]
         else:
             sampling.append(r * bucket.seq + (len(row.token_ids) - 1 if real else 0))
     return dict(input_ids=ids, positions=pos, slot_mapping=slot, block_table=table, cache_lens=lens,
@@ -122,7 +123,7 @@ def steps(draw):
     decode = draw(st.booleans())
     n = draw(st.integers(1, 4))
     seq = draw(st.integers(1, 6 if decode else 24))
-    lens = [seq] * n if decode else [draw(st.integers(1, seq)) for _ in range(n)]
+    lens = [draw(st.integers(1, seq)) for _ in range(n)]
     starts = [draw(st.integers(0, 40)) for _ in range(n)]
     needed = [-(-(s + n_tok) // block_size) for s, n_tok in zip(starts, lens, strict=True)]
     max_blocks = max(needed) + draw(st.integers(0, 2))
@@ -193,7 +194,10 @@ def test_bad_prefill_steps_are_refused(rows, message):
         pad_prefill(rows, Bucket("prefill", 2, 32, 64), 16)
 
 
-def test_decode_rows_must_fill_the_speculation_width():
-    rows = [DecodeRow([1, 2, 3, 4], 10, [1]), DecodeRow([5, 6], 10, [2])]
-    with pytest.raises(ValueError, match=r"exactly 4 tokens \(1 \+ speculation_length\).*\[4, 2\]"):
-        pad_decode(rows, Bucket("decode", 2, 4, 64), 16)
+def test_short_decode_rows_sample_token_0_in_place_of_their_pads():
+    # A plain decode token in a speculation bucket: its row's pad entries are sampled as token 0.
+    rows = [DecodeRow([1, 2, 3, 4], 10, [1]), DecodeRow([5], 10, [2])]
+    step = pad_decode(rows, Bucket("decode", 3, 4, 64), 16)
+    assert step.slot_mapping.tolist() == [26, 27, 28, 29, 42, -1, -1, -1] + [-1] * 4
+    assert step.sampling_positions.tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 8, 8, 8, 8]
+    assert step.num_samples == 8  # the real rows' entries, row by row
