@@ -118,7 +118,8 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
     decode = _plan_decode(fit, opts)
     num_seqs = tuple(decode["buckets"]) if decode else ()
     decode_seconds = sum(g.seconds for g in cost.graphs((), num_seqs)) if cost else None
-    pareto = [_pareto_row(fit, s, cost, decode_seconds) for s in sets]
+    distinct = [s for i, s in enumerate(sets) if i == 0 or s != sets[i - 1]]  # k with a gain
+    pareto = [_pareto_row(fit, s, cost, decode_seconds) for s in distinct]
     chosen = _within_budget(pareto, opts.max_compile_seconds)
     buckets = tuple(chosen["buckets"])
     prefill = padding_stats(fit.prompt_lens, buckets).to_json("requests", "tokens")

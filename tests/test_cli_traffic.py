@@ -1,0 +1,224 @@
+"""`nb inspect` and `nb plan` through typer: JSON alone on stdout with numbers a plain loop
+reproduces exactly, the bucket sources (options, config, manifest), and one clear error line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import typer
+from test_traces import CODE, CONV, needs_traces
+from typer.testing import CliRunner
+
+from neuron_buckets.cli_traffic import register
+from neuron_buckets.config import parse_config
+from neuron_buckets.manifest import validate
+
+runner = CliRunner()
+
+
+def nb(*args: str):
+    app = typer.Typer()
+    register(app)
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def nb_json(*args: str) -> dict:
+    result = nb(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)  # stdout holds the document and nothing else
+
+
+def plain_padding(prompts: list[int], buckets: list[int]) -> tuple[int, int, list[int]]:
+    """Real tokens, padded tokens and calls per bucket, one prompt and one chunk at a time."""
+    real = padded = 0
+    calls = [0] * len(buckets)
+    for n in prompts:
+        real += n
+        while n > 0:
+            chunk = min(n, buckets[-1])
+            i = next(i for i, b in enumerate(buckets) if b >= chunk)
+            calls[i] += 1
+            padded += buckets[i]
+            n -= chunk
+    return real, padded, calls
+
+
+def prompts_of(path: Path) -> list[int]:
+    with path.open(newline="") as f:
+        return [int(row["ContextTokens"]) for row in csv.DictReader(f)]
+
+
+def check_exact(section: dict, prompts: list[int]) -> None:
+    real, padded, calls = plain_padding(prompts, section["buckets"])
+    assert section["requests"] == len(prompts)
+    assert (section["real_tokens"], section["padded_tokens"]) == (real, padded)
+    assert section["padding_ratio"] == (padded - real) / real
+    assert [b["calls"] for b in section["per_bucket"]] == calls
+
+
+@needs_traces
+@pytest.mark.parametrize("path", [CODE, CONV], ids=["code", "conv"])
+def test_plan_json_is_exact_and_beats_powers_of_two(path: Path) -> None:
+    prompts = prompts_of(path)
+    pow2 = [128]
+    while pow2[-1] < max(prompts):
+        pow2.append(2 * pow2[-1])
+    doc = nb_json("plan", "--trace", path, "--graphs", len(pow2))
+    prefill = doc["prefill"]
+    assert prefill["baseline"]["buckets"] == pow2
+    check_exact(prefill, prompts)
+    check_exact(prefill["baseline"], prompts)
+    assert len(prefill["buckets"]) <= len(pow2)
+    assert all(b % 64 == 0 for b in prefill["buckets"])
+    assert prefill["padding_ratio"] <= 0.6 * prefill["baseline"]["padding_ratio"]
+
+
+@needs_traces
+def test_inspect_json_is_exact_for_explicit_buckets() -> None:
+    buckets = [256, 1024, 2048, 4096]
+    doc = nb_json("inspect", "--trace", CODE, "--prefill-buckets", ",".join(map(str, buckets)))
+    check_exact(doc["prefill"], prompts_of(CODE))
+    assert doc["prefill"]["chunked_requests"] == sum(n > 4096 for n in prompts_of(CODE))
+    decode = doc["decode"]
+    assert decode["buckets"] == [1, 2, 4, 8, 16, 32, 64] and decode["max_num_seqs"] == 64
+    assert decode["peak_batch"] <= 64 and decode["padding_ratio"] > 0
+    assert doc["graphs"] is None
+
+
+@needs_traces
+def test_inspect_reads_buckets_from_a_config_or_the_embedded_default(tmp_path: Path) -> None:
+    config = tmp_path / "nb.toml"
+    config.write_text(
+        "[buckets]\nmax_num_seqs = 8\nmax_num_batched_tokens = 4096\n"
+        'num_batched_tokens_buckets = { strategy = "powers_of_two", min = 512 }\n'
+    )
+    doc = nb_json("inspect", "--trace", CONV, config)
+    assert doc["prefill"]["buckets"] == [512, 1024, 2048, 4096]
+    assert doc["decode"]["buckets"] == [1, 2, 4, 8] and doc["decode"]["peak_batch"] == 8
+    check_exact(doc["prefill"], prompts_of(CONV))
+    assert nb_json("inspect", "--trace", CONV)["prefill"]["buckets"] == [32, 64, 128]
+
+
+def write_manifest(directory: Path) -> Path:
+    """A schema-valid artifact manifest: prefill 512/1024 and decode 1/2 compiled, all ok."""
+    shapes = [
+        ("prefill", 1, 512, 10.0),
+        ("prefill", 1, 1024, 18.0),
+        ("decode", 1, 1, 4.0),
+        ("decode", 2, 1, 5.0),
+    ]
+    buckets = [
+        {
+            "kind": kind, "batch": batch, "seq": seq, "ctx": 4096, "key": f"{i:016x}",
+            "file": f"graphs/{i:016x}.pt2", "sha256": "0" * 64, "bytes": 1000 * batch * seq,
+            "compile_seconds": secs, "cached": False, "status": "ok", "error": None, "log": None,
+        }
+        for i, (kind, batch, seq, secs) in enumerate(shapes)
+    ]  # fmt: skip
+    manifest = {
+        "schema_version": 1,
+        "toolchain": {"name": "neuron-buckets", "version": "0.1.0"},
+        "created": "2024-01-01T00:00:00+00:00",
+        "backend": {
+            "name": "eager", "device": "cpu", "versions": {"torch": "2", "compiler": "-"}, "flags": {},
+        },
+        "model": {"source": "embedded-default", "config": {}, "dtype": "float32"},
+        "weights": {"file": "weights.safetensors", "sha256": "0" * 64, "bytes": 1},
+        "cache": {
+            "block_size": 16, "num_blocks": 64, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
+            "dtype": "float32", "max_model_len": 4096,
+        },
+        "decode": {"speculation_length": 0, "max_num_seqs": 2, "max_num_batched_tokens": 1024},
+        "buckets": buckets,
+    }  # fmt: skip
+    validate(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return directory
+
+
+@needs_traces
+def test_inspect_takes_buckets_and_compile_costs_from_a_manifest(tmp_path: Path) -> None:
+    doc = nb_json("inspect", "--trace", CODE, "--manifest", write_manifest(tmp_path))
+    assert doc["prefill"]["buckets"] == [512, 1024] and doc["decode"]["buckets"] == [1, 2]
+    graphs = {(g["kind"], g["batch"], g["seq"]): g for g in doc["graphs"]}
+    assert graphs[("prefill", 1, 1024)] == {
+        "kind": "prefill", "batch": 1, "seq": 1024, "seconds": 18.0, "bytes": 1024000, "measured": True
+    }  # fmt: skip
+    doc = nb_json("inspect", "--trace", CODE, "--manifest", tmp_path, "--prefill-buckets", "512,2048")
+    guess = doc["graphs"][1]  # 2048 was not compiled: a line through the measured graphs
+    assert (guess["seq"], guess["measured"]) == (2048, False)
+    assert guess["seconds"] > 18.0 and guess["bytes"] > 1024000
+
+
+@needs_traces
+def test_plan_under_a_compile_budget(tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path)
+    free = nb_json("plan", "--trace", CODE, "--graphs", 7, "--manifest", manifest)
+    budget = free["pareto"][2]["total_compile_seconds"] + 0.01
+    doc = nb_json(
+        "plan", "--trace", CODE, "--graphs", 7, "--manifest", manifest, "--max-compile-seconds", budget
+    )
+    assert doc["compile_seconds"] <= budget
+    assert doc["prefill"]["buckets"] == free["pareto"][2]["buckets"]
+
+
+@needs_traces
+def test_plan_toml_snippet_is_a_valid_config() -> None:
+    doc = nb_json("plan", "--trace", CONV, "--graphs", 6, "--align", 16, "--max-num-batched-tokens", 8192)
+    snippet = tomllib.loads(doc["toml"])
+    buckets = parse_config(snippet).buckets
+    assert list(buckets.num_batched_tokens_buckets) == doc["prefill"]["buckets"]
+    assert list(buckets.num_seqs_buckets) == doc["decode"]["buckets"]
+    assert buckets.max_num_batched_tokens == 8192 and doc["prefill"]["chunked_requests"] > 0
+    assert all(b % 16 == 0 for b in doc["prefill"]["buckets"])
+
+
+@needs_traces
+def test_plan_holdout_and_rich_output(tmp_path: Path) -> None:
+    result = nb("plan", "--trace", CONV, "--graphs", 8, "--holdout-split", 0.8)
+    assert result.exit_code == 0, result.output
+    for text in ("prefill plans", "powers of two", "holdout (last 20% by arrival", "[buckets]"):
+        assert text in result.stdout
+    assert "loaded 19,366 requests" in result.stderr and "loaded" not in result.stdout
+    doc = nb_json("plan", "--trace", CONV, "--graphs", 8, "--holdout-split", 0.8)
+    assert doc["holdout"]["eval_requests"] == 19366 - round(0.8 * 19366)
+
+
+@needs_traces
+def test_inspect_rich_output_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "lengths.png"
+    result = nb("inspect", "--trace", CODE, "--prefill-buckets", "1024,4096", "--plot", png)
+    assert result.exit_code == 0, result.output
+    assert "prefill padding" in result.stdout and "decode padding" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["inspect", "--prefill-buckets", "128,abc"], "comma-separated integers"),
+        (["inspect", "--prefill-buckets", "256,128"], "strictly ascending"),
+        (["plan", "--graphs", "3", "--max-compile-seconds", "10"], "needs a compile-time model"),
+        (["plan", "--graphs", "3", "--holdout-split", "0.5"], "needs arrival times"),
+        (["plan", "--graphs", "3", "--max-num-batched-tokens", "32"], "below align=64"),
+    ],
+)
+def test_bad_options_get_one_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n100,5\n300,7\n")
+    result = nb(*args, "--trace", trace)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert message in " ".join(result.stderr.split())
+
+
+def test_bad_trace_gets_one_clear_error(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("prompt,answer\n100,5\n")
+    for command in (["inspect"], ["plan", "--graphs", "2"]):
+        result = nb(*command, "--trace", trace, "--json")
+        assert result.exit_code == 2 and result.stdout == ""
+        assert "found ['prompt', 'answer']" in " ".join(result.stderr.split())
