@@ -4,20 +4,13 @@ Written against the public NKI 0.3 API (``import nki``; Neuron SDK 2.29 or later
 be installed where this project is developed and tested, so nothing here has been compiled by the
 NKI compiler or run on a NeuronCore; tests run the kernels in ``nki.simulate`` against the goldens
 wherever ``nki`` imports, and skip elsewhere. Importing this module never needs the SDK: the kernel
-bodies are plain functions, decorated with ``nki.jit`` on first use. Each op is a kernel plus a
-little torch glue (permutes, masks, slot ids) that is traced into the same graph as the kernel.
+bodies are plain functions, decorated with ``nki.jit`` on first use. ``nki_ops`` wraps them in
+the goldens' signatures (the torch glue: layouts, masks, slot ids).
 """
 
 from __future__ import annotations
 
 from functools import cache
-
-import torch
-from neuron_buckets.kernels import block_kv_torch
-from neuron_buckets.kernels.dispatch import KernelSet
-from torch import Tensor
-
-from neuron_buckets.masks import gen_active_mask, gen_cache_mask
 
 try:
     import nki
@@ -41,20 +34,24 @@ class NkiUnavailable(RuntimeError):
 def write_kv_cache_kernel(k, v, k_cache, v_cache, slots):
     """Scatter each token's K/V row into the cache at its slot; slot -1 is skipped by the DMA.
 
-    Layout (HBM): ``k``/``v`` (T, KVH, D); ``k_cache``/``v_cache`` (NB, BS, KVH, D), viewed as
-    (NB*BS, KVH*D) rows so that a slot id is a row index; ``slots`` (T, 1) int32.
+    Layout (HBM): ``k``/``v`` (T, KVH, D); ``k_cache``/``v_cache`` (..., BS, KVH, D), one layer
+    (NB, BS, KVH, D) or all of them (L, NB, BS, KVH, D), viewed as rows of KVH*D so that a slot
+    id is a row index (layer l's slot s is row l*NB*BS + s); ``slots`` (T, 1) int32.
     Tiles: 128 tokens per step, one token per partition, KVH*D elements on the free axis.
     Each tile is one indirect (vector-offset) DMA from SBUF to HBM whose row index is the slot id.
-    A -1 row index falls outside the cache, and ``oob_mode.skip`` drops that row's transfer: a pad
-    token writes nothing at all, it is never redirected onto a real slot (not even the null block).
+    A -1 row index falls before the cache's first row, and ``oob_mode.skip`` drops that row's
+    transfer: a pad token writes nothing at all, it is never redirected onto a real slot.
     Constraints: real slot ids are unique (a scatter; the scheduler guarantees it), KVH*D elements
     of a row fit in one SBUF partition. In place: the kernel returns nothing.
     """
     tokens = k.shape[0]
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     width = kv_heads * head_dim
-    k_rows = k_cache.reshape((num_blocks * block_size, width))
-    v_rows = v_cache.reshape((num_blocks * block_size, width))
+    num_rows = 1
+    for size in k_cache.shape[:-2]:
+        num_rows = num_rows * size
+    k_rows = k_cache.reshape((num_rows, width))
+    v_rows = v_cache.reshape((num_rows, width))
     k_src = k.reshape((tokens, width))
     v_src = v.reshape((tokens, width))
     for tile in range((tokens + PMAX - 1) // PMAX):
@@ -126,7 +123,7 @@ def block_kv_attention_kernel(
     tile. Probabilities are cast to V's dtype before P V, as in the golden.
 
     Constraints: D <= 128 (contraction on partitions), R = G*S <= 128, S <= 128, C a multiple of
-    TP, C <= MAX_CTX. ``attention_kernel_fits`` checks these before the kernel is called.
+    TP, C <= MAX_CTX. ``nki_ops.attention_kernel_fits`` checks these before the kernel is called.
     """
     batch, kv_heads, rows, head_dim = q.shape
     steps = k_active.shape[2]
@@ -204,7 +201,7 @@ def _softmax_rows(scores):
 
 
 @cache
-def _jitted() -> tuple:
+def jitted() -> tuple:
     """The two kernels wrapped by ``nki.jit`` (framework detected from the arguments)."""
     if nki is None:
         raise NkiUnavailable(
@@ -213,83 +210,3 @@ def _jitted() -> tuple:
             "--extra-index-url https://pip.repos.neuron.amazonaws.com"
         )
     return nki.jit(write_kv_cache_kernel), nki.jit(block_kv_attention_kernel)
-
-
-def attention_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, ctx: int) -> bool:
-    """Whether a step of this shape meets the attention kernel's tile constraints."""
-    _, seq, num_heads, head_dim = q_shape
-    rows = num_heads // kv_heads * seq
-    return head_dim <= PMAX and rows <= PMAX and 0 < ctx <= MAX_CTX and ctx % min(ctx, PMAX) == 0
-
-
-def context_slots(block_table: Tensor, cache_lens: Tensor, block_size: int) -> Tensor:
-    """(B, M*BS, 1) int32 cache slot of each context position; -1 where nothing must be read."""
-    batch, cols = block_table.shape
-    offsets = torch.arange(block_size, device=block_table.device)
-    slots = (block_table[:, :, None] * block_size + offsets).reshape(batch, cols * block_size)
-    positions = torch.arange(cols * block_size, device=block_table.device)
-    allocated = (block_table >= 0).repeat_interleave(block_size, dim=1)
-    keep = allocated & (positions < cache_lens.reshape(-1, 1))
-    return torch.where(keep, slots, -1).to(torch.int32).unsqueeze(-1)
-
-
-def attention_kernel_inputs(
-    q: Tensor, k_active: Tensor, v_active: Tensor, block_table: Tensor, cache_lens: Tensor, bs: int
-) -> tuple[Tensor, ...]:
-    """The kernel's q, k_active, v_active, ctx_slots, mask_cache, mask_active from golden inputs."""
-    batch, seq, num_heads, head_dim = q.shape
-    kv_heads = k_active.shape[2]
-    rows = num_heads // kv_heads * seq
-    ctx = block_table.shape[1] * bs
-    q_k = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, rows, head_dim).contiguous()
-    mask_cache = gen_cache_mask(cache_lens, num_heads, seq, ctx)
-    mask_active = gen_active_mask(batch, num_heads, seq, q.device)
-    return (
-        q_k,
-        k_active.permute(0, 2, 1, 3).contiguous(),
-        v_active.permute(0, 2, 1, 3).contiguous(),
-        context_slots(block_table, cache_lens, bs),
-        mask_cache.reshape(batch, kv_heads, rows, ctx).to(torch.uint8),
-        mask_active.reshape(batch, kv_heads, rows, seq).to(torch.uint8),
-    )
-
-
-def write_kv_cache(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-) -> None:
-    """Golden-compatible cache write through the NKI kernel (in place; slot -1 writes nothing)."""
-    write, _ = _jitted()
-    slots = slot_mapping.to(torch.int32).reshape(-1, 1)
-    write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slots)
-
-
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    cache_lens: Tensor,
-    scale: float,
-) -> Tensor:
-    """Golden-compatible block-KV attention: the NKI kernel where it fits, else the golden.
-
-    Decode steps (a few tokens per row) fit the kernel; a long prefill chunk (more than 128 query
-    rows per kv head) or a context beyond MAX_CTX runs the golden, which neuronx-cc compiles from
-    its torch ops like the rest of the graph.
-    """
-    batch, seq, num_heads, head_dim = q.shape
-    if not attention_kernel_fits(q.shape, k_active.shape[2], block_table.shape[1] * k_cache.shape[1]):
-        return block_kv_torch.block_kv_attention(
-            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale
-        )
-    _, attend = _jitted()
-    q_k, k_act, v_act, slots, mask_cache, mask_active = attention_kernel_inputs(
-        q, k_active, v_active, block_table, cache_lens, k_cache.shape[1]
-    )
-    out = attend(q_k, k_act, v_act, k_cache, v_cache, slots, mask_cache, mask_active, float(scale))
-    return out.reshape(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)
-
-
-KERNELS = KernelSet("nki", write_kv_cache, block_kv_attention)

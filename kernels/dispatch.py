@@ -23,7 +23,7 @@ class KernelSet:
     """One implementation of both ops, with the goldens' signatures and semantics."""
 
     name: str
-    write_kv_cache: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    write_kv_cache: Callable[..., None]
     block_kv_attention: Callable[..., Tensor]
 
 
@@ -47,10 +47,18 @@ def use(kernels: KernelSet) -> Iterator[KernelSet]:
 
 
 def write_kv_cache(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    layer: int | None = None,
 ) -> None:
-    """Write K/V at ``slot_mapping`` in place (slot -1 writes nothing), with the active kernels."""
-    _ACTIVE.get().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    """Write K/V at ``slot_mapping`` in place (slot -1 writes nothing), with the active kernels.
+
+    With ``layer``, the caches are the stacked (L, NB, BS, KVH, D) tensors and that layer is written.
+    """
+    _ACTIVE.get().write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=layer)
 
 
 def block_kv_attention(

@@ -116,14 +116,16 @@ def test_cache_state_step_holds_the_caches_as_aliased_parameters():
 def test_dispatch_runs_the_goldens_unless_a_backend_swaps_its_kernels_in():
     calls = []
     fake = dispatch.KernelSet(
-        "fake", lambda *a: calls.append("write"), lambda *a: calls.append("attend") or a[0]
+        "fake",
+        lambda *a, layer: calls.append(("write", layer)),
+        lambda *a: calls.append("attend") or a[0],
     )
     assert dispatch.active() is dispatch.GOLDEN
     with pytest.raises(RuntimeError, match="boom"), dispatch.use(fake):
-        dispatch.write_kv_cache(*[torch.zeros(1)] * 5)
+        dispatch.write_kv_cache(*[torch.zeros(1)] * 5, layer=3)
         assert dispatch.block_kv_attention(*[torch.ones(1)] * 7, 1.0).item() == 1
         raise RuntimeError("boom")
-    assert calls == ["write", "attend"] and dispatch.active() is dispatch.GOLDEN
+    assert calls == [("write", 3), "attend"] and dispatch.active() is dispatch.GOLDEN
 
 
 def test_kernel_digest_changes_when_any_kernel_source_changes(tmp_path):

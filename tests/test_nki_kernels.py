@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from neuron_buckets.kernels import block_kv_nki, block_kv_torch
+from neuron_buckets.kernels import block_kv_nki, block_kv_torch, nki_ops
 
 from neuron_buckets.block_table import compute_slot_mapping
 
@@ -46,7 +46,7 @@ def step_case(batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=0):
 def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
     # The seed document's prefill example: blocks 10 and 15, block_size 64, 100 tokens cached.
     table = torch.tensor([[10, 15, -1, -1], [-1, -1, -1, -1]])
-    slots = block_kv_nki.context_slots(table, torch.tensor([100, 0]), 64)
+    slots = nki_ops.context_slots(table, torch.tensor([100, 0]), 64)
     assert slots.shape == (2, 256, 1) and slots.dtype == torch.int32
     row = slots[0, :, 0]
     assert row[:64].tolist() == list(range(640, 704))
@@ -59,7 +59,7 @@ def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
 def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks():
     batch, seq, heads, kv_heads, head_dim, bs, cols = 2, 3, 4, 2, 8, 4, 2
     q, k_act, v_act, *_, table, lens = step_case(batch, seq, heads, kv_heads, head_dim, bs, cols)
-    q_k, k_k, v_k, slots, mask_cache, mask_active = block_kv_nki.attention_kernel_inputs(
+    q_k, k_k, v_k, slots, mask_cache, mask_active = nki_ops.attention_kernel_inputs(
         q, k_act, v_act, table, lens, bs
     )
     group = heads // kv_heads
@@ -80,10 +80,10 @@ def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks():
 def test_steps_beyond_the_kernel_tiles_run_the_golden():
     # A 256-token prefill chunk has 512 query rows per kv head: more than one 128-row tile.
     case = step_case(1, 256, 4, 2, 8, 16, 16)
-    assert not block_kv_nki.attention_kernel_fits(case[0].shape, 2, 256)
-    assert block_kv_nki.attention_kernel_fits((8, 5, 32, 128), 8, 4096)
-    assert not block_kv_nki.attention_kernel_fits((8, 1, 8, 256), 8, 4096)  # head_dim > 128
-    got = block_kv_nki.block_kv_attention(*case, scale=0.125)
+    assert not nki_ops.attention_kernel_fits(case[0].shape, 2, 256)
+    assert nki_ops.attention_kernel_fits((8, 5, 32, 128), 8, 4096)
+    assert not nki_ops.attention_kernel_fits((8, 1, 8, 256), 8, 4096)  # head_dim > 128
+    got = nki_ops.block_kv_attention(*case, scale=0.125)
     assert torch.equal(got, block_kv_torch.block_kv_attention(*case, scale=0.125))
 
 
@@ -92,7 +92,28 @@ def test_kernel_call_without_the_sdk_names_what_to_install():
         pytest.skip("nki is importable here")
     case = step_case(2, 1, 4, 2, 8, 16, 8)
     with pytest.raises(block_kv_nki.NkiUnavailable, match="pip install .*nki"):
-        block_kv_nki.block_kv_attention(*case, scale=0.125)
+        nki_ops.block_kv_attention(*case, scale=0.125)
+
+
+def test_write_slots_address_one_layer_of_the_stacked_cache_and_keep_pads_out_of_range():
+    slots = torch.tensor([5, -1, 70, -1])
+    assert nki_ops.write_slots(slots, (4, 8, 16, 2, 8), None)[:, 0].tolist() == [5, -1, 70, -1]
+    rows = nki_ops.write_slots(slots, (4, 8, 16, 2, 8), 2)  # layer 2 starts at row 2 * 8 * 16
+    assert rows.dtype == torch.int32 and rows[:, 0].tolist() == [261, -1, 326, -1]
+
+
+def test_stacked_layer_write_matches_the_golden():
+    nki = pytest.importorskip("nki", reason=NO_NKI)
+    layers, num_blocks, block_size = 3, 6, 16
+    slots = torch.tensor([17, 18, -1, 40, -1, 95])
+    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    caches = [torch.randn(layers, num_blocks, block_size, 2, 8) for _ in range(2)]
+    golden = [c.clone() for c in caches]
+    block_kv_torch.write_kv_cache(k, v, *golden, slots, layer=1)
+    k_np, v_np = (c.numpy().copy() for c in caches)
+    rows = nki_ops.write_slots(slots, tuple(caches[0].shape), 1).numpy()
+    nki.simulate(block_kv_nki.write_kv_cache_kernel)(k.numpy(), v.numpy(), k_np, v_np, rows)
+    assert np.array_equal(k_np, golden[0].numpy()) and np.array_equal(v_np, golden[1].numpy())
 
 
 @pytest.mark.parametrize("tokens", [128, 300])
@@ -132,7 +153,7 @@ def test_attention_kernel_matches_the_golden(batch, seq, heads, kv_heads, head_d
     scale = head_dim**-0.5
     want = block_kv_torch.block_kv_attention(q, k_act, v_act, k_cache, v_cache, table, lens, scale)
     q_k, k_k, v_k, slots, mask_cache, mask_active = (
-        t.numpy() for t in block_kv_nki.attention_kernel_inputs(q, k_act, v_act, table, lens, block_size)
+        t.numpy() for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, table, lens, block_size)
     )
     out = nki.simulate(block_kv_nki.block_kv_attention_kernel)(
         q_k, k_k, v_k, k_cache.numpy(), v_cache.numpy(), slots, mask_cache, mask_active, scale

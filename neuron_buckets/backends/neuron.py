@@ -200,12 +200,12 @@ class NeuronBackend:
         self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
     ) -> None:
         sdk = _sdk()
-        from neuron_buckets.kernels import block_kv_nki, dispatch
+        from neuron_buckets.kernels import dispatch, nki_ops
 
         args = NeuronFlags.from_dict(flags).compiler_args()
         *step, k_cache, v_cache = example
         module = CacheStateStep(model, k_cache, v_cache).eval()
-        with torch.no_grad(), dispatch.use(block_kv_nki.KERNELS):
+        with torch.no_grad(), dispatch.use(nki_ops.KERNELS):
             traced = sdk.trace(
                 module,
                 tuple(step),
