@@ -1,0 +1,72 @@
+"""Bucket planning on the shared Azure traces: DP runtime, and the plan's padding against the
+powers-of-two default at the same number of graphs; plus loading a million-row trace.
+
+Run: python bench/bench_plan.py
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from neuron_buckets.planner import PlanOptions, optimal_sets, plan, powers_of_two_baseline
+from neuron_buckets.traces import load_trace
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def compare(name: str) -> None:
+    trace = load_trace(TRACES / f"AzureLLMInferenceTrace_{name}.csv")
+    k = len(powers_of_two_baseline(trace.prompt_lens.max()))
+    doc = plan(trace, PlanOptions(graphs=k, align=64))
+    p, d = doc["prefill"], doc["decode"]
+    base, dbase = p["baseline"], d["baseline"]
+    print(f"\n{name}: {len(trace):,} requests, longest prompt {trace.prompt_lens.max():,}, K = {k}")
+    print(f"  {'':22}{'padding':>9}  buckets")
+    print(f"  {'prefill powers of two':22}{base['padding_ratio']:>9.1%}  {base['buckets']}")
+    print(f"  {'prefill plan':22}{p['padding_ratio']:>9.1%}  {p['buckets']}")
+    print(f"  plan / powers of two = {p['padding_ratio'] / base['padding_ratio']:.3f} (must be <= 0.6)")
+    print(f"  {'decode powers of two':22}{dbase['padding_ratio']:>9.1%}  {dbase['buckets']}")
+    print(f"  {'decode plan':22}{d['padding_ratio']:>9.1%}  {d['buckets']}  (peak {d['peak_batch']})")
+    print("  Pareto: " + ", ".join(f"K={r['graphs']} {r['padding_ratio']:.1%}" for r in doc["pareto"]))
+
+
+def main() -> None:
+    conv = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv").prompt_lens
+    dp = best_of(lambda: optimal_sets(conv, 8, 64))
+    print(f"DP, conversation trace ({len(conv):,} prompts), K=8, align 64: {dp * 1e3:.2f} ms")
+    assert dp < 1.0, f"the DP must run under a second, took {dp:.2f} s"
+    dp1 = best_of(lambda: optimal_sets(conv, 8, 1), repeats=1)
+    print(f"DP, same, align 1 ({len(np.unique(conv)):,} distinct lengths): {dp1 * 1e3:.0f} ms")
+    full = best_of(lambda: plan(load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv"), PlanOptions(8)))
+    print(f"whole nb plan (load, DP, decode replay, stats), conversation trace: {full * 1e3:.0f} ms")
+    for name in ("code", "conv"):
+        compare(name)
+    rng = np.random.default_rng(0)
+    n = 1_000_000
+    stamps = np.datetime64("2023-11-16T18:15:46") + np.sort(rng.integers(0, 3600 * 10**9, n)).astype(
+        "timedelta64[ns]"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "big.csv"
+        lines = np.char.add(np.char.add(stamps.astype(str), ","), rng.integers(1, 16000, n).astype(str))
+        lines = np.char.add(np.char.add(lines, ","), rng.integers(0, 2000, n).astype(str))
+        path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(lines) + "\n")
+        load = best_of(lambda: load_trace(path), repeats=1)
+    print(f"\nload_trace, {n:,}-row Azure-format CSV with date-time stamps: {load:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
