@@ -6,8 +6,8 @@ run on Neuron hardware. Without the SDK, ``available()`` says what to install an
 ``load`` raise ``BackendUnavailable`` with the same message; nothing is emulated.
 
 Per bucket: the model runs with the NKI kernels swapped in for the goldens (``dispatch.use``); the
-KV cache becomes module state aliased to outputs 1 and 2 (``input_output_aliases``: the graph
-updates it in device memory, no copy); weights stay out of the NEFF
+KV cache becomes module state aliased to outputs 1 and 2 (``input_output_aliases``, so that the
+graph updates it in device memory rather than copying it); weights stay out of the NEFF
 (``inline_weights_to_neff=False``) and are supplied once at load time with ``replace_weights``.
 """
 
