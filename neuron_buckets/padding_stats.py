@@ -103,10 +103,6 @@ def padding_stats(
     )
 
 
-def prefill_stats(trace: Trace, buckets: Sequence[int]) -> PaddingStats:
-    return padding_stats(trace.prompt_lens, buckets)
-
-
 @dataclass(frozen=True)
 class Concurrency:
     """The replayed decode load: ``steps[b]`` decode steps ran with batch size ``b``."""
@@ -197,7 +193,7 @@ def inspect_trace(
 ) -> dict:
     """The ``nb inspect --json`` document: prefill padding, replayed decode padding (None without
     arrivals), and each graph's compile seconds and bytes (None without a manifest)."""
-    doc: dict = {"prefill": prefill_stats(trace, prefill).to_json("requests", "tokens")}
+    doc: dict = {"prefill": padding_stats(trace.prompt_lens, prefill).to_json("requests", "tokens")}
     conc = replay_decode(trace, tokens_per_s, max_num_seqs) if trace.arrivals is not None else None
     doc["decode"] = conc.to_json(num_seqs) if conc is not None and conc.peak else None
     doc["graphs"] = None
