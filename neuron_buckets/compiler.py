@@ -134,7 +134,7 @@ class Compiler:
             "name": self.backend.name,
             "device": config.compile.device,
             "versions": self.backend.versions(),
-            "flags": config.compile.flags,
+            "flags": self.backend.resolved_flags(config.compile.flags),
         }
         self.manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,

@@ -31,6 +31,10 @@ class Backend(Protocol):
         """Compiler and framework versions: recorded in the manifest and hashed into every key."""
         ...
 
+    def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
+        """``flags`` validated with defaults filled in: what the manifest records and keys hash."""
+        ...
+
     def compile(
         self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
     ) -> None:

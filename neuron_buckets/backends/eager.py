@@ -27,6 +27,9 @@ class EagerBackend:
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, "compiler": "none"}
 
+    def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
+        return dict(flags)  # nothing is compiled, so flags change nothing but the key
+
     def compile(
         self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
     ) -> None:

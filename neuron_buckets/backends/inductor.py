@@ -46,13 +46,19 @@ class InductorBackend:
         cuda = torch.version.cuda or "none"
         return {"torch": torch.__version__, "compiler": _cxx_version(), "cuda": cuda}
 
+    def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
+        """User inductor configs plus the ones this backend fixes (weights out of the package)."""
+        if clash := {k: v for k, v in flags.items() if k in FIXED_CONFIGS and FIXED_CONFIGS[k] != v}:
+            raise ValueError(f"compile.flags {clash} conflict with the weights-outside-graph design")
+        return {**flags, **FIXED_CONFIGS}
+
     def compile(
         self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
     ) -> None:
         with torch.no_grad():
             program = torch.export.export(model, example, strict=False)
             torch._inductor.aoti_compile_and_package(
-                program, package_path=str(out_file), inductor_configs={**flags, **FIXED_CONFIGS}
+                program, package_path=str(out_file), inductor_configs=self.resolved_flags(flags)
             )
 
     def load(

@@ -58,8 +58,7 @@ class NeuronFlags:
             raise ValueError(f"flags.optlevel={out.optlevel!r}; allowed: 1, 2, 3")
         if out.lnc not in (1, 2) or (out.lnc == 2 and out.target not in LNC2_TARGETS):
             raise ValueError(
-                f"flags.lnc={out.lnc!r} with target {out.target!r}; allowed: 1, or 2 on "
-                f"{list(LNC2_TARGETS)}"
+                f"flags.lnc={out.lnc!r} with target {out.target!r}; allowed: 1, or 2 on {list(LNC2_TARGETS)}"
             )
         if out.auto_cast not in AUTO_CAST:
             raise ValueError(f"flags.auto_cast={out.auto_cast!r}; allowed: {list(AUTO_CAST)}")
