@@ -6,9 +6,10 @@ fixed shapes, no data-dependent Python control flow.
 
 Contract (shapes per layer; T = B * S tokens, NB blocks of BS slots, KVH kv heads, head dim D):
 
-- ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)``: token t's K/V go to slot
+- ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=None)``: token t's K/V go to slot
   ``slot_mapping[t]`` (block ``slot // BS``, offset ``slot % BS``), in place. Slot -1 (a pad token)
-  writes nothing: every cache byte stays as it was, including the null block's.
+  writes nothing: every cache byte stays as it was, including the null block's. With ``layer``,
+  the caches are the model's stacked (L, NB, BS, KVH, D) tensors and layer ``layer`` is written.
 - ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale)``:
   each row attends over its cached context (logical position p lives in block
   ``block_table[b, p // BS]``) below ``cache_lens[b]``, then causally over the step's own S
@@ -26,22 +27,31 @@ from neuron_buckets.masks import gen_active_mask, gen_cache_mask
 
 
 def write_kv_cache(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    layer: int | None = None,
 ) -> None:
     """Scatter (T, KVH, D) K/V into (NB, BS, KVH, D) caches at ``slot_mapping``; -1 skips.
 
     A fixed-shape graph cannot drop pad tokens, so a pad writes back the value slot 0 already
     holds (gathered first), which leaves the bytes unchanged. Real tokens never target the null
-    block, so the write-back never races a real write.
+    block, so the write-back never races a real write. ``layer`` indexes the stacked caches in
+    the same index_put_: writing through a ``cache[layer]`` view instead makes functionalized
+    graphs (torch.export, inductor) copy the whole cache on every layer of every step.
     """
-    block_size = k_cache.shape[1]
+    block_size = k_cache.shape[-3]
     pad = slot_mapping < 0
     slots = slot_mapping.clamp(min=0)
-    blocks, offsets = slots // block_size, slots % block_size
+    index = (slots // block_size, slots % block_size)
+    if layer is not None:
+        index = (torch.full_like(slots, layer), *index)
     keep = pad[:, None, None]
     for new, cache in ((k, k_cache), (v, v_cache)):
-        values = torch.where(keep, cache[blocks, offsets], new.to(cache.dtype))
-        cache.index_put_((blocks, offsets), values)
+        values = torch.where(keep, cache[index], new.to(cache.dtype))
+        cache.index_put_(index, values)
 
 
 def block_kv_attention(

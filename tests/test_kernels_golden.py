@@ -173,3 +173,20 @@ def test_causal_among_active_tokens():
     out2 = run_attention((q, k2, v2, *rest), lens)
     assert torch.equal(out[:, :2], out2[:, :2])
     assert not torch.allclose(out[:, 2:], out2[:, 2:])
+
+
+def test_layer_write_into_stacked_caches_touches_only_that_layer():
+    """The model's form: one index_put_ into (L, NB, BS, KVH, D) equals writing the layer alone."""
+    stacked_k = garbage_cache(12, 8).view(3, 4, 8, KVH, D)
+    stacked_v = garbage_cache(12, 8).view(3, 4, 8, KVH, D)
+    alone_k, alone_v = stacked_k[1].clone(), stacked_v[1].clone()
+    before_k, before_v = stacked_k.clone(), stacked_v.clone()
+    k, v = torch.randn(5, KVH, D), torch.randn(5, KVH, D)
+    slots = torch.tensor([9, 10, -1, 31, -1])
+    write_kv_cache(k, v, stacked_k, stacked_v, slots, layer=1)
+    write_kv_cache(k, v, alone_k, alone_v, slots)
+    assert torch.equal(bits(stacked_k[1]), bits(alone_k))
+    assert torch.equal(bits(stacked_v[1]), bits(alone_v))
+    for other in (0, 2):
+        assert torch.equal(bits(stacked_k[other]), bits(before_k[other]))
+        assert torch.equal(bits(stacked_v[other]), bits(before_v[other]))
