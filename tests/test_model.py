@@ -1,0 +1,207 @@
+"""The block-KV Llama against transformers' full forward: prefill, decode, speculative, padded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from neuron_buckets.checkpoint import load_weights
+from neuron_buckets.grid import Bucket, NoBucketFits
+from neuron_buckets.model import Llama, LlamaConfig
+from neuron_buckets.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+
+BS, NUM_BLOCKS, CTX = 8, 48, 64
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             initializer_range=0.15)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def hf_model(**overrides) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, **overrides})).eval()
+
+
+def ours_from(hf: transformers.LlamaForCausalLM) -> Llama:
+    return load_weights(Llama(LlamaConfig.from_hf(hf.config.to_dict())), hf.state_dict()).eval()
+
+
+class Session:
+    """Requests over one NaN-filled cache (NaN proves unwritten slots never leak into outputs)."""
+
+    def __init__(self, hf: transformers.LlamaForCausalLM, prompts: list[list[int]], seed: int = 0):
+        self.hf, self.model = hf, ours_from(hf)
+        self.k = torch.full(self.model.cache_shape(NUM_BLOCKS, BS), float("nan"))
+        self.v = torch.full_like(self.k, float("nan"))
+        gen = torch.Generator().manual_seed(seed)
+        self.free = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()  # shuffled
+        self.seqs = [list(p) for p in prompts]
+        self.cached = [0] * len(prompts)
+        self.blocks: list[list[int]] = [[] for _ in prompts]
+
+    def alloc(self, req: int, num_tokens: int) -> list[int]:
+        """Blocks for actual tokens only, taken from the shuffled free list."""
+        need = -(-num_tokens // BS) - len(self.blocks[req])
+        self.blocks[req] += [self.free.pop() for _ in range(max(need, 0))]
+        return self.blocks[req]
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(*step.args(), self.k, self.v)[: step.num_samples]
+
+    def reference(self, tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.hf(torch.tensor([tokens])).logits[0]
+
+    def prefill(self, reqs: list[int], bucket: Bucket, chunk: int | None = None) -> None:
+        """Prefill (a chunk of) each request's uncached prompt in one step; check the last logits."""
+        chunks = []
+        for r in reqs:
+            start = self.cached[r]
+            ids = self.seqs[r][start : None if chunk is None else start + chunk]
+            chunks.append(PrefillChunk(ids, start, self.alloc(r, start + len(ids))))
+        logits = self.run(pad_prefill(chunks, bucket, BS))
+        for row, (r, c) in enumerate(zip(reqs, chunks, strict=True)):
+            self.cached[r] += len(c.token_ids)
+            ref = self.reference(self.seqs[r][: self.cached[r]])[-1]
+            torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
+            assert int(logits[row].argmax()) == int(ref.argmax())
+            if self.cached[r] == len(self.seqs[r]):
+                self.seqs[r].append(int(logits[row].argmax()))
+
+    def decode(self, reqs: list[int], bucket: Bucket, drafts: dict[int, list[int]]) -> None:
+        """One (speculative) decode step; accept matching drafts plus one bonus token, greedily."""
+        rows = []
+        for r in reqs:
+            ids = [self.seqs[r][-1], *drafts.get(r, [])]
+            rows.append(DecodeRow(ids, self.cached[r], self.alloc(r, self.cached[r] + len(ids))))
+        logits = self.run(pad_decode(rows, bucket, BS)).view(len(reqs), bucket.seq, -1)
+        for row, (r, d) in enumerate(zip(reqs, rows, strict=True)):
+            n = len(d.token_ids)
+            ref = self.reference(self.seqs[r] + list(d.token_ids[1:]))[-n:]
+            torch.testing.assert_close(logits[row, :n], ref, rtol=1e-4, atol=1e-4)
+            greedy = logits[row, :n].argmax(-1).tolist()
+            assert greedy == ref.argmax(-1).tolist()
+            accepted = 0
+            while accepted < n - 1 and d.token_ids[1 + accepted] == greedy[accepted]:
+                accepted += 1
+            self.seqs[r] += greedy[: accepted + 1]
+            self.cached[r] += accepted + 1  # rejected drafts' K/V stay behind, beyond cache_len
+
+
+def test_prefill_decode_and_speculative_match_transformers():
+    gen = torch.Generator().manual_seed(1)
+    lens = [5, 8, 13, 21, 30]
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lens]
+    s = Session(hf_model(), prompts)
+    s.prefill([0, 1], Bucket("prefill", 2, 32, CTX))
+    s.prefill([2, 3], Bucket("prefill", 4, 16, CTX), chunk=16)  # 2 dummy rows; 3 is chunked
+    s.prefill([3, 4], Bucket("prefill", 2, 32, CTX))  # 3's rest reads its cached first chunk
+    for _ in range(3):
+        s.decode([0, 1, 2, 3, 4], Bucket("decode", 8, 1, CTX), {})
+    drafts = {r: torch.randint(0, 256, (3,), generator=gen).tolist() for r in (0, 2, 4)}
+    for r in (1, 3):  # drafts a perfect draft model would propose: all accepted
+        drafts[r] = s.reference(s.seqs[r])[-1:].argmax(-1).tolist()
+        while len(drafts[r]) < 3:
+            drafts[r].append(int(s.reference(s.seqs[r] + drafts[r])[-1].argmax()))
+    s.decode([0, 1, 2, 3, 4], Bucket("decode", 8, 4, CTX), drafts)
+    s.decode([4, 0, 2], Bucket("decode", 4, 4, CTX), {4: [1, 2, 3], 0: [4], 2: [5, 6]})
+    s.decode([0, 1, 2, 3, 4], Bucket("decode", 8, 1, CTX), {})  # after rejected drafts
+    assert len(s.seqs[3]) == 21 + 1 + 3 + 4 + 1  # the perfect drafts were all accepted
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (40, 23)]
+    s = Session(hf_model(rope_parameters=LLAMA3_ROPE), prompts)
+    assert s.model.config.rope_scaling is not None
+    s.prefill([0, 1], Bucket("prefill", 2, 48, CTX))
+    s.decode([0, 1], Bucket("decode", 2, 3, CTX), {0: [7, 8], 1: [9, 10]})
+
+
+def run_step(model: Llama, step: StepInputs, k: torch.Tensor, v: torch.Tensor):
+    k, v = k.clone(), v.clone()
+    with torch.no_grad():
+        logits = model(*step.args(), k, v)[: step.num_samples]
+    return logits, k, v
+
+
+@pytest.mark.parametrize("kind, make", [
+    ("prefill", lambda ids, pos, blocks: PrefillChunk(ids, pos, blocks)),
+    ("decode", lambda ids, pos, blocks: DecodeRow(ids[:2], pos, blocks)),
+])
+def test_padded_and_unpadded_steps_agree(kind, make):
+    """Same real rows in an exact-fit bucket and in padded ones: same logits, same cache bytes.
+
+    Padding rows and token positions is bit-exact. A wider ctx only appends masked (zero weight)
+    columns, but it changes the length of the softmax and P @ V reductions, so float rounding may
+    differ in the last bits: that case is held to 1e-5 instead.
+    """
+    gen = torch.Generator().manual_seed(3)
+    model = ours_from(hf_model())
+    k = torch.randn(model.cache_shape(NUM_BLOCKS, BS), generator=gen)
+    v = torch.randn(model.cache_shape(NUM_BLOCKS, BS), generator=gen)
+    ids = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (11, 6, 9)]
+    starts, blocks = [9, 0, 20], [[31, 4, 17, 2], [8], [40, 12, 5, 33, 26]]
+    pad = {"prefill": pad_prefill, "decode": pad_decode}[kind]
+    rows = [make(i, p, b) for i, p, b in zip(ids, starts, blocks, strict=True)]
+    seq = max(len(r.token_ids) for r in rows)
+
+    def real(step: StepInputs, bucket_seq: int):
+        logits, k_out, v_out = run_step(model, step, k, v)
+        if kind == "decode":  # every token is sampled: drop the padded columns
+            logits = logits.view(3, bucket_seq, -1)[:, :seq].reshape(3 * seq, -1)
+        return logits, k_out[:, 1:], v_out[:, 1:]  # the null block is the kernels' scratch
+
+    exact = real(pad(rows, Bucket(kind, 3, seq, CTX), BS), seq)
+    padded = real(pad(rows, Bucket(kind, 8, seq + 5, CTX), BS), seq + 5)
+    wider = real(pad(rows, Bucket(kind, 8, seq + 5, 2 * CTX), BS), seq + 5)
+    assert not torch.equal(exact[1], k[:, 1:])  # the step did write
+    for got_exact, got_padded, got_wider in zip(exact, padded, wider, strict=True):
+        assert torch.equal(bits(got_exact), bits(got_padded))
+        torch.testing.assert_close(got_wider, got_exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(exact[0].argmax(-1), wider[0].argmax(-1))
+
+
+def test_too_small_bucket_is_refused():
+    model = ours_from(hf_model())
+    k = torch.zeros(model.cache_shape(NUM_BLOCKS, BS))
+    with pytest.raises(NoBucketFits, match="40 tokens"):
+        pad_prefill([PrefillChunk(list(range(40)), 0, [1, 2, 3, 4, 5])],
+                    Bucket("prefill", 1, 32, CTX), BS)
+    step = pad_decode([DecodeRow([1], 20, [3, 4, 5])], Bucket("decode", 2, 1, 24), BS)
+    narrow = step.block_table[:, :2]  # a graph whose ctx (16) cannot hold 21 tokens
+    args = (*step.args()[:3], narrow, *step.args()[4:])
+    with pytest.raises(ValueError, match="exceeds the bucket's ctx 16"):
+        model(*args, k, k.clone())
+
+
+def test_mismatched_cache_geometry_is_refused():
+    model = ours_from(hf_model())
+    step = pad_decode([DecodeRow([1], 3, [3])], Bucket("decode", 1, 1, CTX), BS)
+    wrong = torch.zeros(2, NUM_BLOCKS, BS, 4, 16)  # 4 kv heads; the model has 2
+    with pytest.raises(ValueError, match=r"cache geometry \(2, 48, 8, 4, 16\)"):
+        model(*step.args(), wrong, wrong.clone())
+    with pytest.raises(ValueError, match="must be equal 5-D"):
+        model(*step.args(), wrong[0], wrong[0].clone())
+
+
+def test_export_keeps_static_shapes_and_mutates_the_caches_in_place():
+    model = ours_from(hf_model())
+    step = pad_decode([DecodeRow([5, 6], 9, [7, 3])], Bucket("decode", 2, 2, 32), BS)
+    k, v = torch.zeros(model.cache_shape(16, BS)), torch.zeros(model.cache_shape(16, BS))
+    with torch.no_grad():
+        ep = torch.export.export(model, (*step.args(), k, v))
+        mutated = ep.run_decompositions().graph_signature.user_inputs_to_mutate
+        assert sorted(mutated.values()) == ["k_cache", "v_cache"]
+        want, k_want, v_want = run_step(model, step, k, v)
+        got = ep.module()(*step.args(), k, v)
+    assert torch.equal(got[: step.num_samples], want)
+    assert torch.equal(k, k_want) and torch.equal(v, v_want)
