@@ -1,0 +1,134 @@
+"""Configs and weights as real checkpoints write them, and the embedded default model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from neuron_buckets.checkpoint import (
+    DEFAULT_CONFIG,
+    default_model,
+    load_model,
+    load_weights,
+    read_state_dict,
+    save_weights,
+)
+from neuron_buckets.grid import Bucket
+from neuron_buckets.model import Llama, LlamaConfig, RopeScaling
+from neuron_buckets.padding import PrefillChunk, pad_prefill
+
+BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def last_logits(model: Llama, ids: list[int]) -> torch.Tensor:
+    """Our logits for the last of ``ids``, prefilled in one padded step over blocks 3, 1, 2."""
+    k = torch.zeros(model.cache_shape(8, 16), dtype=next(model.parameters()).dtype)
+    step = pad_prefill([PrefillChunk(ids, 0, [3, 1, 2])], Bucket("prefill", 1, 48, 48), 16)
+    with torch.no_grad():
+        return model(*step.args(), k, k.clone())[0]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}},
+    {"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3}},
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}},
+])
+def test_old_and_new_rope_keys_read_alike(rope):
+    config = LlamaConfig.from_hf({**BASE, **rope})
+    assert config.rope_theta == 500000.0
+    assert config.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert config.head_dim == 16 and config.num_kv_heads == 2
+    assert LlamaConfig.from_hf(config.to_hf()) == config
+
+
+def test_default_rope_without_scaling():
+    old = LlamaConfig.from_hf({**BASE, "rope_theta": 1e4, "rope_scaling": None})
+    new = LlamaConfig.from_hf({**BASE, "rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 1e4}})
+    assert old == new and old.rope_scaling is None
+
+
+@pytest.mark.parametrize("field, match", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope scaling"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"sliding_window": 4096}, "sliding_window=4096"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+])
+def test_unsupported_config_fields_are_refused(field, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.from_hf({**BASE, **field})
+
+
+@pytest.mark.parametrize("dtype, shard", [
+    (torch.bfloat16, "60KB"), (torch.float16, None), (torch.float32, "100KB"),
+])
+def test_tied_checkpoint_directory_loads_as_transformers_runs_it(tmp_path, dtype, shard):
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(**BASE, tie_word_embeddings=True, initializer_range=0.15)
+    hf = transformers.LlamaForCausalLM(hf_config).to(dtype).eval()
+    hf.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    sharded = (tmp_path / "model.safetensors.index.json").is_file()
+    assert sharded == (shard is not None)
+    if sharded:
+        shards = set(json.loads((tmp_path / "model.safetensors.index.json").read_text())
+                     ["weight_map"].values())
+        assert len(shards) > 1
+    model = load_model(tmp_path)  # float32, from the stored dtype
+    assert model.lm_head is None and model.config.tie_word_embeddings
+    ids = torch.randint(0, 256, (37,)).tolist()
+    # Reload rather than hf.float(): .to(dtype) also rounded transformers' rotary buffer.
+    ref_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = ref_model.eval()(torch.tensor([ids])).logits[0, -1]
+    got = last_logits(model, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert int(got.argmax()) == int(ref.argmax())
+
+
+def test_missing_or_misshapen_weights_are_named(tmp_path):
+    model = Llama(LlamaConfig.from_hf(BASE))
+    weights = dict(model.state_dict())
+    del weights["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        load_weights(model, weights)
+    weights = {**model.state_dict(), "lm_head.weight": torch.zeros(255, 64)}
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(255, 64\)"):
+        load_weights(model, weights)
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+        read_state_dict(tmp_path)
+
+
+def test_default_model_is_deterministic_with_lively_logits():
+    a, b = default_model(), default_model()
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
+    logits = last_logits(a, list(range(1, 30)))
+    assert logits.std() > 0.5  # clearly separated: greedy decoding is not a coin toss
+
+
+def test_weights_round_trip_through_one_file_and_into_transformers(tmp_path):
+    """The artifact's weights.safetensors holds transformers names: HF loads it as is."""
+    model = default_model()
+    save_weights(model, tmp_path / "weights.safetensors")
+    again = load_weights(Llama(DEFAULT_CONFIG), tmp_path / "weights.safetensors")
+    ids = [5, 9, 200, 3, 77]
+    assert torch.equal(last_logits(again, ids), last_logits(model, ids))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DEFAULT_CONFIG.to_hf())).eval()
+    hf.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(last_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
