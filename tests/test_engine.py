@@ -1,0 +1,150 @@
+"""End to end: a transformers Llama, compiled to bucket graphs, generates what transformers does.
+
+The session artifact has prefill buckets of 16 and 32 tokens and decode batches of 1 and 2, so
+prompts of 5, 20 and 45 tokens mix the prefill buckets, the 45-token one is prefilled in two
+chunks, and four running requests split every decode step over two graph calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_buckets.block_manager import BlockPool
+from neuron_buckets.engine import generate
+from neuron_buckets.runtime import BucketRuntime
+from tests.conftest import write_config
+
+PROMPT_LENS = (5, 20, 45, 11)
+MAX_NEW = 10
+
+
+def make_prompts(lens: tuple[int, ...], vocab: int = 256, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model_dir: Path):
+    """transformers' own greedy ``generate``, one prompt at a time: the oracle."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_model_dir).eval()
+    model.generation_config.eos_token_id = None  # the engine has no stop token: compare full lengths
+
+    def run(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new,
+                    pad_token_id=0,
+                )
+            outs.append(out[0, len(p) :].tolist())
+        return outs
+
+    return run
+
+
+@pytest.mark.slow
+def test_compiled_buckets_generate_exactly_what_transformers_does(compiled_dir, hf_greedy):
+    runtime = BucketRuntime.open(compiled_dir)
+    prompts = make_prompts(PROMPT_LENS)
+    pool = BlockPool(runtime.num_blocks, runtime.block_size)
+
+    got = generate(runtime, prompts, MAX_NEW, pool=pool)
+
+    assert got == hf_greedy(prompts, MAX_NEW)
+    assert pool.num_free == runtime.num_blocks - 1  # every block back, the null block never lent
+    used = {label: s.calls for label, s in runtime.stats.items() if s.calls}
+    # both prefill buckets, the 45-token prompt as 32 + 13, and decode steps split 2 + 2
+    assert used["prefill_s16"] >= 2 and used["prefill_s32"] >= 2
+    assert used["decode_b2"] == 2 * (MAX_NEW - 1)
+
+
+@pytest.mark.slow
+def test_a_small_pool_makes_requests_wait_without_changing_tokens(compiled_dir, hf_greedy):
+    runtime = BucketRuntime.open(compiled_dir)
+    prompts = make_prompts(PROMPT_LENS)
+    # 8 usable blocks of 8 tokens: the 45-token prompt needs 7 blocks, so it runs nearly alone
+    pool = BlockPool(9, runtime.block_size)
+
+    got = generate(runtime, prompts, MAX_NEW, pool=pool)
+
+    assert got == hf_greedy(prompts, MAX_NEW)
+    assert pool.num_free == 8
+    # waiting requests were admitted one prefill step at a time, not all at once
+    assert sum(s.calls for label, s in runtime.stats.items() if label.startswith("prefill")) >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("prompts", "max_new", "message"),
+    [
+        ([[1] * 120], 9, r"prompt 0: 120 prompt tokens \+ max_new_tokens 9 = 129 exceeds max_model_len 128"),
+        ([[1, 2], []], 4, "prompt 1 is empty"),
+        ([[1, 256, 3]], 4, r"prompt 0 has token ids \[256\] outside the vocabulary \[0, 256\)"),
+        ([[1]], 0, "max_new_tokens must be at least 1"),
+    ],
+)
+def test_impossible_requests_fail_before_anything_runs(compiled_dir, prompts, max_new, message):
+    runtime = BucketRuntime.open(compiled_dir)
+    with pytest.raises(ValueError, match=message):
+        generate(runtime, prompts, max_new)
+    assert runtime.loaded == [] and not any(s.calls for s in runtime.stats.values())
+
+
+@pytest.mark.slow
+def test_a_request_larger_than_the_pool_fails_before_anything_runs(compiled_dir):
+    runtime = BucketRuntime.open(compiled_dir)
+    pool = BlockPool(4, runtime.block_size)  # 3 usable blocks = 24 tokens
+    with pytest.raises(ValueError, match="prompt 1 needs 4 blocks of 8 tokens, the pool has 3"):
+        generate(runtime, [[1] * 10, [2] * 20], 8, pool=pool)
+    assert runtime.loaded == [] and pool.num_free == 3
+
+
+EAGER_SPECULATIVE = """
+[model]
+path = "{model}"
+
+[cache]
+block_size = 8
+num_blocks = 32
+max_model_len = 96
+
+[buckets]
+max_num_seqs = 2
+max_num_batched_tokens = 32
+num_seqs_buckets = [2]
+num_batched_tokens_buckets = [32]
+speculation_length = 2
+
+[compile]
+backend = "eager"
+jobs = 1
+"""
+
+
+def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
+    hf_model_dir, hf_greedy, tmp_path
+):
+    """Decode graphs of 3 positions per row: one real token each, the other two padded."""
+    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    config = load_config(write_config(tmp_path, hf_model_dir, EAGER_SPECULATIVE))
+    out = tmp_path / "artifact"
+    assert not Compiler(config, out, tmp_path / "cache").run(jobs=1).failed
+    runtime = BucketRuntime.open(out)
+    assert runtime.decode_seq == 3
+    prompts = make_prompts((7, 40, 3))
+
+    assert generate(runtime, prompts, 6) == hf_greedy(prompts, 6)
+    decode = runtime.stats["decode_b2"]
+    assert decode.padded_tokens > 2 * decode.real_tokens  # two of every three positions are pads
