@@ -1,0 +1,211 @@
+"""BucketRuntime over the session artifact (prefill 16/32, decode batch 1/2, blocks of 8, 64 blocks).
+
+Logits are checked against transformers' own forward of the same checkpoint. Every test that
+damages the artifact works on a copy, so the session artifact stays intact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from neuron_buckets.grid import Bucket, NoBucketFits
+from neuron_buckets.manifest import ManifestError
+from neuron_buckets.padding import DecodeRow, PrefillChunk
+from neuron_buckets.runtime import ArtifactError, BucketRuntime
+
+pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_model_dir: Path):
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(hf_model_dir).eval()
+
+
+def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def blocks(first: int, n_tokens: int, block_size: int = 8) -> list[int]:
+    return list(range(first, first + -(-n_tokens // block_size)))
+
+
+@pytest.fixture
+def artifact_copy(compiled_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(compiled_dir, tmp_path / "artifact"))
+
+
+def test_open_loads_no_graph_first_use_loads_one_preload_loads_all(compiled_dir):
+    runtime = BucketRuntime.open(compiled_dir)
+    assert runtime.loaded == []
+
+    runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+    assert runtime.loaded == [Bucket("prefill", 1, 16, 128)]
+
+    warm = BucketRuntime.open(compiled_dir, preload=True)
+    assert sorted(warm.loaded) == sorted(warm.records) and len(warm.loaded) == 4
+
+
+def test_stats_count_calls_real_and_padded_tokens_per_bucket(compiled_dir):
+    runtime = BucketRuntime.open(compiled_dir)
+    assert set(runtime.stats) == {"prefill_s16", "prefill_s32", "decode_b1", "decode_b2"}
+
+    runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2]), PrefillChunk(tokens(20, 1), 0, [3, 4, 5])])
+    runtime.decode([DecodeRow([7], 10, [1, 2])])
+
+    def counters(label: str) -> tuple[int, int, int]:
+        s = runtime.stats[label]
+        return s.calls, s.real_tokens, s.padded_tokens
+
+    assert counters("prefill_s16") == (1, 10, 6)
+    assert counters("prefill_s32") == (1, 20, 12)
+    assert counters("decode_b1") == (1, 1, 0)
+    assert counters("decode_b2") == (0, 0, 0)
+
+
+def test_chunked_prefill_matches_transformers(compiled_dir, hf_model):
+    """45 tokens > the 32-token bucket: a 32-token chunk, then 13 attending to the cached 32."""
+    runtime = BucketRuntime.open(compiled_dir)
+    long, short = tokens(45, 2), tokens(20, 3)
+
+    logits = runtime.prefill([PrefillChunk(long, 0, blocks(1, 45)), PrefillChunk(short, 0, blocks(10, 20))])
+
+    want = torch.stack([hf_last_logits(hf_model, long), hf_last_logits(hf_model, short)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert runtime.stats["prefill_s32"].calls == 2 and runtime.stats["prefill_s16"].calls == 1
+
+
+def test_decode_of_three_rows_splits_over_batch_2_graphs_and_matches_transformers(compiled_dir, hf_model):
+    runtime = BucketRuntime.open(compiled_dir)
+    prompts = [tokens(n, seed) for seed, n in enumerate((5, 17, 30))]
+    tables = [blocks(1 + 8 * i, len(p) + 1) for i, p in enumerate(prompts)]
+    runtime.prefill([PrefillChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+
+    nxt = [11, 22, 33]
+    rows = [DecodeRow([n], len(p), t) for p, n, t in zip(prompts, nxt, tables, strict=True)]
+    logits = runtime.decode(rows)
+
+    assert logits.shape == (3, 1, 256)
+    want = torch.stack([hf_last_logits(hf_model, p + [n]) for p, n in zip(prompts, nxt, strict=True)])
+    torch.testing.assert_close(logits[:, 0], want, rtol=1e-4, atol=1e-4)
+    assert runtime.stats["decode_b2"].calls == 1 and runtime.stats["decode_b1"].calls == 1
+
+
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_delete, "graph of bucket prefill_b1_s16_c128 is missing"),
+        (_truncate, "graph .* of bucket prefill_b1_s16_c128 does not match its sha256"),
+        (_flip_a_byte, "graph .* of bucket prefill_b1_s16_c128 does not match its sha256"),
+    ],
+    ids=["missing", "truncated", "tampered"],
+)
+def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, damage, message):
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    rec = next(r for r in manifest["buckets"] if (r["kind"], r["seq"]) == ("prefill", 16))
+    damage(artifact_copy / rec["file"])
+
+    runtime = BucketRuntime.open(artifact_copy)  # lazy: opening does not read the graph
+    before = runtime.k_cache.clone()
+    with pytest.raises(ArtifactError, match=message):
+        runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+    assert torch.equal(runtime.k_cache, before)
+    runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])])  # the other buckets still serve
+
+
+def test_weights_that_do_not_match_the_manifest_fail_at_open(artifact_copy):
+    path = artifact_copy / "weights.safetensors"
+    weights = load_file(path)
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 2
+    save_file(weights, path)
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match the manifest's sha256"):
+        BucketRuntime.open(artifact_copy)
+    path.unlink()
+    with pytest.raises(ArtifactError, match="weights file .*weights.safetensors is missing"):
+        BucketRuntime.open(artifact_copy)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda m: m.update(schema_version=m["schema_version"] + 1),
+            r"schema_version \d+ is newer than this toolchain supports .*upgrade neuron-buckets",
+        ),
+        (
+            lambda m: m["backend"]["versions"].update(torch="0.0.1"),
+            r"compiled for other versions \(torch: built with 0.0.1, running .*\); recompile",
+        ),
+    ],
+    ids=["newer-schema", "other-torch"],
+)
+def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit, message):
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=message):
+        BucketRuntime.open(artifact_copy)
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "message"),
+    [
+        (
+            lambda rt: rt.prefill([PrefillChunk([1] * 129, 0, list(range(1, 18)))]),
+            NoBucketFits,
+            "reaching 129 tokens exceeds max_model_len 128",
+        ),
+        # one good request beside a bad one: nothing of the good one is written either
+        (
+            lambda rt: rt.prefill([PrefillChunk([1] * 12, 0, [40, 41]), PrefillChunk([2] * 9, 0, [42, 64])]),
+            ValueError,
+            r"block ids must lie in \[1, 64\), got \[42, 64\]",
+        ),
+        (
+            lambda rt: rt.prefill([PrefillChunk([1] * 4, 0, [0])]),
+            ValueError,
+            r"block ids must lie in \[1, 64\)",
+        ),
+        (
+            lambda rt: rt.decode([DecodeRow([3], 10, [1, 2]), DecodeRow([4], 10, [-3, 5])]),
+            ValueError,
+            r"block ids must lie in \[1, 64\), got \[-3, 5\]",
+        ),
+        (lambda rt: rt.decode([DecodeRow([3], 20, [1, 2])]), ValueError, "blocks for only 16"),
+    ],
+    ids=["too-long", "block-past-the-pool", "null-block", "negative-block", "too-few-blocks"],
+)
+def test_impossible_requests_are_refused_with_the_cache_untouched(compiled_dir, step, error, message):
+    runtime = BucketRuntime.open(compiled_dir)
+    runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])  # some real K/V to protect
+    k, v = runtime.k_cache.clone(), runtime.v_cache.clone()
+    with pytest.raises(error, match=message):
+        step(runtime)
+    assert torch.equal(runtime.k_cache, k) and torch.equal(runtime.v_cache, v)
