@@ -3,8 +3,9 @@
 gpt-fast style plain PyTorch with the transformers parameter names, so a Hugging Face state dict
 loads as is. The forward takes one padded step of fixed shape (see ``Llama.forward``) and is
 torch.export-friendly: no data-dependent Python control flow, no ``.item()``, no loop over
-tokens; its shape checks run only in eager mode. The cache write and the attention are the kernel
-goldens of ``kernels/block_kv_torch.py``, which the Neuron backend swaps for NKI kernels.
+tokens; its shape checks run only in eager mode. The cache write and the attention go through
+``kernels/dispatch.py``: the goldens of ``kernels/block_kv_torch.py`` unless a backend (Neuron)
+swaps its own kernels in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from neuron_buckets.block_table import check_block_ids
-from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
+from neuron_buckets.kernels.dispatch import block_kv_attention, write_kv_cache
 
 ROPE_TYPES = ("default", "llama3")
 # config.json entries that would change the math; any value but the listed one is refused.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from neuron_buckets.kernels import dispatch
 
 from neuron_buckets.checkpoint import load_weights
 from neuron_buckets.grid import Bucket, NoBucketFits
@@ -205,3 +206,24 @@ def test_export_keeps_static_shapes_and_mutates_the_caches_in_place():
         got = ep.module()(*step.args(), k, v)
     assert torch.equal(got[: step.num_samples], want)
     assert torch.equal(k, k_want) and torch.equal(v, v_want)
+
+
+def test_model_runs_the_kernels_a_backend_swaps_in():
+    """Every layer's cache write and attention go through the dispatch, so NKI can replace them."""
+    model = ours_from(hf_model())
+    calls = []
+    golden = dispatch.GOLDEN
+
+    def write(*args, layer):
+        calls.append(("write", layer))
+        golden.write_kv_cache(*args, layer=layer)
+
+    def attend(*args):
+        calls.append("attend")
+        return golden.block_kv_attention(*args)
+
+    step = pad_decode([DecodeRow([5], 9, [7, 3])], Bucket("decode", 2, 1, 32), BS)
+    k = torch.zeros(model.cache_shape(16, BS))
+    with torch.no_grad(), dispatch.use(dispatch.KernelSet("spy", write, attend)):
+        model(*step.args(), k, k.clone())
+    assert calls == [("write", 0), "attend", ("write", 1), "attend"]
