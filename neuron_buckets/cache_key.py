@@ -2,7 +2,8 @@
 
 The key hashes the model config, the source of the model and its kernels, the bucket shape, the
 cache geometry and dtype, the backend with its compiler/torch versions, flags and device. Weights
-are not in it: graphs take them at load time, so new weights of the same model reuse every graph.
+are not in it: graphs take them at load time, so new weights of the same model reuse every graph;
+nor is max_model_len: each bucket's own ctx bounds its graph.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 from neuron_buckets import masks, model
 from neuron_buckets.grid import Bucket
 
+# Cache settings that no graph depends on: a bucket's own ctx bounds what it attends over.
+_NOT_IN_GRAPH = ("max_model_len",)
 # Code whose text decides what a compiled graph computes.
 _GRAPH_SOURCES = (Path(model.__file__), Path(masks.__file__))
 
@@ -42,7 +45,7 @@ def graph_key(
     material = {
         "bucket": [bucket.kind, bucket.batch, bucket.seq, bucket.ctx],
         "model_config": model_config,
-        "cache": cache,
+        "cache": {k: v for k, v in cache.items() if k not in _NOT_IN_GRAPH},
         "backend": backend,
         "sources": sources,
     }
