@@ -2,7 +2,9 @@
 
 Inductor's own caches do not cover AOT packages, so this one does. A graph enters the cache only
 by an atomic rename of a finished file, so a killed compile never leaves a valid-looking entry.
-Artifact directories get a hard link when possible (no extra disk), else a copy.
+Artifact directories get a hard link when possible (no extra disk), else a copy. Because of the
+link, editing an artifact's graph in place edits its cache entry too, so every entry carries the
+sha256 taken when it was committed and is reused only while its bytes still match.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+
+from neuron_buckets.manifest import atomic_write, sha256_file
 
 
 def default_cache_dir() -> Path:
@@ -27,16 +31,30 @@ class GraphStore:
     def path(self, key: str, ext: str) -> Path:
         return self.root / f"{key}.{ext}"
 
+    @staticmethod
+    def digest_path(graph: Path) -> Path:
+        return graph.with_name(f"{graph.name}.sha256")
+
     def get(self, key: str, ext: str) -> Path | None:
+        """The cached graph, or None if absent or changed since it was committed."""
         path = self.path(key, ext)
-        return path if path.is_file() else None
+        digest = self.digest_path(path)
+        if not (path.is_file() and digest.is_file()):
+            return None
+        return path if sha256_file(path) == digest.read_text() else None
 
     def temp_path(self, key: str, ext: str) -> Path:
         """Where a worker writes before ``commit``; unique per process, ignored by ``get``."""
         return self.root / f".{key}.{os.getpid()}.tmp.{ext}"
 
     def commit(self, temp: Path, key: str, ext: str) -> Path:
+        """Publish a finished graph: its sha256 first, then the graph, each by an atomic rename.
+
+        A crash in between leaves a digest that matches no graph, which ``get`` treats as absent.
+        """
         final = self.path(key, ext)
+        digest = sha256_file(temp)
+        atomic_write(self.digest_path(final), lambda p: p.write_text(digest))
         os.replace(temp, final)
         return final
 
