@@ -13,8 +13,10 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,7 +228,11 @@ class Compiler:
         return o
 
     def run(self, jobs: int, on_event: Callable[[str, Outcome | None], None] | None = None) -> CompileReport:
-        """Compile what is missing; ``on_event`` sees ("start"|"done", outcome) for a progress bar."""
+        """Compile what is missing; ``on_event`` sees ("queued"|"done", outcome) for a progress bar.
+
+        "queued" comes when a bucket is handed to a worker, at most ``jobs`` at a time, so queued
+        minus done is what is compiling.
+        """
         notify = on_event or (lambda *_: None)
         with directory_lock(self.out):
             previous = self._previous()
@@ -250,28 +256,37 @@ class Compiler:
             return CompileReport(self.out, [done[b] for b in self.buckets if b in done])
 
     def _compile_all(self, todo: list[Outcome], done: dict[Bucket, Outcome], jobs: int, notify) -> None:
+        """Compile ``todo``, at most ``jobs`` at a time, so that ``--fail-fast`` starts nothing more.
+
+        A worker that dies (OOM kill, segfault) breaks its pool and fails the buckets then in
+        flight; a fresh pool compiles the rest.
+        """
+        queue = deque(todo)
         threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
-        ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(threads,)) as pool:
-            futures: dict[Future, Outcome] = {}
-            for o in todo:
-                fut = pool.submit(_compile_worker, self.config, o.bucket, o.key, str(self.store.root))
-                futures[fut] = o
+        spawn = {"mp_context": mp.get_context("spawn"), "initializer": _init_worker, "initargs": (threads,)}
+        while queue and not (self.fail_fast and any(o.status != "ok" for o in done.values())):
+            with ProcessPoolExecutor(jobs, **spawn) as pool:
+                self._drain(pool, queue, done, jobs, notify)
+
+    def _drain(self, pool: ProcessPoolExecutor, queue: deque[Outcome], done: dict[Bucket, Outcome],
+               jobs: int, notify) -> None:
+        """Feed ``pool`` until the queue is empty, a bucket fails under fail-fast, or the pool breaks."""
+        running: dict[Future, Outcome] = {}
+        feeding = True
+        while running or (feeding and queue):
+            while feeding and queue and len(running) < jobs:
+                o = queue.popleft()
+                running[pool.submit(_compile_worker, self.config, o.bucket, o.key, str(self.store.root))] = o
                 notify("queued", o)
-            pending = set(futures)
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    o = futures[fut]
-                    try:
-                        o.compile_seconds, err = fut.result()
-                    except Exception:  # the worker process itself died (OOM kill, segfault)
-                        err = traceback.format_exc()
-                    done[o.bucket] = self._finish(o, err)
-                    self._save(done)
-                    notify("done", o)
-                    if err and self.fail_fast:
-                        for f in pending:
-                            f.cancel()
-                        pool.shutdown(wait=True, cancel_futures=True)
-                        return
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                o = running.pop(fut)
+                try:
+                    o.compile_seconds, err = fut.result()
+                except Exception as e:  # the worker could not run it, or died (BrokenProcessPool)
+                    err = traceback.format_exc()
+                    feeding = feeding and not isinstance(e, BrokenProcessPool)
+                done[o.bucket] = self._finish(o, err)
+                self._save(done)
+                notify("done", o)
+                feeding = feeding and not (err and self.fail_fast)
