@@ -47,7 +47,16 @@ class InductorBackend:
         return {"torch": torch.__version__, "compiler": _cxx_version(), "cuda": cuda}
 
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
-        """User inductor configs plus the ones this backend fixes (weights out of the package)."""
+        """User inductor configs plus the ones this backend fixes (weights out of the package).
+
+        A misspelt option fails here, once, instead of in every bucket after its export.
+        """
+        from torch._inductor import config as inductor_config
+
+        if unknown := sorted(set(flags) - set(inductor_config.get_config_copy())):
+            raise ValueError(
+                f"compile.flags {unknown} are not torch._inductor.config options (torch {torch.__version__})"
+            )
         if clash := {k: v for k, v in flags.items() if k in FIXED_CONFIGS and FIXED_CONFIGS[k] != v}:
             raise ValueError(f"compile.flags {clash} conflict with the weights-outside-graph design")
         return {**flags, **FIXED_CONFIGS}
