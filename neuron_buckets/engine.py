@@ -12,8 +12,9 @@ tokens are exactly what it would get running alone.
 There is no draft model and no end-of-sequence token: every request generates exactly
 ``max_new_tokens`` tokens. On an artifact compiled with ``speculation_length > 0`` decode rows
 carry ``1 + speculation_length`` positions; this engine sends one real token per row and the
-runtime pads the other positions (slot -1, never sampled), so such artifacts generate the same
-greedy tokens, just without the speedup of verifying drafts.
+runtime pads the other positions (slot -1: no cache write, no block; causal attention keeps them
+out of the real token's output; their sampled entries repeat the real token's logits), so such
+artifacts generate the same greedy tokens, just without the speedup of verifying drafts.
 """
 
 from __future__ import annotations
