@@ -20,10 +20,8 @@ import tempfile
 import time
 import tomllib
 from pathlib import Path
-from unittest import mock
 
 import torch
-from neuron_buckets.kernels.dispatch import KernelSet, active
 from torch.utils.benchmark import Timer
 
 from neuron_buckets.checkpoint import default_model
@@ -53,17 +51,6 @@ jobs = 2
 """
 CONTEXT = 100  # tokens already cached per request when the decode step runs
 BATCHES = (1, 5, 8)
-
-
-class PinnedKernels:
-    """Stands in for dispatch's ContextVar, which dynamo cannot trace (``ContextVar.get``): with it,
-    torch.compile would skip the whole forward and run it eagerly, a straw-man baseline."""
-
-    def __init__(self, kernels: KernelSet) -> None:
-        self.kernels = kernels
-
-    def get(self) -> KernelSet:
-        return self.kernels
 
 
 def best_ms(*fns, rounds: int = 3) -> list[float]:
@@ -183,8 +170,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     with tempfile.TemporaryDirectory(prefix="nb-bench-") as root:
         artifact = compile_artifact(Path(root))
-        with mock.patch("neuron_buckets.kernels.dispatch._ACTIVE", PinnedKernels(active())):
-            bench_decode(BucketRuntime.open(artifact))
+        bench_decode(BucketRuntime.open(artifact))
         bench_host_overhead()
         bench_open(artifact)
 

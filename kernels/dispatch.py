@@ -3,15 +3,15 @@
 The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default they forward to
 the goldens of ``block_kv_torch``; a backend with its own kernels (Neuron: the NKI kernels of
 ``block_kv_nki``) installs them with ``use(kernels)`` for the duration of a trace, so the model
-code is identical on every backend and the swap is visible in one place. The choice lives in a
-ContextVar, so two compiles in one process (threads) never see each other's kernels.
+code is identical on every backend and the swap is visible in one place. The choice is a plain
+module global, which torch.compile and torch.export trace as a constant; compiles run one per
+process, so no two traces ever share it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from neuron_buckets.kernels import block_kv_torch
@@ -28,22 +28,23 @@ class KernelSet:
 
 
 GOLDEN = KernelSet("torch", block_kv_torch.write_kv_cache, block_kv_torch.block_kv_attention)
-_ACTIVE: ContextVar[KernelSet] = ContextVar("block_kv_kernels", default=GOLDEN)
+_active = GOLDEN
 
 
 def active() -> KernelSet:
     """The kernel set the model calls right now."""
-    return _ACTIVE.get()
+    return _active
 
 
 @contextmanager
 def use(kernels: KernelSet) -> Iterator[KernelSet]:
     """Run the model with ``kernels`` inside the ``with`` block; the previous set comes back after."""
-    token = _ACTIVE.set(kernels)
+    global _active
+    previous, _active = _active, kernels
     try:
         yield kernels
     finally:
-        _ACTIVE.reset(token)
+        _active = previous
 
 
 def write_kv_cache(
@@ -58,7 +59,7 @@ def write_kv_cache(
 
     With ``layer``, the caches are the stacked (L, NB, BS, KVH, D) tensors and that layer is written.
     """
-    _ACTIVE.get().write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=layer)
+    _active.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=layer)
 
 
 def block_kv_attention(
@@ -72,6 +73,6 @@ def block_kv_attention(
     scale: float,
 ) -> Tensor:
     """Paged attention over the block table plus the step's own tokens, with the active kernels."""
-    return _ACTIVE.get().block_kv_attention(
+    return _active.block_kv_attention(
         q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale
     )
