@@ -55,6 +55,7 @@ class Outcome:
     cached: bool = False
     error: str | None = None
     log: str | None = None
+    sha256: str | None = None  # of the placed graph, hashed once: the manifest is rewritten often
 
 
 @dataclass
@@ -201,7 +202,7 @@ class Compiler:
             "ctx": o.bucket.ctx,
             "key": o.key,
             "file": path.relative_to(self.out).as_posix(),
-            "sha256": sha256_file(path) if ok else None,
+            "sha256": o.sha256,
             "bytes": path.stat().st_size if ok else 0,
             "compile_seconds": round(o.compile_seconds, 3),
             "cached": o.cached,
@@ -220,6 +221,7 @@ class Compiler:
     def _finish(self, o: Outcome, err: str | None) -> Outcome:
         if err is None:
             self.store.place(self.store.path(o.key, self.backend.graph_ext), self.graph_file(o.key))
+            o.sha256 = sha256_file(self.graph_file(o.key))
             return o
         log = self.out / "logs" / f"{o.bucket.name}.log"
         atomic_write(log, lambda p: p.write_text(err))
@@ -242,8 +244,9 @@ class Compiler:
             for b in self.buckets:
                 key = self.keys[b]
                 if key in previous:
-                    secs = previous[key]["compile_seconds"]
-                    done[b] = Outcome(b, key, compile_seconds=secs, cached=True)
+                    rec = previous[key]
+                    done[b] = Outcome(b, key, compile_seconds=rec["compile_seconds"], cached=True,
+                                      sha256=rec["sha256"])
                 elif self.store.get(key, self.backend.graph_ext):
                     done[b] = self._finish(Outcome(b, key, cached=True), None)
                 else:
