@@ -24,6 +24,7 @@ import jsonschema
 import pytest
 import torch
 
+from neuron_buckets import compiler
 from neuron_buckets.compiler import Compiler, CompileReport, Outcome
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.grid import Bucket
@@ -74,6 +75,17 @@ def test_second_run_compiles_nothing_and_touches_no_graph(eager, tmp_path):
     assert events == [("done", True)] * 4  # no worker was started
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "graphs").iterdir()} == files
     assert {k: r["key"] for k, r in records(out).items()} == {o.bucket.name: o.key for o in first.outcomes}
+
+
+def test_each_graph_is_hashed_once_per_run(eager, tmp_path, monkeypatch):
+    """The manifest is rewritten after every bucket; re-hashing every graph each time is quadratic."""
+    hashed, real = [], compiler.sha256_file
+    monkeypatch.setattr(compiler, "sha256_file", lambda path: hashed.append(path) or real(path))
+    for _ in range(2):  # a cold run, then a warm one that checks the graphs it reuses
+        hashed.clear()
+        compile_(eager, tmp_path / "out", tmp_path / "cache")
+        graphs = [p.name for p in hashed if p.parent.name == "graphs"]
+        assert len(graphs) == len(set(graphs)) == 4
 
 
 def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
