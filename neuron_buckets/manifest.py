@@ -81,7 +81,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ManifestError(f"{directory} is not an artifact directory: {MANIFEST} is missing") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # truncated, or bytes damaged
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
     return validate(data, str(path))
 
