@@ -187,11 +187,16 @@ def test_a_graph_edited_in_place_is_caught_and_rebuilt_by_the_next_compile(eager
     BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
 
 
-def test_a_damaged_manifest_is_refused_on_load_and_rebuilt_from_the_cache(eager, tmp_path):
+@pytest.mark.parametrize(
+    "damage",
+    [lambda data: data[:200], lambda data: data[:10] + b"\xff" + data[11:]],
+    ids=["truncated", "not-utf8"],
+)
+def test_a_damaged_manifest_is_refused_on_load_and_rebuilt_from_the_cache(eager, tmp_path, damage):
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
     manifest = out / "manifest.json"
-    manifest.write_text(manifest.read_text()[:200])
+    manifest.write_bytes(damage(manifest.read_bytes()))
     with pytest.raises(ManifestError, match="not valid JSON"):
         BucketRuntime.open(out)
     report = compile_(eager, out, cache)
