@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
 from collections import deque
@@ -121,6 +122,10 @@ def _compile_worker(config: Config, bucket: Bucket, key: str, store_root: str) -
 
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
+    # A worker must not outlive nb compile: killed with SIGKILL it cannot stop its pool, whose
+    # workers would otherwise compile on, then wait forever for work.
+    parent = mp.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
 
 
 class Compiler:
@@ -184,13 +189,10 @@ class Compiler:
         return intact
 
     def _write_weights(self) -> None:
-        atomic_write(self.out / WEIGHTS, lambda p: save_weights(self.model, p))
         path = self.out / WEIGHTS
-        self.manifest["weights"] = {
-            "file": WEIGHTS,
-            "sha256": sha256_file(path),
-            "bytes": path.stat().st_size,
-        }
+        atomic_write(path, lambda p: save_weights(self.model, p))
+        info = {"file": WEIGHTS, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+        self.manifest["weights"] = info
 
     def _record(self, o: Outcome) -> dict[str, Any]:
         path = self.graph_file(o.key)
