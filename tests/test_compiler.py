@@ -152,6 +152,47 @@ def test_a_worker_that_dies_fails_only_its_bucket(eager, tmp_path):
     assert sorted(names(report.compiled)) == sorted(b.name for b in (PREFILL_16, DECODE_1, DECODE_2))
 
 
+HOLD_SCRIPT = (
+    "import multiprocessing, sys, time; from pathlib import Path\n"
+    "from neuron_buckets.compiler import Compiler\n"
+    "from neuron_buckets.config import load_config\n"
+    "def hold(event, outcome):  # a worker is started: name it, then stay in the run until killed\n"
+    "    print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
+    "    time.sleep(600)\n"
+    "Compiler(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])).run(1, hold)\n"
+)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a dead orphan may wait a moment to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_workers_do_not_outlive_a_killed_compile(tmp_path, hf_model_dir):
+    """``kill -9`` of nb compile alone (not its process group) must not leave workers behind."""
+    config = write_config(tmp_path, hf_model_dir, EAGER)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SCRIPT, str(config), str(tmp_path / "out"), str(tmp_path / "cache")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        (worker,) = map(int, proc.stdout.readline().split())
+        assert running(worker)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(worker), f"worker {worker} outlived the killed compile"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_a_second_compile_of_the_same_directory_is_refused(eager, tmp_path):
     out = tmp_path / "out"
     with directory_lock(out), pytest.raises(DirectoryLocked) as refused:
