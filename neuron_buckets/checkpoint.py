@@ -9,6 +9,7 @@ them (``load_weights``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -80,12 +81,12 @@ def load_weights(model: Llama, weights: str | Path | dict[str, Tensor]) -> Llama
     expected = model.state_dict()
     missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     for name, tensor in weights.items():
         if tensor.shape != expected[name].shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config implies "
-                             f"{tuple(expected[name].shape)}")
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
+            )
     model.load_state_dict(weights, strict=True)  # load_state_dict copies and casts in place
     return model
 
@@ -112,3 +113,31 @@ def default_model(dtype: torch.dtype = torch.float32) -> Llama:
             else:
                 param.normal_(0.0, DEFAULT_INIT_STD, generator=gen)
     return model.to(dtype).eval()
+
+
+def model_config_of(source: Path | None) -> LlamaConfig:
+    """The config alone (cheap: no tensors read) of a checkpoint directory or the default."""
+    return DEFAULT_CONFIG if source is None else read_config(source)
+
+
+def build_model(source: Path | None, dtype: torch.dtype) -> Llama:
+    """The model of a checkpoint directory, or the embedded default for ``None``."""
+    return default_model(dtype) if source is None else load_model(source, dtype)
+
+
+def weights_fingerprint(source: Path | None, dtype: torch.dtype) -> str:
+    """A cheap identity of the weights a source yields, to skip rewriting unchanged weights.
+
+    Checkpoint directories: the names, sizes and modification times of their files; the default:
+    this module's source (seed, init) and the torch version (its random generator).
+    """
+    h = hashlib.sha256(str(dtype).encode())
+    if source is None:
+        h.update(Path(__file__).read_bytes())
+        h.update(torch.__version__.encode())
+    else:
+        for f in sorted(Path(source).glob("*")):
+            if f.suffix in (".safetensors", ".json"):
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()

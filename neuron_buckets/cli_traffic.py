@@ -20,7 +20,6 @@ from neuron_buckets.grid import powers_of_two, validate_buckets
 from neuron_buckets.padding_stats import inspect_trace
 from neuron_buckets.planner import PlanOptions, plan
 from neuron_buckets.traces import Trace, load_trace
-from neuron_buckets.traffic_plot import plot_padding
 from neuron_buckets.traffic_report import print_inspect, print_plan, toml_snippet
 
 DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
@@ -101,6 +100,8 @@ def inspect(
     except ValueError as e:
         raise _fail(e) from None
     if plot is not None:
+        from neuron_buckets.traffic_plot import plot_padding  # matplotlib: only when asked
+
         plot_padding(plot, data.prompt_lens, doc["prefill"])
         log.print(f"wrote {plot}", highlight=False)
     _emit(doc, as_json, print_inspect)

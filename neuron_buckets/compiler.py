@@ -11,8 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import multiprocessing as mp
 import os
-import threading
-import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -27,7 +25,8 @@ import torch
 from neuron_buckets import __version__
 from neuron_buckets.backends import get_backend
 from neuron_buckets.cache_key import graph_key, source_digest
-from neuron_buckets.checkpoint import default_model, load_model, save_weights
+from neuron_buckets.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
+from neuron_buckets.compile_worker import compile_bucket, init_worker
 from neuron_buckets.config import Config
 from neuron_buckets.grid import Bucket, enumerate_grid
 from neuron_buckets.lock import directory_lock
@@ -40,8 +39,7 @@ from neuron_buckets.manifest import (
     sha256_file,
     write_manifest,
 )
-from neuron_buckets.model import Llama
-from neuron_buckets.padding import PrefillChunk, pad_decode, pad_prefill
+from neuron_buckets.model import LlamaConfig
 from neuron_buckets.store import GraphStore
 
 
@@ -73,59 +71,17 @@ class CompileReport:
         return [o for o in self.outcomes if o.status == "ok" and not o.cached]
 
 
-def build_model(config: Config) -> Llama:
-    dtype = getattr(torch, config.cache.dtype)
-    if config.model.path is None:
-        return default_model(dtype)
-    return load_model(config.model.path, dtype)
-
-
-def example_args(model: Llama, bucket: Bucket, config: Config, device: str) -> tuple[torch.Tensor, ...]:
-    """Inputs of the bucket's exact shapes (one real token, the rest padding) plus the caches."""
-    pad = pad_decode if bucket.kind == "decode" else pad_prefill
-    step = pad([PrefillChunk([0], 0, [1])], bucket, config.cache.block_size)
-    shape = model.cache_shape(config.cache.num_blocks, config.cache.block_size)
-    dtype = getattr(torch, config.cache.dtype)
-    caches = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-    return tuple(t.to(device) for t in (*step.args(), *caches))
-
-
-def cache_geometry(model: Llama, config: Config) -> dict[str, Any]:
+def cache_geometry(model: LlamaConfig, config: Config) -> dict[str, Any]:
     c = config.cache
     return {
         "block_size": c.block_size,
         "num_blocks": c.num_blocks,
-        "num_layers": model.config.num_layers,
-        "num_kv_heads": model.config.num_kv_heads,
-        "head_dim": model.config.head_dim,
+        "num_layers": model.num_layers,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
         "dtype": c.dtype,
         "max_model_len": c.max_model_len,
     }
-
-
-def _compile_worker(config: Config, bucket: Bucket, key: str, store_root: str) -> tuple[float, str | None]:
-    """Runs in a worker process: rebuild the model, compile one bucket into the cache."""
-    backend = get_backend(config.compile.backend)
-    store = GraphStore(Path(store_root))
-    device = config.compile.device
-    model = build_model(config).to(device)
-    temp = store.temp_path(key, backend.graph_ext)
-    start = time.perf_counter()
-    try:
-        backend.compile(model, example_args(model, bucket, config, device), temp, config.compile.flags)
-        store.commit(temp, key, backend.graph_ext)
-    except Exception:
-        temp.unlink(missing_ok=True)
-        return time.perf_counter() - start, traceback.format_exc()
-    return time.perf_counter() - start, None
-
-
-def _init_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
-    # A worker must not outlive nb compile: killed with SIGKILL it cannot stop its pool, whose
-    # workers would otherwise compile on, then wait forever for work.
-    parent = mp.parent_process()
-    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
 
 
 class Compiler:
@@ -136,7 +92,7 @@ class Compiler:
         if not ok:
             raise RuntimeError(f"backend {self.backend.name!r} is not usable here: {why}")
         self.store = GraphStore(cache_dir)
-        self.model = build_model(config)
+        self.model_config = model_config_of(config.model.path)
         self.buckets = enumerate_grid(config)
         backend_info = {
             "name": self.backend.name,
@@ -150,10 +106,10 @@ class Compiler:
             "backend": backend_info,
             "model": {
                 "source": str(config.model.path) if config.model.path else "embedded-default",
-                "config": self.model.config.to_hf(),
+                "config": self.model_config.to_hf(),
                 "dtype": config.cache.dtype,
             },
-            "cache": cache_geometry(self.model, config),
+            "cache": cache_geometry(self.model_config, config),
             "decode": {
                 "speculation_length": config.buckets.speculation_length,
                 "max_num_seqs": config.buckets.max_num_seqs,
@@ -175,24 +131,38 @@ class Compiler:
     def graph_file(self, key: str) -> Path:
         return self.out / GRAPHS / f"{key}.{self.backend.graph_ext}"
 
-    def _previous(self) -> dict[str, dict[str, Any]]:
-        """Records of the last run whose graph file is still intact, by key."""
+    def _previous(self) -> dict[str, Any] | None:
         try:
-            old = read_manifest(self.out)
+            return read_manifest(self.out)
         except ValueError:
-            return {}
-        intact = {}
-        for rec in old["buckets"]:
+            return None
+
+    def _intact(self, old: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+        """Records of the last run whose graph file is still intact, by key."""
+        intact: dict[str, dict[str, Any]] = {}
+        for rec in old["buckets"] if old else ():
             path = self.out / rec["file"]
             if rec["status"] == "ok" and path.is_file() and sha256_file(path) == rec["sha256"]:
                 intact[rec["key"]] = rec
         return intact
 
-    def _write_weights(self) -> None:
+    def _write_weights(self, old: dict[str, Any] | None) -> None:
+        """Write the one weights file, unless the last run wrote it from the same source."""
         path = self.out / WEIGHTS
-        atomic_write(path, lambda p: save_weights(self.model, p))
+        dtype = getattr(torch, self.config.cache.dtype)
+        fingerprint = weights_fingerprint(self.config.model.path, dtype)
+        kept = old["weights"] if old else {}
+        if (
+            kept.get("source_fingerprint") == fingerprint
+            and path.is_file()
+            and path.stat().st_size == kept["bytes"]
+        ):
+            self.manifest["weights"] = kept
+            return
+        model = build_model(self.config.model.path, dtype)
+        atomic_write(path, lambda p: save_weights(model, p))
         info = {"file": WEIGHTS, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-        self.manifest["weights"] = info
+        self.manifest["weights"] = {**info, "source_fingerprint": fingerprint}
 
     def _record(self, o: Outcome) -> dict[str, Any]:
         path = self.graph_file(o.key)
@@ -239,16 +209,18 @@ class Compiler:
         """
         notify = on_event or (lambda *_: None)
         with directory_lock(self.out):
-            previous = self._previous()
-            self._write_weights()
+            old = self._previous()
+            previous = self._intact(old)
+            self._write_weights(old)
             done: dict[Bucket, Outcome] = {}
             todo: list[Outcome] = []
             for b in self.buckets:
                 key = self.keys[b]
                 if key in previous:
                     rec = previous[key]
-                    done[b] = Outcome(b, key, compile_seconds=rec["compile_seconds"], cached=True,
-                                      sha256=rec["sha256"])
+                    done[b] = Outcome(
+                        b, key, compile_seconds=rec["compile_seconds"], cached=True, sha256=rec["sha256"]
+                    )
                 elif self.store.get(key, self.backend.graph_ext):
                     done[b] = self._finish(Outcome(b, key, cached=True), None)
                 else:
@@ -258,7 +230,18 @@ class Compiler:
                 notify("done", o)
             if todo:
                 self._compile_all(todo, done, jobs, notify)
+            self._prune(done)
             return CompileReport(self.out, [done[b] for b in self.buckets if b in done])
+
+    def _prune(self, done: dict[Bucket, Outcome]) -> None:
+        """Drop graphs of buckets no longer in the grid and temp files of killed runs.
+
+        They are hard links or copies of cache entries, so nothing compiled is lost.
+        """
+        keep = {self.graph_file(o.key).name for o in done.values() if o.status == "ok"}
+        for f in (self.out / GRAPHS).glob("*"):
+            if f.name not in keep and f.is_file():
+                f.unlink()
 
     def _compile_all(self, todo: list[Outcome], done: dict[Bucket, Outcome], jobs: int, notify) -> None:
         """Compile ``todo``, at most ``jobs`` at a time, so that ``--fail-fast`` starts nothing more.
@@ -268,20 +251,21 @@ class Compiler:
         """
         queue = deque(todo)
         threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
-        spawn = {"mp_context": mp.get_context("spawn"), "initializer": _init_worker, "initargs": (threads,)}
+        spawn = {"mp_context": mp.get_context("spawn"), "initializer": init_worker, "initargs": (threads,)}
         while queue and not (self.fail_fast and any(o.status != "ok" for o in done.values())):
             with ProcessPoolExecutor(jobs, **spawn) as pool:
                 self._drain(pool, queue, done, jobs, notify)
 
-    def _drain(self, pool: ProcessPoolExecutor, queue: deque[Outcome], done: dict[Bucket, Outcome],
-               jobs: int, notify) -> None:
+    def _drain(
+        self, pool: ProcessPoolExecutor, queue: deque[Outcome], done: dict[Bucket, Outcome], jobs: int, notify
+    ) -> None:
         """Feed ``pool`` until the queue is empty, a bucket fails under fail-fast, or the pool breaks."""
         running: dict[Future, Outcome] = {}
         feeding = True
         while running or (feeding and queue):
             while feeding and queue and len(running) < jobs:
                 o = queue.popleft()
-                running[pool.submit(_compile_worker, self.config, o.bucket, o.key, str(self.store.root))] = o
+                running[pool.submit(compile_bucket, self.config, o.bucket, o.key, str(self.store.root))] = o
                 notify("queued", o)
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in finished:

@@ -33,7 +33,7 @@ from neuron_buckets.manifest import ManifestError, read_manifest, sha256_file
 from neuron_buckets.padding import PrefillChunk
 from neuron_buckets.runtime import ArtifactError, BucketRuntime
 from neuron_buckets.store import GraphStore
-from tests.conftest import TINY_CONFIG, write_config
+from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
 PREFILL_16, PREFILL_32 = Bucket("prefill", 1, 16, 128), Bucket("prefill", 1, 32, 128)
@@ -106,6 +106,38 @@ def test_one_new_bucket_list_entry_compiles_only_that_bucket(eager, hf_model_dir
     assert names(report.compiled) == ["prefill_b1_s24_c128"]
     assert len(report.outcomes) == 5 and report.failed == []
     assert len(records(out)) == 5
+
+
+def test_unchanged_weights_are_not_rewritten_and_changed_ones_are(eager, hf_model_dir, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    compile_(eager, out, cache)
+    weights = out / "weights.safetensors"
+    before = (weights.stat().st_ino, weights.stat().st_mtime_ns)
+    old_sha = sha256_file(weights)
+    compile_(eager, out, cache)
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == before
+
+    model_dir = tmp_path / "retrained"
+    shutil.copytree(hf_model_dir, model_dir)
+    save_tiny_llama(model_dir, seed=1)  # same config, new weights: graphs reused, file rewritten
+    retrained = load_config(write_config(tmp_path, model_dir, EAGER))
+    report = compile_(retrained, out, cache)
+    assert report.compiled == [] and report.failed == []
+    assert read_manifest(out)["weights"]["sha256"] == sha256_file(weights) != old_sha
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) != before
+
+
+def test_graphs_of_buckets_dropped_from_the_grid_leave_the_directory(eager, hf_model_dir, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    compile_(eager, out, cache)
+    shrunk = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [32]")
+    (tmp_path / "shrunk").mkdir()
+    report = compile_(load_config(write_config(tmp_path / "shrunk", hf_model_dir, shrunk)), out, cache)
+    assert report.compiled == [] and len(report.outcomes) == 3
+    assert sorted(p.name for p in (out / "graphs").iterdir()) == sorted(
+        Path(r["file"]).name for r in read_manifest(out)["buckets"]
+    )
+    assert len(list(cache.glob("*.json"))) >= 4  # the cache keeps the dropped bucket's graph
 
 
 def test_a_failing_bucket_is_recorded_and_the_others_finish(eager, tmp_path):
