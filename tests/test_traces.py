@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,10 @@ from neuron_buckets.traces import TraceError, load_trace
 
 TRACES = Path(__file__).parents[2] / "shared" / "traces"
 CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"
+# CI always has shared/ beside the clone: there a missing trace must fail, never skip.
 needs_traces = pytest.mark.skipif(
-    not CONV.exists() or not CODE.exists(), reason=f"shared Azure traces not found in {TRACES}"
+    not os.environ.get("CI") and not (CONV.exists() and CODE.exists()),
+    reason=f"shared Azure traces not found in {TRACES}",
 )
 
 
