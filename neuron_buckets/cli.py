@@ -191,8 +191,14 @@ def generate(
             table.add_column(col)
         for label, s in runtime.stats.items():
             if s.calls:
-                waste = s.padded_tokens / max(s.real_tokens, 1)
-                table.add_row(label, str(s.calls), str(s.real_tokens), str(s.padded_tokens), f"{waste:.0%}")
+                row = (
+                    label,
+                    str(s.calls),
+                    str(s.real_tokens),
+                    str(s.padded_tokens),
+                    f"{s.padding_ratio:.0%}",
+                )
+                table.add_row(*row)
         err.print(table)
 
 

@@ -30,11 +30,19 @@ class ArtifactError(RuntimeError):
 
 @dataclass
 class BucketStats:
-    """What vLLM-neuron exports as ``prefill_s{N}`` / ``decode_b{N}``: use and waste per bucket."""
+    """What vLLM-neuron exports as ``prefill_s{N}`` / ``decode_b{N}``: use and waste per bucket.
+
+    As in ``nb inspect``: ``padded_tokens`` is every position computed (real and pad), so the
+    waste is ``(padded - real) / real``.
+    """
 
     calls: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
+
+    @property
+    def padding_ratio(self) -> float:
+        return (self.padded_tokens - self.real_tokens) / max(self.real_tokens, 1)
 
 
 def stats_label(bucket: Bucket, max_model_len: int) -> str:
@@ -143,7 +151,7 @@ class BucketRuntime:
         s.calls, s.real_tokens, s.padded_tokens = (
             s.calls + 1,
             s.real_tokens + real,
-            s.padded_tokens + bucket.tokens - real,
+            s.padded_tokens + bucket.tokens,
         )
         return logits[: step.num_samples]
 

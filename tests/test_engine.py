@@ -147,4 +147,4 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
 
     assert generate(runtime, prompts, 6) == hf_greedy(prompts, 6)
     decode = runtime.stats["decode_b2"]
-    assert decode.padded_tokens >= 2 * decode.real_tokens  # at least two of every three positions are pads
+    assert decode.padded_tokens >= 3 * decode.real_tokens  # at least two of every three positions are pads

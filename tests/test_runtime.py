@@ -69,9 +69,10 @@ def test_stats_count_calls_real_and_padded_tokens_per_bucket(compiled_dir):
         s = runtime.stats[label]
         return s.calls, s.real_tokens, s.padded_tokens
 
-    assert counters("prefill_s16") == (1, 10, 6)
-    assert counters("prefill_s32") == (1, 20, 12)
-    assert counters("decode_b1") == (1, 1, 0)
+    assert counters("prefill_s16") == (1, 10, 16)  # padded = every position computed
+    assert counters("prefill_s32") == (1, 20, 32)
+    assert counters("decode_b1") == (1, 1, 1)
+    assert runtime.stats["prefill_s32"].padding_ratio == 12 / 20
     assert counters("decode_b2") == (0, 0, 0)
 
 
