@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -78,6 +79,16 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> St
     return _pad(rows, bucket, block_size, sample_every_token=True)
 
 
+def _ragged(lists: Sequence[Sequence[int] | Tensor]) -> tuple[Tensor, Tensor]:
+    """Concatenate per-request id lists into one tensor (one conversion, not one per request)."""
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    if all(isinstance(x, Tensor) for x in lists):
+        return torch.cat([x.reshape(-1) for x in lists]).to(torch.int64), lens
+    plain = [x.tolist() if isinstance(x, Tensor) else x for x in lists]
+    flat = plain[0] if len(plain) == 1 else list(chain.from_iterable(plain))
+    return torch.as_tensor(flat, dtype=torch.int64), lens
+
+
 def _pad(
     rows: Sequence[PrefillChunk], bucket: Bucket, block_size: int, sample_every_token: bool
 ) -> StepInputs:
@@ -87,8 +98,7 @@ def _pad(
         raise ValueError("a step needs at least one request")
     if len(rows) > batch:
         raise NoBucketFits(f"{len(rows)} requests do not fit bucket {bucket.name} (batch {batch})")
-    ids = [torch.as_tensor(r.token_ids, dtype=torch.int64).reshape(-1) for r in rows]
-    lens = torch.tensor([len(t) for t in ids], dtype=torch.int64)
+    flat_ids, lens = _ragged([r.token_ids for r in rows])
     if int(lens.min()) == 0:
         raise ValueError("every request in a step needs at least one token")
     if int(lens.max()) > seq:
@@ -104,9 +114,10 @@ def _pad(
         )
 
     table = torch.full((batch, max_blocks), NULL_BLOCK_ID, dtype=torch.int64)
-    for r, row in enumerate(rows):
-        blocks = torch.as_tensor(row.block_ids, dtype=torch.int64)[:max_blocks]
-        table[r, : blocks.numel()] = blocks
+    flat_blocks, counts = _ragged([r.block_ids[:max_blocks] for r in rows])
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
+    first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    table[row_of, torch.arange(flat_blocks.numel()) - first] = flat_blocks
     table[len(rows) :] = table[0]
     # Every block under a row's context must be allocated: attention reads [0, start) from the
     # cache, and a hole there would silently read the null block as if it held real K/V.
@@ -126,7 +137,7 @@ def _pad(
     positions[: len(rows)] = starts[:, None] + offsets
     positions = torch.where(real, positions, 0).reshape(-1)
     input_ids = torch.zeros(batch, seq, dtype=torch.int64)
-    input_ids[real] = torch.cat(ids)
+    input_ids[real] = flat_ids
 
     flat_real = real.reshape(-1)
     req_indices = torch.arange(batch).repeat_interleave(seq)
