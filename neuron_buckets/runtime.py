@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -155,16 +156,29 @@ class BucketRuntime:
         )
         return logits[: step.num_samples]
 
-    def _check_request(self, row: PrefillChunk) -> None:
-        n = len(row.token_ids)
-        end = row.start_pos + n
-        if end > self.max_model_len:
-            raise NoBucketFits(f"a request reaching {end} tokens exceeds max_model_len {self.max_model_len}")
-        have = len(row.block_ids) * self.block_size
-        if have < end:
-            raise ValueError(f"a request of {end} tokens has blocks for only {have}; allocate blocks first")
-        if any(not 0 < b < self.num_blocks for b in row.block_ids[: -(-end // self.block_size)]):
-            raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(row.block_ids)}")
+    def _check_requests(self, rows: Sequence[PrefillChunk]) -> None:
+        """Refuse a step that cannot run whole, before any of its calls writes the cache."""
+        if not rows:
+            raise ValueError("a step needs at least one request")
+        used: list[Sequence[int]] = []
+        for i, row in enumerate(rows):
+            if not len(row.token_ids):
+                raise ValueError(f"request {i} has no tokens")
+            end = row.start_pos + len(row.token_ids)
+            if end > self.max_model_len:
+                raise NoBucketFits(
+                    f"request {i} reaching {end} tokens exceeds max_model_len {self.max_model_len}"
+                )
+            used.append(mine := row.block_ids[: -(-end // self.block_size)])
+            if len(mine) * self.block_size < end:
+                raise ValueError(
+                    f"request {i} of {end} tokens has blocks for only {len(mine) * self.block_size}"
+                )
+            if min(mine) < 1 or max(mine) >= self.num_blocks:
+                raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(row.block_ids)}")
+        blocks = torch.as_tensor(list(chain.from_iterable(used)), dtype=torch.int64).sort().values
+        if bool((twice := blocks[1:][blocks[1:] == blocks[:-1]]).numel()):
+            raise ValueError(f"block {int(twice[0])} is listed twice in one step; each block has one owner")
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests; (R, vocab) logits of each request's last token.
@@ -172,9 +186,8 @@ class BucketRuntime:
         Prompts longer than the largest prefill bucket run as successive chunks, each attending to
         the cache the earlier ones wrote. Everything is checked before the first cache write.
         """
-        for c in chunks:
-            self._check_request(c)
-        max_seq = self.prefill_buckets[-1].seq
+        self._check_requests(chunks)
+        max_seq = max(b.seq for b in self.prefill_buckets)
         last: dict[int, Tensor] = {}
         for wave in split_long_chunks(chunks, max_seq):
             for group, bucket in group_rows(wave, self.prefill_buckets):
@@ -185,8 +198,8 @@ class BucketRuntime:
 
     def decode(self, rows: Sequence[DecodeRow]) -> Tensor:
         """One decode step for every row (split over several calls if needed); (R, seq, vocab)."""
+        self._check_requests(rows)
         for r in rows:
-            self._check_request(r)
             if len(r.token_ids) > self.decode_seq:
                 raise NoBucketFits(
                     f"decode rows carry at most {self.decode_seq} tokens, got {len(r.token_ids)}"

@@ -28,9 +28,20 @@ def split_long_chunks(chunks: Sequence[PrefillChunk], max_seq: int) -> list[list
     return waves
 
 
+def _shape(group: Sequence[Indexed]) -> tuple[int, int, int]:
+    """(rows, longest row, deepest context) that a bucket must hold for ``group``."""
+    seq = max(len(c.token_ids) for _, c in group)
+    ctx = max(c.start_pos + len(c.token_ids) for _, c in group)
+    return len(group), seq, ctx
+
+
+def _fitting(buckets: Sequence[Bucket], rows: int, seq: int, ctx: int) -> list[Bucket]:
+    return [b for b in buckets if b.batch >= rows and b.seq >= seq and b.ctx >= ctx]
+
+
 def smallest_fitting(buckets: Sequence[Bucket], rows: int, seq: int, ctx: int) -> Bucket:
     """The bucket with the least padded work that holds ``rows`` rows of ``seq`` tokens."""
-    fits = [b for b in buckets if b.batch >= rows and b.seq >= seq and b.ctx >= ctx]
+    fits = _fitting(buckets, rows, seq, ctx)
     if not fits:
         largest = max(buckets, key=lambda b: (b.tokens, b.ctx))
         raise NoBucketFits(
@@ -40,13 +51,16 @@ def smallest_fitting(buckets: Sequence[Bucket], rows: int, seq: int, ctx: int) -
 
 
 def group_rows(items: Sequence[Indexed], buckets: Sequence[Bucket]) -> list[tuple[list[Indexed], Bucket]]:
-    """Split rows into calls of at most the largest batch, rows of similar context together."""
-    max_rows = max(b.batch for b in buckets)
-    ordered = sorted(items, key=lambda it: it[1].start_pos + len(it[1].token_ids))
-    calls = []
-    for lo in range(0, len(ordered), max_rows):
-        group = ordered[lo : lo + max_rows]
-        seq = max(len(c.token_ids) for _, c in group)
-        ctx = max(c.start_pos + len(c.token_ids) for _, c in group)
-        calls.append((group, smallest_fitting(buckets, len(group), seq, ctx)))
-    return calls
+    """Split rows into calls, rows of similar context together, each call as wide as a bucket allows.
+
+    A row joins the current call while some bucket still holds the call with it (wide buckets may
+    be short: 4 rows x 32 tokens beside 1 row x 128), else it starts the next call.
+    """
+    ordered = sorted(items, key=lambda it: (it[1].start_pos + len(it[1].token_ids), len(it[1].token_ids)))
+    calls: list[list[Indexed]] = []
+    for item in ordered:
+        if calls and _fitting(buckets, *_shape([*calls[-1], item])):
+            calls[-1].append(item)
+        else:
+            calls.append([item])
+    return [(group, smallest_fitting(buckets, *_shape(group))) for group in calls]

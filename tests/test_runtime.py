@@ -200,8 +200,27 @@ def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit,
             r"block ids must lie in \[1, 64\), got \[-3, 5\]",
         ),
         (lambda rt: rt.decode([DecodeRow([3], 20, [1, 2])]), ValueError, "blocks for only 16"),
+        # two requests sharing a block: a later call of the step would overwrite the earlier one's K/V
+        (
+            lambda rt: rt.prefill(
+                [PrefillChunk([1] * 40, 0, [7, 8, 9, 10, 11]), PrefillChunk([2] * 3, 0, [9])]
+            ),
+            ValueError,
+            "block 9 is listed twice",
+        ),
+        (lambda rt: rt.prefill([]), ValueError, "at least one request"),
+        (lambda rt: rt.prefill([PrefillChunk([], 0, [1])]), ValueError, "request 0 has no tokens"),
     ],
-    ids=["too-long", "block-past-the-pool", "null-block", "negative-block", "too-few-blocks"],
+    ids=[
+        "too-long",
+        "block-past-the-pool",
+        "null-block",
+        "negative-block",
+        "too-few-blocks",
+        "shared-block",
+        "no-request",
+        "empty-request",
+    ],
 )
 def test_impossible_requests_are_refused_with_the_cache_untouched(compiled_dir, step, error, message):
     runtime = BucketRuntime.open(compiled_dir)
