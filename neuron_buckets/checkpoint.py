@@ -64,11 +64,13 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return tensors
 
 
-def load_weights(model: Llama, weights: str | Path | dict[str, Tensor]) -> Llama:
-    """Copy a state dict (or one safetensors file) into ``model``, cast to its dtype, strictly.
+def load_weights(model: Llama, weights: str | Path | dict[str, Tensor], share: bool = False) -> Llama:
+    """Load a state dict (or one safetensors file) into ``model`` strictly.
 
-    A tied model has no ``lm_head``, so a checkpoint's redundant ``lm_head.weight`` is dropped;
-    any other missing, unexpected or misshapen tensor is an error that names it.
+    By default the tensors are copied and cast to the model's dtype; ``share=True`` makes the
+    model use them as they are (build it on the ``meta`` device), so several models can share one
+    copy. A tied model has no ``lm_head``, so a checkpoint's redundant ``lm_head.weight`` is
+    dropped; any other missing, unexpected or misshapen tensor is an error that names it.
     """
     if not isinstance(weights, dict):
         weights = load_file(Path(weights))
@@ -87,7 +89,7 @@ def load_weights(model: Llama, weights: str | Path | dict[str, Tensor]) -> Llama
             raise ValueError(
                 f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(weights, strict=True)  # load_state_dict copies and casts in place
+    model.load_state_dict(weights, strict=True, assign=share)
     return model
 
 

@@ -126,3 +126,13 @@ def test_compile_with_the_neuron_backend_fails_at_once_with_an_install_hint(tmp_
     assert result.exit_code == 2
     assert "pip install" in said(result) and "neuron" in said(result)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_eager_graphs_share_the_one_weights_copy(eager_dir):
+    from neuron_buckets.runtime import BucketRuntime
+
+    runtime = BucketRuntime.open(eager_dir, preload=True)
+    shared = {t.data_ptr() for t in runtime.weights.values()}
+    assert len(runtime.loaded) == 4
+    for bucket in runtime.loaded:
+        assert {p.data_ptr() for p in runtime.graph(bucket).model.parameters()} <= shared

@@ -41,16 +41,22 @@ class EagerBackend:
         from neuron_buckets.checkpoint import load_weights
         from neuron_buckets.model import Llama, LlamaConfig
 
+        with torch.device("meta"):  # no storage of its own: it uses the shared weights
+            model = Llama(LlamaConfig.from_hf(model_config))
+        load_weights(model, weights, share=True).eval()
         shapes = [tuple(s) for s in json.loads(path.read_text())["input_shapes"]]
-        dtype = next(iter(weights.values())).dtype
-        model = Llama(LlamaConfig.from_hf(model_config)).to(device=device, dtype=dtype)
-        load_weights(model, weights).eval()
+        return EagerGraph(model, shapes, path.name)
 
-        @torch.no_grad()
-        def run(*args: Tensor) -> Tensor:
-            got = [tuple(t.shape) for t in args]
-            if got != shapes:
-                raise ValueError(f"{path.name}: inputs {got} do not match the bucket's shapes {shapes}")
-            return model(*args)
 
-        return run
+class EagerGraph:
+    """The model behind a fixed-shape front, so a mis-padded step fails as on a compiled graph."""
+
+    def __init__(self, model: nn.Module, shapes: list[tuple[int, ...]], name: str) -> None:
+        self.model, self.shapes, self.name = model, shapes, name
+
+    @torch.no_grad()
+    def __call__(self, *args: Tensor) -> Tensor:
+        got = [tuple(t.shape) for t in args]
+        if got != self.shapes:
+            raise ValueError(f"{self.name}: inputs {got} do not match the bucket's shapes {self.shapes}")
+        return self.model(*args)
