@@ -44,7 +44,7 @@ def compile_bucket(config: Config, bucket: Bucket, key: str, store_root: str) ->
     start = time.perf_counter()
     try:
         backend.compile(model, example_args(model, bucket, config, device), temp, config.compile.flags)
-        store.commit(temp, key, backend.graph_ext)
+        store.commit(temp, key, backend.graph_ext, time.perf_counter() - start)
     except Exception:
         temp.unlink(missing_ok=True)
         return time.perf_counter() - start, traceback.format_exc()

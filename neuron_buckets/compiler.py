@@ -222,7 +222,8 @@ class Compiler:
                         b, key, compile_seconds=rec["compile_seconds"], cached=True, sha256=rec["sha256"]
                     )
                 elif self.store.get(key, self.backend.graph_ext):
-                    done[b] = self._finish(Outcome(b, key, cached=True), None)
+                    secs = self.store.compile_seconds(key, self.backend.graph_ext)
+                    done[b] = self._finish(Outcome(b, key, compile_seconds=secs, cached=True), None)
                 else:
                     todo.append(Outcome(b, key))
             self._save(done)

@@ -174,8 +174,13 @@ def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     _positive("cache", cache, "block_size", "num_blocks", "max_model_len")
     if cache.dtype not in DTYPES:
         raise ConfigError(f"cache.dtype must be one of {DTYPES}, got {cache.dtype!r}")
-    if cache.num_blocks < 2:
-        raise ConfigError("cache.num_blocks must be at least 2 (block 0 is the reserved null block)")
+    if cache.num_blocks - 1 < cache.max_model_len // max(cache.block_size, 1):
+        # As in vLLM: the pool must hold one sequence of max_model_len beside the null block 0.
+        raise ConfigError(
+            f"cache.num_blocks={cache.num_blocks} cannot hold one sequence of max_model_len="
+            f"{cache.max_model_len}: need at least {cache.max_model_len // cache.block_size + 1} "
+            "(block 0 is the reserved null block)"
+        )
     if cache.max_model_len % cache.block_size:
         # A bucket's block table has ctx // block_size columns; a partial last block would be cut off.
         raise ConfigError(

@@ -41,20 +41,25 @@ class GraphStore:
         digest = self.digest_path(path)
         if not (path.is_file() and digest.is_file()):
             return None
-        return path if sha256_file(path) == digest.read_text() else None
+        return path if sha256_file(path) == digest.read_text().split()[0] else None
+
+    def compile_seconds(self, key: str, ext: str) -> float:
+        """How long the cached graph took to compile (0 for entries that did not record it)."""
+        fields = self.digest_path(self.path(key, ext)).read_text().split()
+        return float(fields[1]) if len(fields) > 1 else 0.0
 
     def temp_path(self, key: str, ext: str) -> Path:
         """Where a worker writes before ``commit``; unique per process, ignored by ``get``."""
         return self.root / f".{key}.{os.getpid()}.tmp.{ext}"
 
-    def commit(self, temp: Path, key: str, ext: str) -> Path:
-        """Publish a finished graph: its sha256 first, then the graph, each by an atomic rename.
-
-        A crash in between leaves a digest that matches no graph, which ``get`` treats as absent.
+    def commit(self, temp: Path, key: str, ext: str, seconds: float = 0.0) -> Path:
+        """Publish a finished graph: its sha256 (and compile seconds) first, then the graph, each by
+        an atomic rename. A crash in between leaves a digest that matches no graph, which ``get``
+        treats as absent. The seconds let artifacts built from the cache report real costs.
         """
         final = self.path(key, ext)
         digest = sha256_file(temp)
-        atomic_write(self.digest_path(final), lambda p: p.write_text(digest))
+        atomic_write(self.digest_path(final), lambda p: p.write_text(f"{digest} {seconds:.3f}"))
         os.replace(temp, final)
         return final
 

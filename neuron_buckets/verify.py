@@ -50,8 +50,13 @@ def file_problems(directory: Path) -> list[str]:
     return problems
 
 
-def random_step(bucket: Bucket, block_size: int, num_blocks: int, gen: torch.Generator) -> StepInputs:
-    """A padded step with 1..batch real rows of random length, context and shuffled blocks."""
+def random_step(
+    bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator
+) -> StepInputs:
+    """A padded step with 1..batch real rows of random tokens, length, context and shuffled blocks.
+
+    The config guarantees the pool holds one full-context row; rows are capped to what it holds.
+    """
     max_blocks = bucket.ctx // block_size
     rows = int(torch.randint(1, bucket.batch + 1, (1,), generator=gen))
     rows = min(rows, (num_blocks - 1) // max_blocks or 1)
@@ -66,7 +71,7 @@ def random_step(bucket: Bucket, block_size: int, num_blocks: int, gen: torch.Gen
         start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
         need = -(-(start + n) // block_size)
         blocks, free = free[:need], free[need:]
-        chunks.append(PrefillChunk(torch.randint(0, 100, (n,), generator=gen), start, blocks))
+        chunks.append(PrefillChunk(torch.randint(0, vocab, (n,), generator=gen), start, blocks))
     pad = pad_decode if bucket.kind == "decode" else pad_prefill
     return pad(chunks, bucket, block_size)
 
@@ -79,12 +84,13 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
     model = Llama(LlamaConfig.from_hf(manifest["model"]["config"])).to(getattr(torch, dtype))
     load_weights(model, runtime.weights).to(runtime.device).eval()
     gen = torch.Generator().manual_seed(seed)
+    vocab = manifest["model"]["config"]["vocab_size"]
     results = []
     for bucket in sorted(runtime.records):
         try:
             diff = 0.0
             for _ in range(trials):
-                step = random_step(bucket, runtime.block_size, runtime.num_blocks, gen)
+                step = random_step(bucket, runtime.block_size, runtime.num_blocks, vocab, gen)
                 start = torch.randn(runtime.k_cache.shape, generator=gen).to(runtime.k_cache)
                 runtime.k_cache.copy_(start)
                 runtime.v_cache.copy_(start.flip(0))

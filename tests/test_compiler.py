@@ -91,10 +91,15 @@ def test_each_graph_is_hashed_once_per_run(eager, tmp_path, monkeypatch):
 def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
     cache = tmp_path / "cache"
     compile_(eager, tmp_path / "a", cache)
+    # the cost measured when a graph was compiled travels with it (nb plan fits on it): pretend
+    # that one took 42 s, as a real graph would, and expect the second directory to record it
+    digest = GraphStore.digest_path(cache / Path(records(tmp_path / "a")[PREFILL_32.name]["file"]).name)
+    digest.write_text(digest.read_text().split()[0] + " 42.000")
     report = compile_(eager, tmp_path / "b", cache)
     assert report.compiled == [] and len(report.outcomes) == 4
     for name, rec in records(tmp_path / "b").items():
         assert rec["cached"] and rec["sha256"] == records(tmp_path / "a")[name]["sha256"]
+    assert records(tmp_path / "b")[PREFILL_32.name]["compile_seconds"] == 42.0
 
 
 def test_one_new_bucket_list_entry_compiles_only_that_bucket(eager, hf_model_dir, tmp_path):
@@ -209,7 +214,9 @@ def test_workers_do_not_outlive_a_killed_compile(tmp_path, hf_model_dir):
     config = write_config(tmp_path, hf_model_dir, EAGER)
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD_SCRIPT, str(config), str(tmp_path / "out"), str(tmp_path / "cache")],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         (worker,) = map(int, proc.stdout.readline().split())
@@ -352,7 +359,9 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-c", COMPILE_SCRIPT, str(config_file), str(out), str(cache)],
-            stdout=stderr, stderr=stderr, start_new_session=True,  # its own group: workers die too
+            stdout=stderr,
+            stderr=stderr,
+            start_new_session=True,  # its own group: workers die too
         )
     try:
         wait_for(lambda: (out / "manifest.json").exists(), 60, proc, log)

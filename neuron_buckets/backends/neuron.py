@@ -189,7 +189,7 @@ class NeuronBackend:
                 out[package] = metadata.version(package)
             except metadata.PackageNotFoundError:
                 out[package] = "not installed"
-        return out
+        return {**out, "compiler": f"neuronx-cc {out.get('neuronx-cc', 'not installed')}"}
 
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
         """``flags`` validated, defaults filled: what the manifest should record and the key hash."""

@@ -1,0 +1,27 @@
+"""Every backend fits the protocol's promises that the manifest relies on, SDK or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_buckets.backends import BACKEND_NAMES, get_backend
+from neuron_buckets.manifest import schema
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_versions_carry_what_the_manifest_schema_requires(name):
+    required = schema()["properties"]["backend"]["properties"]["versions"]["required"]
+    versions = get_backend(name).versions()
+    assert set(required) <= set(versions)
+    assert all(isinstance(v, str) and v for v in versions.values())
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_available_says_why(name):
+    ok, why = get_backend(name).available()
+    assert isinstance(ok, bool) and why
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ValueError, match="inductor"):
+        get_backend("tvm")
