@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import multiprocessing as mp
 import os
+import sys
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -116,7 +117,7 @@ class Compiler:
                 "max_num_batched_tokens": config.buckets.max_num_batched_tokens,
             },
         }
-        sources = source_digest()
+        sources = source_digest(extra=(Path(sys.modules[type(self.backend).__module__].__file__),))
         self.keys = {
             b: graph_key(
                 bucket=b,
@@ -147,7 +148,8 @@ class Compiler:
         return intact
 
     def _write_weights(self, old: dict[str, Any] | None) -> None:
-        """Write the one weights file, unless the last run wrote it from the same source."""
+        """Write the one weights file, unless the last run wrote it from the same source and its
+        bytes are intact (one hash: a damaged file is rewritten, not carried into the manifest)."""
         path = self.out / WEIGHTS
         dtype = getattr(torch, self.config.cache.dtype)
         fingerprint = weights_fingerprint(self.config.model.path, dtype)
@@ -156,6 +158,7 @@ class Compiler:
             kept.get("source_fingerprint") == fingerprint
             and path.is_file()
             and path.stat().st_size == kept["bytes"]
+            and sha256_file(path) == kept["sha256"]
         ):
             self.manifest["weights"] = kept
             return

@@ -99,8 +99,13 @@ class BucketRuntime:
     def _check_versions(self) -> None:
         if self.backend.name == "eager":
             return
+        # The framework must match the one that built the graphs; the C++ compiler that built
+        # them is not needed to load them, so a serving host may have another (or none).
         recorded, current = self.manifest["backend"]["versions"], self.backend.versions()
-        if diff := {k: (v, current.get(k)) for k, v in recorded.items() if current.get(k) != v}:
+        diff = {
+            k: (v, current.get(k)) for k, v in recorded.items() if k != "compiler" and current.get(k) != v
+        }
+        if diff:
             detail = ", ".join(f"{k}: built with {a}, running {b}" for k, (a, b) in diff.items())
             raise ManifestError(
                 f"{self.directory}: graphs were compiled for other versions ({detail}); recompile"

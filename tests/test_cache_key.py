@@ -184,10 +184,31 @@ def test_editing_the_model_source_changes_every_key(config, keys_of, tmp_path, m
     assert_all_changed(before, keys_of(config))
 
 
+@pytest.mark.parametrize("name", ["padding.py", "compile_worker.py"])
+def test_editing_the_code_that_builds_example_inputs_changes_every_key(
+    config, keys_of, tmp_path, monkeypatch, name
+):
+    before = keys_of(config)
+    source = next(p for p in copy_sources(tmp_path, monkeypatch) if p.name == name)
+    source.write_text(source.read_text() + "\n# traced differently\n")
+    assert_all_changed(before, keys_of(config))
+
+
+def test_the_backend_module_source_is_part_of_the_digest(tmp_path):
+    backend_py = tmp_path / "inductor.py"
+    backend_py.write_text("FLAGS = 1\n")
+    before = cache_key.source_digest(extra=(backend_py,))
+    backend_py.write_text("FLAGS = 2\n")
+    assert cache_key.source_digest(extra=(backend_py,)) != before
+
+
 def test_editing_a_kernel_source_changes_every_key(config, keys_of, tmp_path, monkeypatch):
     before = keys_of(config)
-    kernels = Path(shutil.copytree(digest.KERNELS_DIR, tmp_path / "kernels",
-                                   ignore=shutil.ignore_patterns("__pycache__")))
+    kernels = Path(
+        shutil.copytree(
+            digest.KERNELS_DIR, tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    )
     monkeypatch.setattr(digest, "kernel_source_digest", partial(digest.kernel_source_digest, kernels))
     assert keys_of(config) == before, "an identical copy must hash the same"
     golden = kernels / "block_kv_torch.py"

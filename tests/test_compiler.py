@@ -132,6 +132,17 @@ def test_unchanged_weights_are_not_rewritten_and_changed_ones_are(eager, hf_mode
     assert (weights.stat().st_ino, weights.stat().st_mtime_ns) != before
 
 
+def test_a_damaged_weights_file_of_the_same_size_is_rewritten(eager, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    compile_(eager, out, cache)
+    weights = out / "weights.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    compile_(eager, out, cache)
+    assert weights.read_bytes() == good
+    assert BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
+
+
 def test_graphs_of_buckets_dropped_from_the_grid_leave_the_directory(eager, hf_model_dir, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)

@@ -84,7 +84,7 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
          "buckets.num_seqs_buckets.min must be an integer, got 'a'"),
         # impossible values
         ("[cache]\nblock_size = 0", "cache.block_size must be positive, got 0"),
-        ("[cache]\nnum_blocks = 1", "cache.num_blocks=1 cannot hold one sequence of max_model_len=256: need at least 17"),
+        ("[cache]\nnum_blocks = 1", "num_blocks=1 cannot hold one sequence .* need at least 17"),
         ("[cache]\nnum_blocks = 16", "cache.num_blocks=16 cannot hold one sequence"),
         ("[cache]\nmax_model_len = 100", "cache.max_model_len=100 must be a multiple of cache.block_size=16"),
         ("[cache]\ndtype = 'int8'", "cache.dtype must be one of"),

@@ -175,6 +175,15 @@ def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit,
         BucketRuntime.open(artifact_copy)
 
 
+def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
+    """Loading a .pt2 needs no compiler: only the framework version must match the build."""
+    path = artifact_copy / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["backend"]["versions"]["compiler"] = "clang++ 99.0"
+    path.write_text(json.dumps(manifest))
+    BucketRuntime.open(artifact_copy).prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+
+
 @pytest.mark.parametrize(
     ("step", "error", "message"),
     [
