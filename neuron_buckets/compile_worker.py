@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -53,6 +54,9 @@ def compile_bucket(config: Config, bucket: Bucket, key: str, store_root: str) ->
 
 def init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
+    # torch's own pickling of export specs trips its own deprecation on every compile; it says
+    # nothing a user can act on and would scroll the progress bar away.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
     # A worker must not outlive nb compile: killed with SIGKILL it cannot stop its pool, whose
     # workers would otherwise compile on, then wait forever for work.
     parent = mp.parent_process()

@@ -53,7 +53,7 @@ class CompileProgress:
                 return
             self.queued -= 1
             if outcome.status == "ok":
-                self.progress.log(f"[green]ok[/] {outcome.bucket.name} in {outcome.compile_seconds:.1f} s")
+                self.progress.print(f"[green]ok[/] {outcome.bucket.name} in {outcome.compile_seconds:.1f} s")
             else:
                 self.failed += 1
                 self.progress.log(
