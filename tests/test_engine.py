@@ -148,3 +148,23 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
     assert generate(runtime, prompts, 6) == hf_greedy(prompts, 6)
     decode = runtime.stats["decode_b2"]
     assert decode.padded_tokens >= 3 * decode.real_tokens  # at least two of every three positions are pads
+
+
+def test_decode_context_buckets_serve_short_contexts_with_short_graphs(hf_model_dir, hf_greedy, tmp_path):
+    """With decode ctx buckets [32, 128], a row runs the c32 graph until its context outgrows it."""
+    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.config import load_config
+    from tests.conftest import TINY_CONFIG
+
+    text = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"').replace(
+        "num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1, 2]\ndecode_context_length_buckets = [32, 128]"
+    )
+    config = load_config(write_config(tmp_path, hf_model_dir, text))
+    out = tmp_path / "artifact"
+    assert not Compiler(config, out, tmp_path / "cache").run(jobs=1).failed
+    runtime = BucketRuntime.open(out)
+    prompts = make_prompts((20,))  # contexts 20..35 over 16 new tokens: crosses 32
+
+    assert generate(runtime, prompts, 16) == hf_greedy(prompts, 16)
+    short, long = runtime.stats["decode_b1_c32"], runtime.stats["decode_b1"]
+    assert (short.calls, long.calls) == (12, 3)  # decode context 21..32 in c32, then 33..35
