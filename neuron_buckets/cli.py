@@ -132,7 +132,12 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
             name, status, f"{r['bytes'] / 1e6:.1f} MB", f"{r['compile_seconds']:.1f}", r["key"][:12]
         )
     console.print(table)
-    console.print(f"weights {m['weights']['bytes'] / 1e6:.1f} MB, sha256 {m['weights']['sha256'][:12]}")
+    ok = [r for r in m["buckets"] if r["status"] == "ok"]
+    console.print(
+        f"{len(ok)} of {len(m['buckets'])} graphs ok, {sum(r['bytes'] for r in ok) / 1e6:.1f} MB, "
+        f"{sum(r['compile_seconds'] for r in m['buckets']):.0f} s of compile; weights "
+        f"{m['weights']['bytes'] / 1e6:.1f} MB, sha256 {m['weights']['sha256'][:12]}"
+    )
 
 
 @app.command()

@@ -52,6 +52,7 @@ def test_ls_lists_every_bucket(eager_dir):
         assert name in result.output
     for rec in read_manifest(eager_dir)["buckets"]:
         assert rec["key"][:12] in result.output
+    assert "4 of 4 graphs ok" in said(result)
 
 
 def test_ls_of_a_directory_without_manifest_is_one_clear_error(tmp_path):
