@@ -97,15 +97,9 @@ class BucketRuntime:
         return runtime
 
     def _check_versions(self) -> None:
-        if self.backend.name == "eager":
-            return
-        # The framework must match the one that built the graphs; the C++ compiler that built
-        # them is not needed to load them, so a serving host may have another (or none).
-        recorded, current = self.manifest["backend"]["versions"], self.backend.versions()
-        diff = {
-            k: (v, current.get(k)) for k, v in recorded.items() if k != "compiler" and current.get(k) != v
-        }
-        if diff:
+        recorded = self.manifest["backend"]["versions"]
+        current = self.backend.load_versions()
+        if diff := {k: (recorded.get(k), v) for k, v in current.items() if recorded.get(k) != v}:
             detail = ", ".join(f"{k}: built with {a}, running {b}" for k, (a, b) in diff.items())
             raise ManifestError(
                 f"{self.directory}: graphs were compiled for other versions ({detail}); recompile"

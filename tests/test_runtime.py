@@ -175,6 +175,17 @@ def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit,
         BucketRuntime.open(artifact_copy)
 
 
+def test_open_does_not_probe_the_build_compiler(compiled_dir, monkeypatch):
+    """Serving needs no C++ compiler; probing one costs seconds of imports at start-up."""
+    from neuron_buckets.backends import inductor
+
+    def refuse() -> str:
+        raise AssertionError("the runtime asked for the C++ compiler's version")
+
+    monkeypatch.setattr(inductor, "_cxx_version", refuse)
+    BucketRuntime.open(compiled_dir).prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+
+
 def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
     """Loading a .pt2 needs no compiler: only the framework version must match the build."""
     path = artifact_copy / "manifest.json"

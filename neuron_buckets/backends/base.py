@@ -28,7 +28,15 @@ class Backend(Protocol):
         ...
 
     def versions(self) -> dict[str, str]:
-        """Compiler and framework versions: recorded in the manifest and hashed into every key."""
+        """Compiler and framework versions: recorded in the manifest and hashed into every key.
+
+        ``load_versions()`` plus the build-only ``compiler``.
+        """
+        ...
+
+    def load_versions(self) -> dict[str, str]:
+        """What must equal the build's versions for a graph to load here (no build tools: a
+        serving host needs no compiler, and asking for its version can cost seconds)."""
         ...
 
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,9 @@ class EagerBackend:
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, "compiler": "none"}
 
+    def load_versions(self) -> dict[str, str]:
+        return {}  # the "graph" is a shape list; any torch runs the model
+
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
         return dict(flags)  # nothing is compiled, so flags change nothing but the key
 

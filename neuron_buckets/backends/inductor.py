@@ -43,8 +43,10 @@ class InductorBackend:
         return True, f"torch {torch.__version__}, {_cxx_version()}"
 
     def versions(self) -> dict[str, str]:
-        cuda = torch.version.cuda or "none"
-        return {"torch": torch.__version__, "compiler": _cxx_version(), "cuda": cuda}
+        return {**self.load_versions(), "compiler": _cxx_version()}
+
+    def load_versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
 
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
         """User inductor configs plus the ones this backend fixes (weights out of the package).

@@ -183,13 +183,17 @@ class NeuronBackend:
         return True, f"torch-neuronx {self.versions()['torch-neuronx']}, {where}"
 
     def versions(self) -> dict[str, str]:
+        out = self.load_versions()
+        return {**out, "compiler": f"neuronx-cc {out['neuronx-cc']}"}
+
+    def load_versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__}
         for package in SDK_PACKAGES:
             try:
                 out[package] = metadata.version(package)
             except metadata.PackageNotFoundError:
                 out[package] = "not installed"
-        return {**out, "compiler": f"neuronx-cc {out.get('neuronx-cc', 'not installed')}"}
+        return out
 
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
         """``flags`` validated, defaults filled: what the manifest should record and the key hash."""
