@@ -18,7 +18,6 @@ test-fast:
 
 lint:
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
 
 bench:
 	$(PY) bench/bench_slot_mapping.py
