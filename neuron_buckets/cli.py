@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from neuron_buckets import __version__
 from neuron_buckets.cli_traffic import register as register_traffic
 from neuron_buckets.config import Config, ConfigError, load_config
+from neuron_buckets.console import err, fail
+from neuron_buckets.console import out as console
 from neuron_buckets.grid import enumerate_grid
 from neuron_buckets.manifest import ManifestError, read_manifest
 
@@ -20,8 +21,6 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err = Console(stderr=True)
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="TOML config; default: the embedded default config")]
 
@@ -39,12 +38,6 @@ def _root(
     ] = False,
 ) -> None:
     """A callback keeps ``nb`` a command group even while it has a single command."""
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print one clear error line and return the exit to raise."""
-    err.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code)
 
 
 def load_or_fail(config: Path | None) -> Config:

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from neuron_buckets.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.config import load_config
+from neuron_buckets.console import err, fail, out
 from neuron_buckets.grid import powers_of_two, validate_buckets
 from neuron_buckets.padding_stats import inspect_trace
 from neuron_buckets.planner import PlanOptions, plan
@@ -24,8 +24,6 @@ from neuron_buckets.traffic_report import print_inspect, print_plan, toml_snippe
 
 DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
 
-out = Console()
-log = Console(stderr=True)
 
 TraceOpt = Annotated[Path, typer.Option("--trace", help="Trace file: CSV or JSONL (see DESIGN.md)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout")]
@@ -53,17 +51,12 @@ def _ints(option: str, text: str) -> tuple[int, ...]:
 def _load(trace_path: Path) -> Trace:
     start = time.perf_counter()
     trace = load_trace(trace_path)
-    log.print(
+    err.print(
         f"loaded {len(trace):,} requests ({trace.source}) from {trace_path} "
         f"in {time.perf_counter() - start:.2f} s",
         highlight=False,
     )
     return trace
-
-
-def _fail(e: ValueError) -> typer.Exit:
-    log.print(f"[bold red]error:[/] {e}", highlight=False)
-    return typer.Exit(2)
 
 
 def _emit(doc: dict, as_json: bool, render) -> None:
@@ -98,12 +91,12 @@ def inspect(
         data = _load(trace)
         doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
     except ValueError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     if plot is not None:
         from neuron_buckets.traffic_plot import plot_padding  # matplotlib: only when asked
 
         plot_padding(plot, data.prompt_lens, doc["prefill"])
-        log.print(f"wrote {plot}", highlight=False)
+        err.print(f"wrote {plot}", highlight=False)
     _emit(doc, as_json, print_inspect)
 
 
@@ -168,8 +161,8 @@ def plan_cmd(
         start = time.perf_counter()
         doc = plan(data, opts, cost)
     except ValueError as e:
-        raise _fail(e) from None
-    log.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
+        raise fail(e) from None
+    err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
     doc["toml"] = toml_snippet(doc, trace.name)
     _emit(doc, as_json, print_plan)
 
