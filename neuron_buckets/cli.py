@@ -11,7 +11,7 @@ from rich.table import Table
 from neuron_buckets import __version__
 from neuron_buckets.cli_traffic import register as register_traffic
 from neuron_buckets.config import Config, ConfigError, load_config
-from neuron_buckets.console import err, fail
+from neuron_buckets.console import err, fail, int_list
 from neuron_buckets.console import out as console
 from neuron_buckets.grid import enumerate_grid
 from neuron_buckets.manifest import ManifestError, read_manifest
@@ -173,10 +173,7 @@ def generate(
     from neuron_buckets.runtime import ArtifactError, BucketRuntime
 
     try:
-        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in prompt]
-    except ValueError:
-        raise fail(f"--prompt takes comma-separated integers, got {prompt}") from None
-    try:
+        prompts = [int_list("--prompt", p) for p in prompt]
         runtime = BucketRuntime.open(directory)
         outputs = run_generate(runtime, prompts, max_new_tokens)
     except (ArtifactError, ManifestError, ValueError, RuntimeError) as e:

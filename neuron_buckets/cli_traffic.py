@@ -15,7 +15,7 @@ import typer
 
 from neuron_buckets.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.config import load_config
-from neuron_buckets.console import err, fail, out
+from neuron_buckets.console import err, fail, int_list, out
 from neuron_buckets.grid import powers_of_two, validate_buckets
 from neuron_buckets.padding_stats import inspect_trace
 from neuron_buckets.planner import PlanOptions, plan
@@ -40,12 +40,8 @@ SeqsOpt = Annotated[
 
 
 def _ints(option: str, text: str) -> tuple[int, ...]:
-    """'128,256,512' -> (128, 256, 512), or a ValueError naming the option and the entry."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
-    return validate_buckets(option, values)
+    """'128,256,512' -> (128, 256, 512), a valid bucket list, or a ValueError naming the option."""
+    return validate_buckets(option, int_list(option, text))
 
 
 def _load(trace_path: Path) -> Trace:

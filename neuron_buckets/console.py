@@ -17,3 +17,11 @@ def fail(message: object, code: int = 2) -> typer.Exit:
     """Print one clear error line and return the exit to raise."""
     err.print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(code)
+
+
+def int_list(option: str, text: str) -> list[int]:
+    """'128,256,512' -> [128, 256, 512], or a ValueError naming the option and the text."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
