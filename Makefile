@@ -11,6 +11,7 @@ install:
 # `install` first so a fresh clone needs nothing else.
 test: install
 	$(PY) -m ruff check .
+	lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-fast:
@@ -18,6 +19,7 @@ test-fast:
 
 lint:
 	$(PY) -m ruff check .
+	lint-imports
 
 bench:
 	$(PY) bench/bench_slot_mapping.py

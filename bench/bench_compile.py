@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from neuron_buckets.compiler import Compiler, CompileReport
+from neuron_buckets.compile.compiler import Compiler, CompileReport
 from neuron_buckets.config import Config, load_config
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from neuron_buckets.planner import PlanOptions, optimal_sets, plan, powers_of_two_baseline
-from neuron_buckets.traces import load_trace
+from neuron_buckets.traffic.planner import PlanOptions, optimal_sets, plan, powers_of_two_baseline
+from neuron_buckets.traffic.traces import load_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 

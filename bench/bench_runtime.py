@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch.utils.benchmark import Timer
 
-from neuron_buckets.checkpoint import default_model
-from neuron_buckets.compiler import Compiler
+from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import parse_config
-from neuron_buckets.grid import Bucket
-from neuron_buckets.padding import DecodeRow, PrefillChunk, pad_decode
-from neuron_buckets.runtime import BucketRuntime
-from neuron_buckets.scheduling import group_rows
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.core.padding import DecodeRow, PrefillChunk, pad_decode
+from neuron_buckets.model.checkpoint import default_model
+from neuron_buckets.serve.row_packer import group_rows
+from neuron_buckets.serve.runtime import BucketRuntime
 
 CONFIG = """
 [cache]

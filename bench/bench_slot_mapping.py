@@ -11,9 +11,9 @@ import timeit
 
 import torch
 
-from neuron_buckets.block_table import compute_slot_mapping
-from neuron_buckets.grid import Bucket
-from neuron_buckets.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
+from neuron_buckets.core.block_table import compute_slot_mapping
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.core.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
 
 BLOCK_SIZE = 16
 CTX = 4096  # tokens of context per request; 256 blocks per block-table row

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neuron_buckets.masks import gen_active_mask, gen_cache_mask
+from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask
 
 
 def write_kv_cache(

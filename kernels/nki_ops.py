@@ -1,7 +1,7 @@
 """The two block-KV ops in the goldens' signatures, computed by the NKI kernels of ``block_kv_nki``.
 
 This is the torch side of the kernels: it permutes q/k/v into the kernels' layouts, builds the
-masks with ``neuron_buckets.masks`` (the goldens' own), turns block tables into slot ids, and runs
+masks with ``neuron_buckets.core.masks`` (the goldens' own), turns block tables into slot ids, and runs
 the golden for steps beyond the attention kernel's tile limits. It is traced into the same graph
 as the kernel calls. ``KERNELS`` is what the Neuron backend installs with ``dispatch.use``.
 """
@@ -14,7 +14,7 @@ from neuron_buckets.kernels.block_kv_nki import MAX_CTX, PMAX, jitted
 from neuron_buckets.kernels.dispatch import KernelSet
 from torch import Tensor
 
-from neuron_buckets.masks import gen_active_mask, gen_cache_mask
+from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask
 
 
 def attention_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, ctx: int) -> bool:

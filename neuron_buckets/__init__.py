@@ -1,3 +1,88 @@
-"""neuron-buckets: compile one fixed-shape LLM graph per (batch, seq) bucket over a block-KV cache."""
+"""neuron-buckets: compile one fixed-shape LLM graph per bucket over a paged block-KV cache.
 
-__version__ = "0.1.0"
+The public API is importable from here; module paths below are internal. Names load on first
+access (PEP 562), so ``import neuron_buckets`` (and every ``nb`` command) stays cheap.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+_PUBLIC = {
+    "NULL_BLOCK_ID": "neuron_buckets.core.block_table",
+    "PAD_SLOT_ID": "neuron_buckets.core.block_table",
+    "compute_slot_mapping": "neuron_buckets.core.block_table",
+    "remap_null_block_to_sentinel": "neuron_buckets.core.block_table",
+    "gen_cache_mask": "neuron_buckets.core.masks",
+    "Bucket": "neuron_buckets.core.bucket",
+    "NoBucketFits": "neuron_buckets.core.bucket",
+    "select_bucket": "neuron_buckets.core.bucket",
+    "BlockPool": "neuron_buckets.core.block_pool",
+    "PrefillChunk": "neuron_buckets.core.padding",
+    "DecodeRow": "neuron_buckets.core.padding",
+    "StepInputs": "neuron_buckets.core.padding",
+    "Config": "neuron_buckets.config",
+    "ConfigError": "neuron_buckets.config",
+    "load_config": "neuron_buckets.config",
+    "enumerate_grid": "neuron_buckets.config",
+    "Manifest": "neuron_buckets.artifact.manifest",
+    "ManifestError": "neuron_buckets.artifact.manifest",
+    "read_manifest": "neuron_buckets.artifact.manifest",
+    "BucketRuntime": "neuron_buckets.serve.runtime",
+    "ArtifactError": "neuron_buckets.serve.runtime",
+    "generate": "neuron_buckets.serve.engine",
+    "Compiler": "neuron_buckets.compile.compiler",
+}
+
+__all__ = [
+    "__version__",
+    "NULL_BLOCK_ID",
+    "PAD_SLOT_ID",
+    "compute_slot_mapping",
+    "remap_null_block_to_sentinel",
+    "gen_cache_mask",
+    "Bucket",
+    "NoBucketFits",
+    "select_bucket",
+    "BlockPool",
+    "PrefillChunk",
+    "DecodeRow",
+    "StepInputs",
+    "Config",
+    "ConfigError",
+    "load_config",
+    "enumerate_grid",
+    "Manifest",
+    "ManifestError",
+    "read_manifest",
+    "BucketRuntime",
+    "ArtifactError",
+    "generate",
+    "Compiler",
+]
+
+if TYPE_CHECKING:
+    from neuron_buckets.artifact.manifest import Manifest, ManifestError, read_manifest
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import Config, ConfigError, enumerate_grid, load_config
+    from neuron_buckets.core.block_pool import BlockPool
+    from neuron_buckets.core.block_table import (
+        NULL_BLOCK_ID,
+        PAD_SLOT_ID,
+        compute_slot_mapping,
+        remap_null_block_to_sentinel,
+    )
+    from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
+    from neuron_buckets.core.masks import gen_cache_mask
+    from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs
+    from neuron_buckets.serve.engine import generate
+    from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'neuron_buckets' has no attribute {name!r}")

@@ -87,7 +87,7 @@ def compiled_dir(
     tiny_config_file: Path, graph_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     """The tiny model compiled with inductor (four graphs), compiled once per test session."""
-    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import load_config
 
     out = tmp_path_factory.mktemp("artifact")

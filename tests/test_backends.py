@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from neuron_buckets.artifact.manifest import schema
 from neuron_buckets.backends import BACKEND_NAMES, get_backend
-from neuron_buckets.manifest import schema
 
 
 @pytest.mark.parametrize("name", BACKEND_NAMES)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.block_table import (
+from neuron_buckets.core.block_table import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
     check_block_ids,

@@ -12,18 +12,16 @@ import shutil
 import subprocess
 import sys
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import pytest
-from neuron_buckets.kernels import digest
 
-from neuron_buckets import cache_key
 from neuron_buckets.backends.eager import EagerBackend
 from neuron_buckets.backends.inductor import InductorBackend
-from neuron_buckets.compiler import Compiler
+from neuron_buckets.compile import cache_key
+from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import Config, load_config
-from neuron_buckets.grid import Bucket
+from neuron_buckets.core.bucket import Bucket
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 
 
@@ -62,7 +60,7 @@ def test_same_inputs_give_the_same_keys_in_a_fresh_process(config, keys_of, tmp_
     """The cache outlives the process: hash seeds, dict order or object ids must not leak in."""
     code = (
         "import json, sys; from pathlib import Path\n"
-        "from neuron_buckets.compiler import Compiler\n"
+        "from neuron_buckets.compile.compiler import Compiler\n"
         "from neuron_buckets.config import load_config\n"
         "c = Compiler(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))\n"
         "print(json.dumps({b.name: k for b, k in c.keys.items()}))\n"
@@ -167,8 +165,11 @@ def test_eager_torch_version_changes_every_key(config, keys_of, monkeypatch):
 
 def copy_sources(tmp_path: Path, monkeypatch) -> list[Path]:
     """Point the key at byte-identical copies of the model sources, to edit without touching git."""
-    copies = [Path(shutil.copy(p, tmp_path / p.name)) for p in cache_key._GRAPH_SOURCES]
-    monkeypatch.setattr(cache_key, "_GRAPH_SOURCES", tuple(copies))
+    copies = []
+    for src in cache_key.graph_sources():
+        (tmp_path / src.parent.name).mkdir(exist_ok=True)
+        copies.append(Path(shutil.copy(src, tmp_path / src.parent.name / src.name)))
+    monkeypatch.setattr(cache_key, "package_sources", lambda: copies)
     return copies
 
 
@@ -176,7 +177,7 @@ def test_editing_the_model_source_changes_every_key(config, keys_of, tmp_path, m
     before = keys_of(config)
     copies = copy_sources(tmp_path, monkeypatch)
     assert keys_of(config) == before, "an identical copy must hash the same"
-    model_py = next(p for p in copies if p.name == "model.py")
+    model_py = next(p for p in copies if p.name == "llama.py")
     text = model_py.read_text()
     edited = text.replace("rms_norm_eps: float = 1e-6", "rms_norm_eps: float = 1e-5")
     assert edited != text
@@ -184,7 +185,7 @@ def test_editing_the_model_source_changes_every_key(config, keys_of, tmp_path, m
     assert_all_changed(before, keys_of(config))
 
 
-@pytest.mark.parametrize("name", ["padding.py", "compile_worker.py"])
+@pytest.mark.parametrize("name", ["padding.py", "worker.py"])
 def test_editing_the_code_that_builds_example_inputs_changes_every_key(
     config, keys_of, tmp_path, monkeypatch, name
 ):
@@ -204,13 +205,7 @@ def test_the_backend_module_source_is_part_of_the_digest(tmp_path):
 
 def test_editing_a_kernel_source_changes_every_key(config, keys_of, tmp_path, monkeypatch):
     before = keys_of(config)
-    kernels = Path(
-        shutil.copytree(
-            digest.KERNELS_DIR, tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__")
-        )
-    )
-    monkeypatch.setattr(digest, "kernel_source_digest", partial(digest.kernel_source_digest, kernels))
+    golden = next(p for p in copy_sources(tmp_path, monkeypatch) if p.name == "block_kv_torch.py")
     assert keys_of(config) == before, "an identical copy must hash the same"
-    golden = kernels / "block_kv_torch.py"
     golden.write_text(golden.read_text() + "\n# a changed kernel\n")
     assert_all_changed(before, keys_of(config))

@@ -8,7 +8,9 @@ import pytest
 import torch
 import transformers
 
-from neuron_buckets.checkpoint import (
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.core.padding import PrefillChunk, pad_prefill
+from neuron_buckets.model.checkpoint import (
     DEFAULT_CONFIG,
     default_model,
     load_model,
@@ -16,9 +18,7 @@ from neuron_buckets.checkpoint import (
     read_state_dict,
     save_weights,
 )
-from neuron_buckets.grid import Bucket
-from neuron_buckets.model import Llama, LlamaConfig, RopeScaling
-from neuron_buckets.padding import PrefillChunk, pad_prefill
+from neuron_buckets.model.llama import Llama, LlamaConfig, RopeScaling
 
 BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.cli import app
-from neuron_buckets.manifest import read_manifest
 from tests.conftest import TINY_CONFIG, write_config
 
 runner = CliRunner()
@@ -130,7 +130,7 @@ def test_compile_with_the_neuron_backend_fails_at_once_with_an_install_hint(tmp_
 
 
 def test_eager_graphs_share_the_one_weights_copy(eager_dir):
-    from neuron_buckets.runtime import BucketRuntime
+    from neuron_buckets.serve.runtime import BucketRuntime
 
     runtime = BucketRuntime.open(eager_dir, preload=True)
     shared = {t.data_ptr() for t in runtime.weights.values()}

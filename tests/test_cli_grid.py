@@ -3,8 +3,7 @@
 from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
-from neuron_buckets.config import load_config
-from neuron_buckets.grid import enumerate_grid
+from neuron_buckets.config import enumerate_grid, load_config
 
 runner = CliRunner()
 

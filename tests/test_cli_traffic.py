@@ -13,9 +13,9 @@ import typer
 from test_traces import CODE, CONV, needs_traces
 from typer.testing import CliRunner
 
-from neuron_buckets.cli_traffic import register
+from neuron_buckets.artifact.manifest import validate
+from neuron_buckets.cli.traffic import register
 from neuron_buckets.config import parse_config
-from neuron_buckets.manifest import validate
 
 runner = CliRunner()
 

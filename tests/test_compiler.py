@@ -24,15 +24,15 @@ import jsonschema
 import pytest
 import torch
 
-from neuron_buckets import compiler
-from neuron_buckets.compiler import Compiler, CompileReport, Outcome
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.compile import compiler
+from neuron_buckets.compile.compiler import Compiler, CompileReport, Outcome
+from neuron_buckets.compile.directory_lock import DirectoryLocked, directory_lock
+from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import Config, load_config
-from neuron_buckets.grid import Bucket
-from neuron_buckets.lock import DirectoryLocked, directory_lock
-from neuron_buckets.manifest import ManifestError, read_manifest, sha256_file
-from neuron_buckets.padding import PrefillChunk
-from neuron_buckets.runtime import ArtifactError, BucketRuntime
-from neuron_buckets.store import GraphStore
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
@@ -202,7 +202,7 @@ def test_a_worker_that_dies_fails_only_its_bucket(eager, tmp_path):
 
 HOLD_SCRIPT = (
     "import multiprocessing, sys, time; from pathlib import Path\n"
-    "from neuron_buckets.compiler import Compiler\n"
+    "from neuron_buckets.compile.compiler import Compiler\n"
     "from neuron_buckets.config import load_config\n"
     "def hold(event, outcome):  # a worker is started: name it, then stay in the run until killed\n"
     "    print(*[p.pid for p in multiprocessing.active_children()], flush=True)\n"
@@ -337,7 +337,7 @@ KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replac
 )
 COMPILE_SCRIPT = (
     "import sys; from pathlib import Path\n"
-    "from neuron_buckets.compiler import Compiler\n"
+    "from neuron_buckets.compile.compiler import Compiler\n"
     "from neuron_buckets.config import load_config\n"
     "Compiler(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])).run(jobs=1)\n"
 )

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_buckets.block_manager import BlockPool
-from neuron_buckets.engine import generate
-from neuron_buckets.runtime import BucketRuntime
+from neuron_buckets.core.block_pool import BlockPool
+from neuron_buckets.serve.engine import generate
+from neuron_buckets.serve.runtime import BucketRuntime
 from tests.conftest import write_config
 
 PROMPT_LENS = (5, 20, 45, 11)
@@ -135,7 +135,7 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
     hf_model_dir, hf_greedy, tmp_path
 ):
     """Decode graphs of 3 positions per row: one real token each, the other two padded."""
-    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import load_config
 
     config = load_config(write_config(tmp_path, hf_model_dir, EAGER_SPECULATIVE))
@@ -152,7 +152,7 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
 
 def test_decode_context_buckets_serve_short_contexts_with_short_graphs(hf_model_dir, hf_greedy, tmp_path):
     """With decode ctx buckets [32, 128], a row runs the c32 graph until its context outgrows it."""
-    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import load_config
     from tests.conftest import TINY_CONFIG
 

@@ -2,11 +2,17 @@
 
 import pytest
 
-from neuron_buckets.config import BucketConfig, CacheConfig, CompileConfig, Config, ModelSource
-from neuron_buckets.grid import (
+from neuron_buckets.config import (
+    BucketConfig,
+    CacheConfig,
+    CompileConfig,
+    Config,
+    ModelSource,
+    enumerate_grid,
+)
+from neuron_buckets.core.bucket import (
     Bucket,
     NoBucketFits,
-    enumerate_grid,
     linear,
     powers_of_two,
     select_bucket,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
-from neuron_buckets.block_table import compute_slot_mapping, remap_null_block_to_sentinel
+from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
 
 KVH, D = 2, 8
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from neuron_buckets.masks import gen_active_mask, gen_cache_mask
+from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask
 
 
 @pytest.mark.parametrize("shape", [(3,), (3, 1)])

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from neuron_buckets.kernels import dispatch
 
-from neuron_buckets.checkpoint import load_weights
-from neuron_buckets.grid import Bucket, NoBucketFits
-from neuron_buckets.model import Llama, LlamaConfig
-from neuron_buckets.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.bucket import Bucket, NoBucketFits
+from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.kernels import dispatch
+from neuron_buckets.model.checkpoint import load_weights
+from neuron_buckets.model.llama import Llama, LlamaConfig
 
 BS, NUM_BLOCKS, CTX = 8, 48, 64
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from neuron_buckets.kernels import dispatch
-from neuron_buckets.kernels.digest import KERNELS_DIR, kernel_source_digest
 from torch import nn
 
 from neuron_buckets.backends import BackendUnavailable, get_backend
 from neuron_buckets.backends.neuron import CacheStateStep, NeuronFlags, core_index
-from neuron_buckets.doctor import doctor_report
+from neuron_buckets.cli.doctor import doctor_report
+from neuron_buckets.compile import cache_key
+from neuron_buckets.kernels import dispatch
 
 SDK_PRESENT = get_backend("neuron").available()[0]  # placeholder wheels import-fail: absent
 without_sdk = pytest.mark.skipif(SDK_PRESENT, reason="the Neuron SDK is installed here")
@@ -128,19 +127,13 @@ def test_dispatch_runs_the_goldens_unless_a_backend_swaps_its_kernels_in():
     assert calls == [("write", 3), "attend"] and dispatch.active() is dispatch.GOLDEN
 
 
-def test_kernel_digest_changes_when_any_kernel_source_changes(tmp_path):
-    copy = tmp_path / "kernels"
-    shutil.copytree(KERNELS_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    base = kernel_source_digest(copy)
-    assert base == kernel_source_digest(KERNELS_DIR)  # content and names, not the location
-    nki_src = copy / "block_kv_nki.py"
-    nki_src.write_text(nki_src.read_text().replace("NEG_INF = -1.0e30", "NEG_INF = -1.0e29"))
-    edited = kernel_source_digest(copy)
-    assert edited != base
-    (copy / "block_kv_torch.py").rename(copy / "golden.py")
-    assert kernel_source_digest(copy) not in {base, edited}
-
-
-def test_kernel_digest_refuses_a_directory_without_sources(tmp_path: Path):
-    with pytest.raises(FileNotFoundError, match="no kernel sources"):
-        kernel_source_digest(tmp_path)
+def test_the_nki_kernel_source_is_in_every_graph_key(tmp_path, monkeypatch):
+    real = cache_key.package_sources()
+    (nki_src,) = [p for p in real if p.name == "block_kv_nki.py"]
+    copy = tmp_path / "kernels" / nki_src.name
+    copy.parent.mkdir()
+    shutil.copy(nki_src, copy)
+    monkeypatch.setattr(cache_key, "package_sources", lambda: [copy if p == nki_src else p for p in real])
+    base = cache_key.source_digest()
+    copy.write_text(copy.read_text().replace("NEG_INF = -1.0e30", "NEG_INF = -1.0e29"))
+    assert cache_key.source_digest() != base

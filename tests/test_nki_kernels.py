@@ -12,7 +12,7 @@ import pytest
 import torch
 from neuron_buckets.kernels import block_kv_nki, block_kv_torch, nki_ops
 
-from neuron_buckets.block_table import compute_slot_mapping
+from neuron_buckets.core.block_table import compute_slot_mapping
 
 NO_NKI = (
     "needs the nki package (AWS Neuron SDK 2.29+, NKI 0.3) to run nki.simulate: "

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_traces import CODE, CONV, needs_traces
 
-from neuron_buckets import planner
-from neuron_buckets.compile_cost import CompileCost
-from neuron_buckets.padding_stats import _fifo_starts, padding_stats, replay_decode
-from neuron_buckets.planner import (
+from neuron_buckets.traffic import planner
+from neuron_buckets.traffic.compile_cost import CompileCost
+from neuron_buckets.traffic.padding_stats import _fifo_starts, padding_stats, replay_decode
+from neuron_buckets.traffic.planner import (
     PlanError,
     PlanOptions,
     largest_bucket,
@@ -24,7 +24,7 @@ from neuron_buckets.planner import (
     plan,
     powers_of_two_baseline,
 )
-from neuron_buckets.traces import Trace, load_trace
+from neuron_buckets.traffic.traces import Trace, load_trace
 
 
 def padded_plain(sizes: list[int], buckets: list[int], weights: list[float] | None = None) -> float:

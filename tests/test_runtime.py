@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuron_buckets.grid import Bucket, NoBucketFits
-from neuron_buckets.manifest import ManifestError
-from neuron_buckets.padding import DecodeRow, PrefillChunk
-from neuron_buckets.runtime import ArtifactError, BucketRuntime
+from neuron_buckets.artifact.manifest import ManifestError
+from neuron_buckets.core.bucket import Bucket, NoBucketFits
+from neuron_buckets.core.padding import DecodeRow, PrefillChunk
+from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_buckets.grid import Bucket, NoBucketFits
-from neuron_buckets.padding import PrefillChunk
-from neuron_buckets.scheduling import group_rows, split_long_chunks
+from neuron_buckets.core.bucket import Bucket, NoBucketFits
+from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.serve.row_packer import group_rows, split_long_chunks
 
 # Wide buckets are short: 1 row x 128 or 2 rows x 64 tokens (128 tokens per graph at most).
 MIXED = [Bucket("prefill", 1, 64, 256), Bucket("prefill", 1, 128, 256), Bucket("prefill", 2, 64, 256)]
@@ -38,9 +38,9 @@ def test_a_row_no_bucket_holds_is_refused_by_name():
 
 def test_runtime_chunks_only_beyond_the_longest_bucket_with_wide_prefill_buckets(hf_model_dir, tmp_path):
     """With (2, 16) beside (1, 32), a 30-token prompt runs whole in (1, 32), not as 16 + 14."""
-    from neuron_buckets.compiler import Compiler
+    from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import load_config
-    from neuron_buckets.runtime import BucketRuntime
+    from neuron_buckets.serve.runtime import BucketRuntime
     from tests.conftest import TINY_CONFIG, write_config
 
     text = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"').replace(

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from neuron_buckets.traces import TraceError, load_trace
+from neuron_buckets.traffic.traces import TraceError, load_trace
 
 TRACES = Path(__file__).parents[2] / "shared" / "traces"
 CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"

@@ -41,8 +41,8 @@ class EagerBackend:
     def load(
         self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
     ) -> GraphFn:
-        from neuron_buckets.checkpoint import load_weights
-        from neuron_buckets.model import Llama, LlamaConfig
+        from neuron_buckets.model.checkpoint import load_weights
+        from neuron_buckets.model.llama import Llama, LlamaConfig
 
         with torch.device("meta"):  # no storage of its own: it uses the shared weights
             model = Llama(LlamaConfig.from_hf(model_config))

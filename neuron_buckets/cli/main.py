@@ -1,0 +1,212 @@
+"""The ``nb`` command line: thin typer wrappers over the library, rich output, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from neuron_buckets import __version__
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest
+from neuron_buckets.cli.console import err, fail, int_list
+from neuron_buckets.cli.console import out as console
+from neuron_buckets.cli.traffic import register as register_traffic
+from neuron_buckets.config import Config, ConfigError, enumerate_grid, load_config
+
+app = typer.Typer(
+    help="Compile one fixed-shape LLM graph per (batch, seq) bucket over a block-KV cache.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+ConfigArg = Annotated[Path | None, typer.Argument(help="TOML config; default: the embedded default config")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"neuron-buckets {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version")
+    ] = False,
+) -> None:
+    """A callback keeps ``nb`` a command group even while it has a single command."""
+
+
+def load_or_fail(config: Path | None) -> Config:
+    try:
+        return load_config(config)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+
+
+@app.command()
+def grid(config: ConfigArg = None) -> None:
+    """Show the bucket grid a config compiles: one row per graph."""
+    cfg = load_or_fail(config)
+    table = Table(title=f"bucket grid ({config or 'embedded default'})")
+    for col in ("kind", "batch", "seq", "ctx", "tokens per graph"):
+        table.add_column(col, justify="left" if col == "kind" else "right")
+    buckets = enumerate_grid(cfg)
+    for b in buckets:
+        table.add_row(b.kind, str(b.batch), str(b.seq), str(b.ctx), str(b.tokens))
+    console.print(table)
+    console.print(f"{len(buckets)} graphs")
+
+
+@app.command("compile")
+def compile_(
+    config: ConfigArg = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory")] = Path("nb-artifacts"),
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", "-j", min=1, help="Parallel compile processes")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(help="inductor, eager or neuron")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (inductor), neuron")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Shared graph cache (default: user cache)")] = None,
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed bucket")] = False,
+) -> None:
+    """Compile one graph per bucket into an artifact directory; unchanged buckets are reused."""
+    from dataclasses import replace
+
+    from neuron_buckets.cli.progress import CompileProgress
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.compile.directory_lock import DirectoryLocked
+    from neuron_buckets.compile.store import default_cache_dir
+
+    cfg = load_or_fail(config)
+    overrides = {k: v for k, v in (("jobs", jobs), ("backend", backend), ("device", device)) if v is not None}
+    cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
+    try:
+        compiler = Compiler(cfg, out, cache_dir or default_cache_dir(), fail_fast=fail_fast)
+        err.print(
+            f"{len(compiler.buckets)} buckets, backend {cfg.compile.backend} on {cfg.compile.device}, "
+            f"{cfg.compile.jobs} jobs -> {out}"
+        )
+        with CompileProgress(len(compiler.buckets), cfg.compile.jobs, err) as progress:
+            report = compiler.run(cfg.compile.jobs, progress)
+    except (DirectoryLocked, RuntimeError, ValueError, OSError) as e:
+        raise fail(str(e)) from None
+    reused = len(report.outcomes) - len(report.compiled) - len(report.failed)
+    err.print(
+        f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
+        f"manifest: {out / 'manifest.json'}"
+    )
+    if report.failed or len(report.outcomes) < len(compiler.buckets):
+        raise typer.Exit(1)
+
+
+def read_or_fail(directory: Path) -> dict:
+    try:
+        return read_manifest(directory)
+    except ManifestError as e:
+        raise fail(str(e)) from None
+
+
+@app.command("ls")
+def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -> None:
+    """List an artifact directory's buckets: status, size, compile time and key."""
+    m = read_or_fail(directory)
+    b = m["backend"]
+    table = Table(title=f"{directory}: {b['name']} on {b['device']}, torch {b['versions']['torch']}")
+    for col in ("bucket", "status", "size", "compile s", "key"):
+        table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
+    for r in m["buckets"]:
+        name = f"{r['kind']} b{r['batch']} s{r['seq']} c{r['ctx']}"
+        status = "[green]ok[/]" if r["status"] == "ok" else f"[red]failed[/] {r['error']}"
+        table.add_row(
+            name, status, f"{r['bytes'] / 1e6:.1f} MB", f"{r['compile_seconds']:.1f}", r["key"][:12]
+        )
+    console.print(table)
+    ok = [r for r in m["buckets"] if r["status"] == "ok"]
+    console.print(
+        f"{len(ok)} of {len(m['buckets'])} graphs ok, {sum(r['bytes'] for r in ok) / 1e6:.1f} MB, "
+        f"{sum(r['compile_seconds'] for r in m['buckets']):.0f} s of compile; weights "
+        f"{m['weights']['bytes'] / 1e6:.1f} MB, sha256 {m['weights']['sha256'][:12]}"
+    )
+
+
+@app.command()
+def verify(
+    directory: Annotated[Path, typer.Argument(help="Artifact directory")],
+    trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
+) -> None:
+    """Check every file's sha256 and the schema, then run each graph against the eager model."""
+    from neuron_buckets.serve.verify import file_problems, verify_graphs
+
+    try:
+        problems = file_problems(directory)
+    except ManifestError as e:
+        raise fail(str(e)) from None
+    for p in problems:
+        err.print(f"[red]problem:[/] {p}")
+    if problems:
+        raise typer.Exit(1)
+    table = Table(title=f"{directory}: graphs against the eager model")
+    for col in ("bucket", "result", "max |diff|"):
+        table.add_column(col)
+    checks = verify_graphs(directory, trials=trials)
+    for c in checks:
+        diff = "-" if c.max_diff is None else f"{c.max_diff:.2e}"
+        table.add_row(c.name, "[green]ok[/]" if c.ok else f"[red]FAIL[/] {c.detail}", diff)
+    console.print(table)
+    if not all(c.ok for c in checks):
+        raise typer.Exit(1)
+
+
+@app.command()
+def generate(
+    directory: Annotated[Path, typer.Argument(help="Artifact directory")],
+    prompt: Annotated[list[str], typer.Option(help="Token ids, comma separated; repeat for more")],
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 16,
+    stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket counters")] = False,
+) -> None:
+    """Greedy generation through the runtime; prints one line of token ids per prompt."""
+    from neuron_buckets.serve.engine import generate as run_generate
+    from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+
+    try:
+        prompts = [int_list("--prompt", p) for p in prompt]
+        runtime = BucketRuntime.open(directory)
+        outputs = run_generate(runtime, prompts, max_new_tokens)
+    except (ArtifactError, ManifestError, ValueError, RuntimeError) as e:
+        raise fail(str(e)) from None
+    for out in outputs:
+        console.print(",".join(map(str, out)))
+    if stats:
+        table = Table(title="bucket counters")
+        for col in ("bucket", "calls", "real tokens", "padded tokens", "padding"):
+            table.add_column(col)
+        for label, s in runtime.stats.items():
+            if s.calls:
+                row = (
+                    label,
+                    str(s.calls),
+                    str(s.real_tokens),
+                    str(s.padded_tokens),
+                    f"{s.padding_ratio:.0%}",
+                )
+                table.add_row(*row)
+        err.print(table)
+
+
+@app.command()
+def doctor() -> None:
+    """Which backends and devices are usable on this machine, and why not."""
+    from neuron_buckets.cli.doctor import doctor_report
+
+    table = Table(title="nb doctor")
+    for col in ("component", "usable", "detail"):
+        table.add_column(col)
+    for name, ok, why in doctor_report():
+        table.add_row(name, "[green]yes[/]" if ok else "[yellow]no[/]", why)
+    console.print(table)
+
+
+register_traffic(app)

@@ -1,0 +1,64 @@
+"""A rich progress bar for ``nb compile``: buckets done, running and failed, elapsed time and ETA."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from neuron_buckets.compile.compiler import Outcome
+
+
+class CompileProgress:
+    """Turns the compiler's events into one bar; a log line per finished or failed bucket."""
+
+    def __init__(self, total: int, jobs: int, console: Console) -> None:
+        self.jobs, self.console = jobs, console
+        self.queued = self.failed = 0
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]compiling"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("running {task.fields[running]}  failed {task.fields[failed]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self.task = self.progress.add_task("compile", total=total, running=0, failed=0)
+
+    def __enter__(self) -> CompileProgress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, et: type | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.progress.__exit__(et, ev, tb)
+
+    def __call__(self, event: str, outcome: Outcome) -> None:
+        if event == "queued":
+            self.queued += 1
+        elif event == "done":
+            if outcome.cached:
+                self.progress.update(self.task, advance=1)
+                return
+            self.queued -= 1
+            if outcome.status == "ok":
+                self.progress.print(f"[green]ok[/] {outcome.bucket.name} in {outcome.compile_seconds:.1f} s")
+            else:
+                self.failed += 1
+                self.progress.log(
+                    f"[red]failed[/] {outcome.bucket.name}: {outcome.error} (see {outcome.log})"
+                )
+            self.progress.update(self.task, advance=1)
+        running = min(self.queued, self.jobs)
+        self.progress.update(self.task, running=running, failed=self.failed)

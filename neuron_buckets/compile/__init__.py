@@ -1,0 +1,1 @@
+"""``nb compile``: grid -> one graph per bucket in worker processes -> artifact directory."""

@@ -1,0 +1,23 @@
+"""The TOML config, one module per section (as vLLM's config package), loaded and checked in
+``loader``; ``grid`` turns a config into the buckets ``nb compile`` builds."""
+
+from neuron_buckets.config.buckets import BucketConfig
+from neuron_buckets.config.cache import DTYPES, CacheConfig
+from neuron_buckets.config.compile import BACKENDS, CompileConfig
+from neuron_buckets.config.grid import enumerate_grid
+from neuron_buckets.config.loader import Config, ConfigError, load_config, parse_config
+from neuron_buckets.config.model import ModelSource
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "BucketConfig",
+    "CacheConfig",
+    "CompileConfig",
+    "Config",
+    "ConfigError",
+    "ModelSource",
+    "enumerate_grid",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,24 @@
+"""The bucket grid a config asks for: config -> grid is the first step of ``nb compile``."""
+
+from __future__ import annotations
+
+from neuron_buckets.config.loader import Config
+from neuron_buckets.core.bucket import Bucket
+
+
+def enumerate_grid(config: Config) -> list[Bucket]:
+    """Every bucket the config asks for: prefill token counts, then decode batch sizes x contexts."""
+    b, cache = config.buckets, config.cache
+    prefill = [
+        Bucket("prefill", rows, seq, cache.max_model_len)
+        for rows in b.prefill_batch_buckets
+        for seq in b.num_batched_tokens_buckets
+        if rows * seq <= b.max_num_batched_tokens
+    ]
+    contexts = b.decode_context_length_buckets or (cache.max_model_len,)
+    decode = [
+        Bucket("decode", rows, 1 + b.speculation_length, ctx)
+        for ctx in contexts
+        for rows in b.num_seqs_buckets
+    ]
+    return prefill + decode

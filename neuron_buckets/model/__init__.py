@@ -1,0 +1,1 @@
+"""The decoder over the paged cache (gpt-fast style, one file) and checkpoint loading."""

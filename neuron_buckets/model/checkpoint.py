@@ -1,0 +1,145 @@
+"""Weights in and out: Hugging Face style checkpoint directories and the artifact's one file.
+
+A checkpoint directory holds ``config.json`` plus ``model.safetensors`` or a sharded
+``model.safetensors.index.json``, with the transformers parameter names (which ``Llama`` uses
+itself), in float32, float16 or bfloat16. transformers is never imported: safetensors reads the
+tensors. The artifact stores the weights once (``save_weights``) and every bucket graph shares
+them (``load_weights``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from neuron_buckets.model.llama import Llama, LlamaConfig
+
+DEFAULT_CONFIG = LlamaConfig(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+)
+DEFAULT_SEED = 0
+# Large enough that two layers of random weights still give clearly separated logits.
+DEFAULT_INIT_STD = 0.1
+LOADABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Buffers some older checkpoints stored; recomputed from the config here.
+_DERIVED = ".rotary_emb.inv_freq"
+
+
+def read_config(path: str | Path) -> LlamaConfig:
+    """The model config of a checkpoint directory's ``config.json``."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: a model directory needs config.json")
+    return LlamaConfig.from_hf(json.loads(file.read_text()))
+
+
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """All tensors of a directory's single or sharded safetensors checkpoint."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        raise FileNotFoundError(
+            f"{path} has neither model.safetensors nor model.safetensors.index.json (found {found})"
+        )
+    tensors: dict[str, Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(path / shard))
+    return tensors
+
+
+def load_weights(model: Llama, weights: str | Path | dict[str, Tensor], share: bool = False) -> Llama:
+    """Load a state dict (or one safetensors file) into ``model`` strictly.
+
+    By default the tensors are copied and cast to the model's dtype; ``share=True`` makes the
+    model use them as they are (build it on the ``meta`` device), so several models can share one
+    copy. A tied model has no ``lm_head``, so a checkpoint's redundant ``lm_head.weight`` is
+    dropped; any other missing, unexpected or misshapen tensor is an error that names it.
+    """
+    if not isinstance(weights, dict):
+        weights = load_file(Path(weights))
+    weights = {k: v for k, v in weights.items() if not k.endswith(_DERIVED)}
+    if model.lm_head is None:
+        weights.pop("lm_head.weight", None)
+    bad = sorted(k for k, v in weights.items() if v.dtype not in LOADABLE_DTYPES)
+    if bad:
+        raise ValueError(f"tensors {bad} have unsupported dtypes; use one of {LOADABLE_DTYPES}")
+    expected = model.state_dict()
+    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    for name, tensor in weights.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(weights, strict=True, assign=share)
+    return model
+
+
+def save_weights(model: Llama, file: str | Path) -> None:
+    """Write every parameter once, by its transformers name, into one safetensors file."""
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(file))
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama:
+    """Build the model of a Hugging Face style directory, weights cast to ``dtype``."""
+    model = Llama(read_config(path)).to(dtype)
+    return load_weights(model, read_state_dict(path)).eval()
+
+
+def default_model(dtype: torch.dtype = torch.float32) -> Llama:
+    """The embedded default: ``DEFAULT_CONFIG`` with deterministic seeded weights."""
+    model = Llama(DEFAULT_CONFIG)
+    gen = torch.Generator().manual_seed(DEFAULT_SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, DEFAULT_INIT_STD, generator=gen)
+    return model.to(dtype).eval()
+
+
+def model_config_of(source: Path | None) -> LlamaConfig:
+    """The config alone (cheap: no tensors read) of a checkpoint directory or the default."""
+    return DEFAULT_CONFIG if source is None else read_config(source)
+
+
+def build_model(source: Path | None, dtype: torch.dtype) -> Llama:
+    """The model of a checkpoint directory, or the embedded default for ``None``."""
+    return default_model(dtype) if source is None else load_model(source, dtype)
+
+
+def weights_fingerprint(source: Path | None, dtype: torch.dtype) -> str:
+    """A cheap identity of the weights a source yields, to skip rewriting unchanged weights.
+
+    Checkpoint directories: the names, sizes and modification times of their files; the default:
+    this module's source (seed, init) and the torch version (its random generator).
+    """
+    h = hashlib.sha256(str(dtype).encode())
+    if source is None:
+        h.update(Path(__file__).read_bytes())
+        h.update(torch.__version__.encode())
+    else:
+        for f in sorted(Path(source).glob("*")):
+            if f.suffix in (".safetensors", ".json"):
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()

@@ -1,0 +1,299 @@
+"""A Llama-architecture decoder over the paged block-KV cache, one forward for every bucket.
+
+gpt-fast style plain PyTorch with the transformers parameter names, so a Hugging Face state dict
+loads as is. The forward takes one padded step of fixed shape (see ``Llama.forward``) and is
+torch.export-friendly: no data-dependent Python control flow, no ``.item()``, no loop over
+tokens; its shape checks run only in eager mode. The cache write and the attention go through
+``kernels/dispatch.py``: the goldens of ``kernels/block_kv_torch.py`` unless a backend (Neuron)
+swaps its own kernels in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from neuron_buckets.core.block_table import check_block_ids
+from neuron_buckets.kernels.dispatch import block_kv_attention, write_kv_cache
+
+ROPE_TYPES = ("default", "llama3")
+# config.json entries that would change the math; any value but the listed one is refused.
+_UNSUPPORTED = {
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "quantization_config": None,
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's frequency-dependent rotary scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaConfig:
+        """Read a transformers Llama ``config.json`` dict, old or new rope keys alike."""
+        if hf.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type {hf['model_type']!r} is not supported; only 'llama'")
+        for key, allowed in _UNSUPPORTED.items():
+            if hf.get(key, allowed) != allowed:
+                raise ValueError(f"config field {key}={hf[key]!r} is not supported (need {allowed!r})")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; use one of {ROPE_TYPES}")
+        if rope.pop("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1.0 is not supported")
+        scaling = None
+        if rope_type == "llama3":
+            try:
+                scaling = RopeScaling(**rope)
+            except TypeError as e:
+                raise ValueError(f"llama3 rope scaling {rope} is invalid: {e}") from None
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf["max_position_embeddings"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        )
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` dict (newer ``rope_parameters`` form) that ``from_hf`` reads back."""
+        rope: dict = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {**rope, **vars(self.rope_scaling), "rope_type": "llama3"}
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+def rope_inv_freq(config: LlamaConfig, device: torch.device | str = "cpu") -> Tensor:
+    """Rotary inverse frequencies, with Llama 3's low-frequency stretch when configured.
+
+    Always float32 and computed in the graph, never a buffer that ``model.to(bf16)`` would round.
+    """
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponent)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (T, heads, D) by per-token angles, halves convention (as HF checkpoints expect)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer  # which slice of the stacked (L, NB, BS, KVH, D) caches is ours
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: tuple[Tensor, ...],
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        slot_mapping, block_table, cache_lens = step
+        tokens, batch = x.shape[0], block_table.shape[0]
+        seq = tokens // batch
+        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=self.layer)
+        kv_shape = (batch, seq, self.num_kv_heads, self.head_dim)
+        out = block_kv_attention(
+            q.view(batch, seq, self.num_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
+            k_cache[self.layer], v_cache[self.layer], block_table, cache_lens, self.head_dim**-0.5,
+        )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(c, layer)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: tuple[Tensor, ...],
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Holds the ``model.*`` parameters, so state-dict names are the transformers ones."""
+
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        # Tied: no lm_head parameter at all, the embedding doubles as the output projection.
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of each of the K and V caches: every layer's blocks in one tensor."""
+        c = self.config
+        return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
+                block_table: Tensor, cache_lens: Tensor, sampling_positions: Tensor,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """One step of B rows x S tokens (T = B * S, row-major) -> (N, vocab) float32 logits.
+
+        Writes the step's K/V into ``k_cache``/``v_cache`` (L, NB, BS, KVH, D) in place through
+        ``slot_mapping`` and attends through ``block_table`` (B, M) and ``cache_lens`` (B,);
+        only the tokens at ``sampling_positions`` (N,) reach the final norm and the LM head.
+        """
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            self.check_step(input_ids, positions, slot_mapping, block_table, cache_lens,
+                            sampling_positions, k_cache, v_cache)
+        inv_freq = rope_inv_freq(self.config, positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2), float32 as HF
+        angles = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        step = (slot_mapping, block_table, cache_lens)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, step, k_cache, v_cache)
+        h = self.model.norm(h[sampling_positions])
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, head).float()
+
+    def check_step(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
+                   block_table: Tensor, cache_lens: Tensor, sampling_positions: Tensor,
+                   k_cache: Tensor, v_cache: Tensor) -> None:
+        """Eager-only validation: a wrong step fails here with its bad value, not as garbage."""
+        tokens, (batch, max_blocks) = input_ids.shape[0], block_table.shape
+        flat = (input_ids.shape, positions.shape, slot_mapping.shape)
+        if any(shape != (tokens,) for shape in flat) or tokens % batch or cache_lens.shape != (batch,):
+            raise ValueError(f"need T = B * S tokens in 1-D input_ids/positions/slot_mapping and "
+                             f"cache_lens (B,) for B={batch} rows, got {flat}, {cache_lens.shape}")
+        if k_cache.dim() != 5 or k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                             "must be equal 5-D (layers, blocks, block_size, kv_heads, head_dim)")
+        num_blocks, block_size = k_cache.shape[1:3]
+        if k_cache.shape != self.cache_shape(num_blocks, block_size):
+            raise ValueError(f"cache geometry {tuple(k_cache.shape)} does not match the model, "
+                             f"expected {self.cache_shape(num_blocks, block_size)}")
+        check_block_ids(block_table, num_blocks)
+        ctx = max_blocks * block_size
+        ends = cache_lens + (slot_mapping >= 0).view(batch, -1).sum(1)
+        if int(ends.max()) > ctx:
+            raise ValueError(f"row context {int(ends.max())} exceeds the bucket's ctx {ctx} "
+                             f"({max_blocks} blocks of {block_size}); use a larger bucket")
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        if bool(((sampling_positions < 0) | (sampling_positions >= tokens)).any()):
+            raise ValueError(f"sampling_positions must lie in [0, {tokens})")

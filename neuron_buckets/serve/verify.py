@@ -1,0 +1,112 @@
+"""``nb verify``: is an artifact directory intact, and does every graph compute what the model does?
+
+Checks the schema, the weights' and every graph's sha256, then runs each bucket graph on random
+padded steps (random rows, lengths, starting positions and shuffled blocks, over a cache full of
+random values) and compares logits and the written cache with the eager model on the same input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.core.padding import PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.model.checkpoint import load_weights
+from neuron_buckets.model.llama import Llama, LlamaConfig
+from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+
+TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
+
+
+@dataclass
+class BucketCheck:
+    name: str
+    ok: bool
+    max_diff: float | None = None
+    detail: str = ""
+
+
+def file_problems(directory: Path) -> list[str]:
+    """Every file whose bytes disagree with the manifest (missing, truncated, tampered)."""
+    manifest = read_manifest(directory)
+    problems = []
+    entries = [(manifest["weights"]["file"], manifest["weights"]["sha256"], "weights")]
+    entries += [(r["file"], r["sha256"], r["kind"]) for r in manifest["buckets"] if r["status"] == "ok"]
+    for rel, digest, what in entries:
+        path = directory / rel
+        if not path.is_file():
+            problems.append(f"{what} file {rel} is missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{what} file {rel} does not match its sha256")
+    problems += [
+        f"bucket {r['kind']} b{r['batch']} s{r['seq']} failed to compile: {r['error']}"
+        for r in manifest["buckets"]
+        if r["status"] != "ok"
+    ]
+    return problems
+
+
+def random_step(
+    bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator
+) -> StepInputs:
+    """A padded step with 1..batch real rows of random tokens, length, context and shuffled blocks.
+
+    The config guarantees the pool holds one full-context row; rows are capped to what it holds.
+    """
+    max_blocks = bucket.ctx // block_size
+    rows = int(torch.randint(1, bucket.batch + 1, (1,), generator=gen))
+    rows = min(rows, (num_blocks - 1) // max_blocks or 1)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    chunks = []
+    for _ in range(rows):
+        n = (
+            bucket.seq
+            if bucket.kind == "decode"
+            else int(torch.randint(1, bucket.seq + 1, (1,), generator=gen))
+        )
+        start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
+        need = -(-(start + n) // block_size)
+        blocks, free = free[:need], free[need:]
+        chunks.append(PrefillChunk(torch.randint(0, vocab, (n,), generator=gen), start, blocks))
+    pad = pad_decode if bucket.kind == "decode" else pad_prefill
+    return pad(chunks, bucket, block_size)
+
+
+def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[BucketCheck]:
+    """Run every bucket graph against the eager model; one result per bucket."""
+    runtime = BucketRuntime.open(directory)
+    manifest = runtime.manifest
+    dtype = manifest["cache"]["dtype"]
+    model = Llama(LlamaConfig.from_hf(manifest["model"]["config"])).to(getattr(torch, dtype))
+    load_weights(model, runtime.weights).to(runtime.device).eval()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = manifest["model"]["config"]["vocab_size"]
+    results = []
+    for bucket in sorted(runtime.records):
+        try:
+            diff = 0.0
+            for _ in range(trials):
+                step = random_step(bucket, runtime.block_size, runtime.num_blocks, vocab, gen)
+                start = torch.randn(runtime.k_cache.shape, generator=gen).to(runtime.k_cache)
+                runtime.k_cache.copy_(start)
+                runtime.v_cache.copy_(start.flip(0))
+                ref_k, ref_v = runtime.k_cache.clone(), runtime.v_cache.clone()
+                got = runtime.run(bucket, step)
+                with torch.no_grad():
+                    args = [t.to(runtime.device) for t in step.args()]
+                    want = model(*args, ref_k, ref_v)[: step.num_samples]
+                diff = max(
+                    diff,
+                    float((got - want).abs().max()),
+                    float((runtime.k_cache - ref_k).abs().max()),
+                    float((runtime.v_cache - ref_v).abs().max()),
+                )
+            ok = diff <= TOLERANCE[dtype]
+            results.append(BucketCheck(bucket.name, ok, diff, "" if ok else f"exceeds {TOLERANCE[dtype]}"))
+        except (ArtifactError, ManifestError, RuntimeError, ValueError) as e:
+            results.append(BucketCheck(bucket.name, False, None, str(e)))
+    return results

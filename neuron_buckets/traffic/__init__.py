@@ -1,0 +1,1 @@
+"""What bucket sets cost on real traffic: traces, padding statistics, the planner, reports."""
