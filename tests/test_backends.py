@@ -19,7 +19,8 @@ def test_versions_carry_what_the_manifest_schema_requires(name):
 @pytest.mark.parametrize("name", BACKEND_NAMES)
 def test_available_says_why(name):
     ok, why = get_backend(name).available()
-    assert isinstance(ok, bool) and why
+    # Usable: the versions it will run with. Not usable: what to install.
+    assert ("torch " in why) if ok else ("pip install" in why or "compiler" in why), why
 
 
 def test_unknown_backend_lists_the_known_ones():

@@ -15,7 +15,7 @@ def test_null_block_is_never_handed_out():
 
 
 def test_allocates_for_actual_tokens_only():
-    # The seed: 100 actual tokens with block_size 64 need ceil(100 / 64) = 2 blocks, whatever the
+    # Worked example: 100 actual tokens with block_size 64 need ceil(100 / 64) = 2 blocks, whatever the
     # bucket they are padded to.
     pool = BlockPool(num_blocks=1024, block_size=64)
     blocks = pool.grow([], 100)

@@ -1,4 +1,4 @@
-"""Slot mapping on the seed document's worked examples, bit for bit, and its refusals."""
+"""Slot mapping on the block-KV worked examples, bit for bit, and its refusals."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from neuron_buckets.core.block_table import (
     remap_null_block_to_sentinel,
 )
 
-# The seed's block table after the remap: request 0 owns 10, 15, 22; request 1 owns 8, 12.
+# The worked example's block table after the remap: request 0 owns 10, 15, 22; request 1 owns 8, 12.
 SEED_TABLE = torch.tensor([[10, 15, 22, -1, -1], [8, 12, -1, -1, -1]])
 
 
@@ -41,7 +41,7 @@ def test_seed_speculative_decode_crossing_block_boundary():
 
 
 def test_seed_multi_token_decode_batch_of_four():
-    # The seed's EAGLE example: 4 requests x 4 tokens at positions 50.., 75.., 100.., 125...
+    # The worked example's EAGLE example: 4 requests x 4 tokens at positions 50.., 75.., 100.., 125...
     table = torch.tensor([[10, 15, -1], [8, 12, -1], [22, 30, -1], [3, 5, 7]])
     reqs = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     positions = [50, 51, 52, 53, 75, 76, 77, 78, 100, 101, 102, 103, 125, 126, 127, 128]
@@ -93,7 +93,7 @@ def test_matches_the_plain_python_formula(block_size, rows, data):
     reqs = data.draw(st.lists(st.integers(0, len(rows) - 1), min_size=1, max_size=40))
     positions = [data.draw(st.integers(0, len(rows[r]) * block_size - 1)) for r in reqs]
     expected = []
-    for r, p in zip(reqs, positions, strict=True):  # the seed's formula, one token at a time
+    for r, p in zip(reqs, positions, strict=True):  # the worked example's formula, one token at a time
         expected.append(rows[r][p // block_size] * block_size + p % block_size)
     assert slots(table, reqs, positions, block_size) == expected
 

@@ -1,4 +1,4 @@
-"""The torch kernel goldens on the seed document's worked examples and their invariants."""
+"""The torch kernel goldens on the block-KV worked examples and their invariants."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def step_case(batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=0):
 
 
 def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
-    # The seed document's prefill example: blocks 10 and 15, block_size 64, 100 tokens cached.
+    # The worked prefill example: blocks 10 and 15, block_size 64, 100 tokens cached.
     table = torch.tensor([[10, 15, -1, -1], [-1, -1, -1, -1]])
     slots = nki_ops.context_slots(table, torch.tensor([100, 0]), 64)
     assert slots.shape == (2, 256, 1) and slots.dtype == torch.int32
@@ -102,6 +102,7 @@ def test_write_slots_address_one_layer_of_the_stacked_cache_and_keep_pads_out_of
     assert rows.dtype == torch.int32 and rows[:, 0].tolist() == [261, -1, 326, -1]
 
 
+@pytest.mark.neuron
 def test_stacked_layer_write_matches_the_golden():
     nki = pytest.importorskip("nki", reason=NO_NKI)
     layers, num_blocks, block_size = 3, 6, 16
@@ -117,11 +118,12 @@ def test_stacked_layer_write_matches_the_golden():
 
 
 @pytest.mark.parametrize("tokens", [128, 300])
+@pytest.mark.neuron
 def test_write_kernel_matches_the_golden_and_skips_pad_slots(tokens):
     nki = pytest.importorskip("nki", reason=NO_NKI)
     block_size, num_blocks = 64, 16
     table = torch.tensor([[10, 15, 3, 7, 12, 1]])
-    real = min(tokens - 28, 100 if tokens == 128 else 250)  # the seed's 100 real of 128, padded
+    real = min(tokens - 28, 100 if tokens == 128 else 250)  # the worked example's 100 real of 128, padded
     slots = torch.full((tokens,), -1, dtype=torch.int64)
     slots[:real] = compute_slot_mapping(table, torch.zeros(real, dtype=torch.int64), torch.arange(real), 64)
     k, v = torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
@@ -145,6 +147,7 @@ def test_write_kernel_matches_the_golden_and_skips_pad_slots(tokens):
         (1, 8, 4, 1, 64, 32, 8),  # all query heads on one kv head
     ],
 )
+@pytest.mark.neuron
 def test_attention_kernel_matches_the_golden(batch, seq, heads, kv_heads, head_dim, block_size, cols):
     nki = pytest.importorskip("nki", reason=NO_NKI)
     q, k_act, v_act, k_cache, v_cache, table, lens = step_case(

@@ -1,4 +1,4 @@
-"""Padding steps to bucket shapes: the seed's layouts bit for bit, a property test, refusals."""
+"""Padding steps to bucket shapes: the worked example's layouts bit for bit, a property test, refusals."""
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ def test_seed_prefill_100_tokens_padded_to_128():
 
 
 def test_seed_prefill_scheduler_table_with_zeros_is_remapped():
-    # The seed's "Block Table: [10, 15, 0, 0, ...]" as a scheduler emits it.
+    # The worked example's "Block Table: [10, 15, 0, 0, ...]" as a scheduler emits it.
     step = pad_prefill([PrefillChunk([5] * 100, 0, [10, 15, 0, 0])], Bucket("prefill", 1, 128, 256), 64)
     assert step.block_table.tolist() == [[10, 15, -1, -1]]
     assert step.slot_mapping[99] == 995 and step.slot_mapping[100] == -1
@@ -64,7 +64,7 @@ def test_prefill_batch_of_two_chunks_and_a_dummy_row():
 
 
 def test_speculative_decode_rows_cross_the_block_boundary():
-    # The seed's base token at 62 plus 3 drafts, beside a request crossing at 127 -> 128.
+    # The worked example's base token at 62 plus 3 drafts, beside a request crossing at 127 -> 128.
     rows = [DecodeRow([1, 2, 3, 4], 62, [10, 15]), DecodeRow([5, 6, 7, 8], 125, [3, 5, 7])]
     step = pad_decode(rows, Bucket("decode", 4, 4, 256), 64)
     assert step.slot_mapping.tolist() == [702, 703, 960, 961, 381, 382, 383, 448] + [-1] * 8
@@ -88,7 +88,7 @@ def test_dummy_rows_allocate_nothing_and_copy_row_0():
 
 
 def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[str, list]:
-    """The seed's layout token by token in plain Python, to check the vectorised padding against."""
+    """The worked example's layout token by token in plain Python, to check the vectorised padding against."""
     ids, pos, slot, table, lens, sampling = [], [], [], [], [], []
     max_blocks = bucket.ctx // block_size
     for r in range(bucket.batch):

@@ -182,17 +182,21 @@ def test_open_does_not_probe_the_build_compiler(compiled_dir, monkeypatch):
     def refuse() -> str:
         raise AssertionError("the runtime asked for the C++ compiler's version")
 
+    step = [PrefillChunk(tokens(10, 0), 0, [1, 2])]
+    expected = BucketRuntime.open(compiled_dir).prefill(step)
     monkeypatch.setattr(inductor, "_cxx_version", refuse)
-    BucketRuntime.open(compiled_dir).prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+    torch.testing.assert_close(BucketRuntime.open(compiled_dir).prefill(step), expected, rtol=0, atol=0)
 
 
 def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
     """Loading a .pt2 needs no compiler: only the framework version must match the build."""
     path = artifact_copy / "manifest.json"
     manifest = json.loads(path.read_text())
+    step = [PrefillChunk(tokens(10, 0), 0, [1, 2])]
+    expected = BucketRuntime.open(artifact_copy).prefill(step)
     manifest["backend"]["versions"]["compiler"] = "clang++ 99.0"
     path.write_text(json.dumps(manifest))
-    BucketRuntime.open(artifact_copy).prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+    torch.testing.assert_close(BucketRuntime.open(artifact_copy).prefill(step), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,11 @@ from neuron_buckets.traffic.traces import Trace, load_trace
 DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
 
 
-TraceOpt = Annotated[Path, typer.Option("--trace", help="Trace file: CSV or JSONL (see DESIGN.md)")]
+TRACE_HELP = (
+    "Trace file, CSV or JSONL, with ContextTokens/GeneratedTokens, input_length/output_length or "
+    "num_prefill_tokens/num_decode_tokens columns and an optional TIMESTAMP or timestamp"
+)
+TraceOpt = Annotated[Path, typer.Option("--trace", help=TRACE_HELP)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document to stdout")]
 ManifestOpt = Annotated[
     Path | None,

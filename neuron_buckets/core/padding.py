@@ -1,4 +1,4 @@
-"""Padding a step to a bucket's fixed shape, exactly as the block-KV seed describes.
+"""Padding a step to a bucket's fixed shape without ever touching real KV data.
 
 A step is ``batch`` block-table rows of ``seq`` token positions each, flattened row-major. Pad
 tokens get position 0 and slot -1 (they write nothing); dummy rows copy row 0's block table

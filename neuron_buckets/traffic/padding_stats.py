@@ -47,7 +47,7 @@ class PaddingStats:
         return (self.padded_total - self.real_total) / self.real_total
 
     def to_json(self, item: str, unit: str) -> dict:
-        """DESIGN.md's JSON: ``{"buckets", item, "real_<unit>", "padded_<unit>", ...}``."""
+        """The ``--json`` document: ``{"buckets", item, "real_<unit>", "padded_<unit>", ...}``."""
         per_bucket = [
             {
                 "seq" if unit == "tokens" else "batch": b,
