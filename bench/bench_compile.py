@@ -1,81 +1,87 @@
-"""How long ``nb compile`` takes on the embedded default grid: cold with 1 and 2 jobs, then warm.
+"""Compile time against depth: ``nb compile`` of one grid for a 2-layer and a 30-layer model.
 
-Each cold run gets a fresh graph cache and a fresh inductor cache (TORCHINDUCTOR_CACHE_DIR), so
-nothing is reused between the two runs and the figures are a first compile on a new machine (the
-first graph of a run also pays inductor's one-time CPU-ISA probe and precompiled header). The
-warm run repeats the 2-job compile on its directory: it should find every graph and compile
-nothing. Prints figures only; timing varies by machine and load, so nothing is asserted.
-Run: python bench/bench_compile.py [--flags '{"compile_threads": 1}']
+Both models have the SmolLM2-135M width (random weights, built with transformers); the grid is
+the default shape of that issue's measurement (prefill 64/256, decode batches 1/8, contexts 256
+and 512). Each cold run is a fresh ``nb compile --jobs 2`` process with a fresh graph cache and
+a fresh inductor cache, as on a new machine. Layer-granular artifacts compile one decoder layer
+per bucket whatever the depth, so the ratio should stay near 1 (whole-model graphs: 5.85x).
+Then a warm no-op ``nb compile`` of the 30-layer directory is timed beside ``python -c "import
+torch"``: with nothing to build it should cost at most 1 s more.
+Run: python bench/bench_compile.py [--models DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from neuron_buckets.compile.compiler import Compiler, CompileReport
-from neuron_buckets.config import Config, load_config
+sys.path.insert(0, str(Path(__file__).parent))
+from real_models import build_smollm  # noqa: E402
+
+GRID = """
+[model]
+path = "{model}"
+
+[cache]
+block_size = 16
+num_blocks = 300
+max_model_len = 512
+
+[buckets]
+max_num_seqs = 8
+max_num_batched_tokens = 256
+num_seqs_buckets = [1, 8]
+num_batched_tokens_buckets = [64, 256]
+
+[compile]
+backend = "inductor"
+jobs = 2
+"""
 
 
-def timed_compile(config: Config, out: Path, cache: Path, jobs: int) -> tuple[float, CompileReport]:
-    """Wall seconds of what ``nb compile`` does after start-up: build, key, compile, write."""
+def run(cmd: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    report = Compiler(config, out, cache).run(jobs)
-    seconds = time.perf_counter() - start
-    if report.failed:
-        raise SystemExit(f"{len(report.failed)} buckets failed: {report.failed[0].error} (see {out})")
-    return seconds, report
-
-
-def cold(config: Config, root: Path, jobs: int) -> tuple[float, CompileReport]:
-    run = root / f"jobs{jobs}"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")  # inherited by the workers
-    seconds, report = timed_compile(config, run / "out", run / "cache", jobs)
-    per_graph = [o.compile_seconds for o in report.compiled]
-    print(
-        f"cold --jobs {jobs}: {seconds:7.1f} s for {len(per_graph)} graphs; per graph "
-        f"min {min(per_graph):.1f} / median {statistics.median(per_graph):.1f} / max {max(per_graph):.1f} s "
-        f"({', '.join(f'{o.bucket.name} {o.compile_seconds:.1f}' for o in report.compiled)})"
-    )
-    return seconds, report
-
-
-def warm_cli(run: Path) -> float:
-    """The whole ``nb compile`` process on a compiled directory, interpreter and torch import included."""
-    start = time.perf_counter()
-    subprocess.run(
-        ["nb", "compile", "--out", str(run / "out"), "--cache-dir", str(run / "cache")],
-        check=True, capture_output=True,
-    )
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
     return time.perf_counter() - start
+
+
+def cold(model: Path, root: Path) -> tuple[float, Path]:
+    """Seconds of a first ``nb compile`` of ``model`` with nothing cached anywhere."""
+    root.mkdir(parents=True)
+    config = root / "nb.toml"
+    config.write_text(GRID.format(model=model.as_posix()))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+    env["NB_CACHE_DIR"] = str(root / "cache")
+    seconds = run(["nb", "compile", str(config), "--out", str(root / "out")], env)
+    return seconds, config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flags", type=json.loads, default={}, help="inductor flags, as JSON")
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
     args = parser.parse_args()
-    config = load_config()
-    config = replace(config, compile=replace(config.compile, backend="inductor", flags=args.flags))
-    print(f"embedded default grid, backend inductor, flags {args.flags}, {os.cpu_count()} CPUs")
+    shallow = build_smollm(args.models / "smollm2-2layers", num_layers=2)
+    deep = build_smollm(args.models / "smollm2-30layers", num_layers=30)
+    print(f"SmolLM2-135M shape, 2 and 30 layers; 7 buckets, --jobs 2, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory(prefix="nb-bench-compile-") as tmp:
         root = Path(tmp)
-        one, _ = cold(config, root, jobs=1)
-        two, _ = cold(config, root, jobs=2)
-        print(f"speedup --jobs 2 over --jobs 1: {one / two:.2f}x")
-        warm, report = timed_compile(config, root / "jobs2" / "out", root / "jobs2" / "cache", 2)
-        print(f"warm --jobs 2: {warm:.2f} s, {len(report.compiled)} graphs compiled; "
-              f"warm/cold = {warm / two:.2%} (target below 2%)")
-        if args.flags:  # nb compile has no --flags: it would key (and compile) every graph anew
-            return
-        whole = warm_cli(root / "jobs2")
-        print(f"warm, whole `nb compile` process: {whole:.2f} s; warm/cold = {whole / two:.2%}")
+        two, _ = cold(shallow, root / "l2")
+        thirty, config = cold(deep, root / "l30")
+        print(f"cold nb compile:  2 layers {two:6.1f} s   30 layers {thirty:6.1f} s   "
+              f"ratio {thirty / two:.2f}x (target at most 2x; whole-model graphs were 5.85x)")
+        env = {**os.environ, "NB_CACHE_DIR": str(root / "l30" / "cache")}
+        again = ["nb", "compile", str(config), "--out", str(root / "l30" / "out")]
+        warm = [run(again, env) for _ in range(3)]
+        torch_import = [run([sys.executable, "-c", "import torch"]) for _ in range(3)]
+        w, t = statistics.median(warm), statistics.median(torch_import)
+        print(f"warm no-op nb compile {w:.2f} s; python -c 'import torch' {t:.2f} s; "
+              f"difference {w - t:+.2f} s (target at most +1 s)")
 
 
 if __name__ == "__main__":

@@ -2,20 +2,26 @@
 
 The model runs these on every backend but Neuron, where NKI kernels with the same contract replace
 them; the NKI kernels are tested against these. Both are vectorised and torch.export-friendly:
-fixed shapes, no data-dependent Python control flow.
+fixed shapes, no data-dependent Python control flow. Each works on ONE layer's caches: a
+layer-granular graph is called once per layer with that layer's slice of the stacked cache.
 
-Contract (shapes per layer; T = B * S tokens, NB blocks of BS slots, KVH kv heads, head dim D):
+Contract (shapes per layer; B rows of S tokens, NB blocks of BS slots, KVH kv heads, head dim D):
 
-- ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=None)``: token t's K/V go to slot
-  ``slot_mapping[t]`` (block ``slot // BS``, offset ``slot % BS``), in place. Slot -1 (a pad token)
-  writes nothing: every cache byte stays as it was, including the null block's. With ``layer``,
-  the caches are the model's stacked (L, NB, BS, KVH, D) tensors and layer ``layer`` is written.
-- ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale)``:
-  each row attends over its cached context (logical position p lives in block
-  ``block_table[b, p // BS]``) below ``cache_lens[b]``, then causally over the step's own S
-  tokens. Table entries of -1 read the null block 0 and are masked, as are all positions at or
-  beyond the cache length, so whatever the cache holds there (garbage, NaN, another request's
-  data) never reaches the output.
+- ``write_kv_cache(k, v, k_cache, v_cache, slot_mapping)``: token t's K/V go to slot
+  ``slot_mapping[t]`` (block ``slot // BS``, offset ``slot % BS``) of the (NB, BS, KVH, D) caches,
+  in place. Slot -1 (a pad token) writes nothing: every cache byte stays as it was, including the
+  null block's.
+- ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, block_table, cache_lens,
+  segment_ids, scale)``: a row's S tokens are one or more requests laid end to end, told apart
+  by ``segment_ids`` (B, S). Token s sees step token u iff u <= s and both are in the same
+  segment (each request causal, requests blind to each other). Segment 0 alone continues the
+  row's cached context: positions below ``cache_lens[b]`` of the blocks in ``block_table[b]``
+  (logical position p lives in block ``block_table[b, p // BS]``). A decode row is one segment
+  (all zeros); a packed prefill step is one row whose segments are its requests, only the first
+  of which may continue a cached prompt. Table entries of -1 read the null block 0 and are
+  masked, as are all positions at or beyond the cache length, so whatever the cache holds there
+  (garbage, NaN, another request's data) never reaches the output. Every token sees at least
+  itself, so no softmax row is empty.
 """
 
 from __future__ import annotations
@@ -23,31 +29,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask
+from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
 
 
-def write_kv_cache(
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    layer: int | None = None,
-) -> None:
-    """Scatter (T, KVH, D) K/V into (NB, BS, KVH, D) caches at ``slot_mapping``; -1 skips.
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter (T, KVH, D) K/V into one layer's (NB, BS, KVH, D) caches at ``slot_mapping``; -1 skips.
 
     A fixed-shape graph cannot drop pad tokens, so a pad writes back the value slot 0 already
     holds (gathered first), which leaves the bytes unchanged. Real tokens never target the null
-    block, so the write-back never races a real write. ``layer`` indexes the stacked caches in
-    the same index_put_: writing through a ``cache[layer]`` view instead makes functionalized
-    graphs (torch.export, inductor) copy the whole cache on every layer of every step.
+    block, so the write-back never races a real write.
     """
-    block_size = k_cache.shape[-3]
+    block_size = k_cache.shape[1]
     pad = slot_mapping < 0
     slots = slot_mapping.clamp(min=0)
     index = (slots // block_size, slots % block_size)
-    if layer is not None:
-        index = (torch.full_like(slots, layer), *index)
     keep = pad[:, None, None]
     for new, cache in ((k, k_cache), (v, v_cache)):
         values = torch.where(keep, cache[index], new.to(cache.dtype))
@@ -62,14 +57,16 @@ def block_kv_attention(
     v_cache: Tensor,
     block_table: Tensor,
     cache_lens: Tensor,
+    segment_ids: Tensor,
     scale: float,
 ) -> Tensor:
     """Attention of (B, S, H, D) queries over the paged context plus the step's own tokens.
 
     K/V of the step come in as ``k_active``/``v_active`` (B, S, KVH, D), so the result does not
     depend on whether the cache write happened first. Query head h uses kv head
-    ``h // (H // KVH)`` (grouped-query attention). Scores and softmax run in float32, the
-    output comes back in ``q.dtype``.
+    ``h // (H // KVH)`` (grouped-query attention). Scores and softmax run in float32, the output
+    comes back in ``q.dtype``. Context and step scores are computed apart and joined only as
+    scores: no copy of the keys or values is concatenated.
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_active.shape[2]
@@ -78,23 +75,27 @@ def block_kv_attention(
     s_ctx = block_table.shape[1] * block_size
 
     blocks = block_table.clamp(min=0)  # -1 sentinels read the null block, masked below
-    k_ctx = k_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim)
-    v_ctx = v_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim)
-    cache_mask = gen_cache_mask(cache_lens, num_heads, seq, s_ctx)
+    cached = gen_cache_mask(cache_lens, 1, 1, s_ctx)[:, 0, 0]  # (B, s_ctx)
     # 0 * NaN is NaN, so masking scores alone is not enough: zero masked K/V before the matmuls.
-    valid = cache_mask[:, 0, 0, :, None, None]
-    k_ctx = torch.where(valid, k_ctx, 0).to(q.dtype)
-    v_ctx = torch.where(valid, v_ctx, 0).to(q.dtype)
-
-    keys = torch.cat([k_ctx, k_active], dim=1)  # (B, L, KVH, D), L = s_ctx + S
-    values = torch.cat([v_ctx, v_active], dim=1)
-    mask = torch.cat([cache_mask, gen_active_mask(batch, num_heads, seq, q.device)], dim=-1)
+    valid = cached[:, :, None, None]
+    k_ctx = torch.where(valid, k_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim), 0)
+    v_ctx = torch.where(valid, v_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim), 0)
+    ctx_mask, active_mask = gen_segment_masks(cached, segment_ids)  # (B, S, s_ctx), (B, S, S)
 
     # (B, KVH, group, S, D) x (B, KVH, 1, D, L): GQA by broadcasting, no repeated K/V.
-    qg = q.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group, seq, head_dim)
-    kg = keys.permute(0, 2, 3, 1).unsqueeze(2)
-    scores = torch.matmul(qg.float(), kg.float()) * scale
-    scores = scores.masked_fill(~mask.reshape(scores.shape), float("-inf"))
+    qg = q.reshape(batch, seq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).float()
+    kc = k_ctx.permute(0, 2, 3, 1).unsqueeze(2).float()
+    ka = k_active.permute(0, 2, 3, 1).unsqueeze(2).float()
+    neg = torch.finfo(torch.float32).min
+    scores = torch.cat(
+        [
+            (torch.matmul(qg, kc) * scale).masked_fill(~ctx_mask[:, None, None], neg),
+            (torch.matmul(qg, ka) * scale).masked_fill(~active_mask[:, None, None], neg),
+        ],
+        dim=-1,
+    )
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3).unsqueeze(2))  # (B, KVH, group, S, D)
-    return out.reshape(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)
+    vc = v_ctx.to(q.dtype).permute(0, 2, 1, 3).unsqueeze(2)
+    va = v_active.permute(0, 2, 1, 3).unsqueeze(2)
+    out = torch.matmul(probs[..., :s_ctx], vc) + torch.matmul(probs[..., s_ctx:], va)  # (B, KVH, g, S, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, seq, num_heads, head_dim)

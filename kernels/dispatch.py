@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from neuron_buckets.kernels import block_kv_torch
 from torch import Tensor
+
+from neuron_buckets.kernels import block_kv_torch
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,9 @@ def use(kernels: KernelSet) -> Iterator[KernelSet]:
         _active = previous
 
 
-def write_kv_cache(
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    layer: int | None = None,
-) -> None:
-    """Write K/V at ``slot_mapping`` in place (slot -1 writes nothing), with the active kernels.
-
-    With ``layer``, the caches are the stacked (L, NB, BS, KVH, D) tensors and that layer is written.
-    """
-    _active.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=layer)
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write K/V into one layer's caches at ``slot_mapping`` in place (slot -1 writes nothing)."""
+    _active.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def block_kv_attention(
@@ -70,9 +61,10 @@ def block_kv_attention(
     v_cache: Tensor,
     block_table: Tensor,
     cache_lens: Tensor,
+    segment_ids: Tensor,
     scale: float,
 ) -> Tensor:
     """Paged attention over the block table plus the step's own tokens, with the active kernels."""
     return _active.block_kv_attention(
-        q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale
+        q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale
     )

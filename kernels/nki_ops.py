@@ -9,12 +9,12 @@ as the kernel calls. ``KERNELS`` is what the Neuron backend installs with ``disp
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
 from neuron_buckets.kernels import block_kv_torch
 from neuron_buckets.kernels.block_kv_nki import MAX_CTX, PMAX, jitted
 from neuron_buckets.kernels.dispatch import KernelSet
-from torch import Tensor
-
-from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask
 
 
 def attention_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, ctx: int) -> bool:
@@ -36,51 +36,47 @@ def context_slots(block_table: Tensor, cache_lens: Tensor, block_size: int) -> T
 
 
 def attention_kernel_inputs(
-    q: Tensor, k_active: Tensor, v_active: Tensor, block_table: Tensor, cache_lens: Tensor, bs: int
+    q: Tensor, k_active: Tensor, v_active: Tensor, block_table: Tensor, cache_lens: Tensor,
+    segment_ids: Tensor, bs: int,
 ) -> tuple[Tensor, ...]:
-    """The kernel's q, k_active, v_active, ctx_slots, mask_cache, mask_active from golden inputs."""
+    """The kernel's q, k_active, v_active, ctx_slots, mask_cache, mask_active from golden inputs.
+
+    The kernel takes its masks as inputs, so packed steps need no kernel change: the segment
+    masks of the golden (``gen_segment_masks``) are what it gets.
+    """
     batch, seq, num_heads, head_dim = q.shape
     kv_heads = k_active.shape[2]
     rows = num_heads // kv_heads * seq
     ctx = block_table.shape[1] * bs
     q_k = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, rows, head_dim).contiguous()
-    mask_cache = gen_cache_mask(cache_lens, num_heads, seq, ctx)
-    mask_active = gen_active_mask(batch, num_heads, seq, q.device)
+    cached = gen_cache_mask(cache_lens, 1, 1, ctx)[:, 0, 0]
+    context, active = gen_segment_masks(cached, segment_ids)  # (B, S, ctx), (B, S, S)
+    group = num_heads // kv_heads
+
+    def per_row(mask: Tensor) -> Tensor:  # (B, S, L) -> (B, KVH, group * S, L), the kernel's rows
+        return mask[:, None, None].expand(batch, kv_heads, group, seq, mask.shape[-1]).reshape(
+            batch, kv_heads, rows, mask.shape[-1]
+        )
+
     return (
         q_k,
         k_active.permute(0, 2, 1, 3).contiguous(),
         v_active.permute(0, 2, 1, 3).contiguous(),
         context_slots(block_table, cache_lens, bs),
-        mask_cache.reshape(batch, kv_heads, rows, ctx).to(torch.uint8),
-        mask_active.reshape(batch, kv_heads, rows, seq).to(torch.uint8),
+        per_row(context).to(torch.uint8),
+        per_row(active).to(torch.uint8),
     )
 
 
-def write_slots(slot_mapping: Tensor, cache_shape: tuple[int, ...], layer: int | None) -> Tensor:
-    """(T, 1) int32 row ids for the write kernel: layer ``layer``'s rows, pads kept at -1."""
-    if layer is None:
-        return slot_mapping.to(torch.int32).reshape(-1, 1)
-    layer_rows = cache_shape[1] * cache_shape[2]  # NB * BS of the stacked (L, NB, BS, KVH, D)
-    rows = torch.where(slot_mapping >= 0, slot_mapping + layer * layer_rows, -1)
-    return rows.to(torch.int32).reshape(-1, 1)
-
-
-def write_kv_cache(
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    layer: int | None = None,
-) -> None:
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Golden-compatible cache write through the NKI kernel (in place; slot -1 writes nothing).
 
-    The stacked caches go to the kernel whole, never as a ``cache[layer]`` view, so the traced
-    graph updates them in place instead of copying a layer out and back.
+    ``k_cache`` may be one layer's (NB, BS, KVH, D) cache or several layers' blocks flattened to
+    (L * NB, BS, KVH, D) with slots already offset to a layer: the kernel sees rows either way.
     """
     write, _ = jitted()
-    slots = write_slots(slot_mapping, tuple(k_cache.shape), layer)
-    write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slots)
+    rows = slot_mapping.to(torch.int32).reshape(-1, 1)
+    write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, rows)
 
 
 def block_kv_attention(
@@ -91,22 +87,23 @@ def block_kv_attention(
     v_cache: Tensor,
     block_table: Tensor,
     cache_lens: Tensor,
+    segment_ids: Tensor,
     scale: float,
 ) -> Tensor:
     """Golden-compatible block-KV attention: the NKI kernel where it fits, else the golden.
 
-    Decode steps (a few tokens per row) fit the kernel; a long prefill chunk (more than 128 query
-    rows per kv head) or a context beyond MAX_CTX runs the golden, which neuronx-cc compiles from
-    its torch ops like the rest of the graph.
+    Decode steps (a few tokens per row) fit the kernel; a packed prefill step (more than 128
+    query rows per kv head) or a context beyond MAX_CTX runs the golden, which neuronx-cc
+    compiles from its torch ops like the rest of the graph.
     """
     batch, seq, num_heads, head_dim = q.shape
     if not attention_kernel_fits(q.shape, k_active.shape[2], block_table.shape[1] * k_cache.shape[1]):
         return block_kv_torch.block_kv_attention(
-            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, scale
+            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale
         )
     _, attend = jitted()
     q_k, k_act, v_act, slots, mask_cache, mask_active = attention_kernel_inputs(
-        q, k_active, v_active, block_table, cache_lens, k_cache.shape[1]
+        q, k_active, v_active, block_table, cache_lens, segment_ids, k_cache.shape[1]
     )
     out = attend(q_k, k_act, v_act, k_cache, v_cache, slots, mask_cache, mask_active, float(scale))
     return out.reshape(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)

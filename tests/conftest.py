@@ -27,7 +27,9 @@ TINY_LLAMA = dict(
     tie_word_embeddings=False,
 )
 
-# prefill 16/32 tokens, decode batches 1/2: four graphs, enough to mix buckets, chunk and split.
+# prefill 16/32 tokens (packing up to 2 requests), decode batches 1/2 at ctx 128: four buckets run by
+# six pieces (the shared dynamic embed and head, a layer each), enough to mix buckets, pack, chunk
+# and split.
 TINY_CONFIG = """
 [model]
 path = "{model}"
@@ -86,7 +88,7 @@ def tiny_config_file(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def compiled_dir(
     tiny_config_file: Path, graph_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    """The tiny model compiled with inductor (four graphs), compiled once per test session."""
+    """The tiny model compiled with inductor (four buckets, six pieces), once per test session."""
     from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import load_config
 

@@ -22,6 +22,7 @@ from neuron_buckets.compile import cache_key
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.model.pieces import PieceShape
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 
 
@@ -31,9 +32,15 @@ def config(hf_model_dir: Path, tmp_path: Path) -> Config:
 
 
 @pytest.fixture
-def keys_of(tmp_path: Path):
-    """Config -> {bucket: key}, through the compiler (which builds the model, compiles nothing)."""
-    return lambda config: Compiler(config, tmp_path / "out", tmp_path / "cache").keys
+def compiler_of(tmp_path: Path):
+    """Config -> the compiler nb compile would run (it reads the model config, compiles nothing)."""
+    return lambda config: Compiler(config, tmp_path / "out", tmp_path / "cache")
+
+
+@pytest.fixture
+def keys_of(compiler_of):
+    """Config -> {piece shape: key}, through the compiler."""
+    return lambda config: compiler_of(config).keys
 
 
 def with_compile(config: Config, **changes) -> Config:
@@ -44,7 +51,7 @@ def with_cache(config: Config, **changes) -> Config:
     return replace(config, cache=replace(config.cache, **changes))
 
 
-def assert_all_changed(before: dict[Bucket, str], after: dict[Bucket, str]) -> None:
+def assert_all_changed(before: dict[PieceShape, str], after: dict[PieceShape, str]) -> None:
     assert before.keys() == after.keys()
     same = [b.name for b in before if before[b] == after[b]]
     assert not same, f"keys did not change for {same}"
@@ -52,8 +59,28 @@ def assert_all_changed(before: dict[Bucket, str], after: dict[Bucket, str]) -> N
 
 def test_keys_are_distinct_hex_sha256(config, keys_of):
     keys = keys_of(config)
-    assert len(set(keys.values())) == len(keys) == 4
+    # four buckets: one shared dynamic embed and head, and a layer piece per bucket shape
+    assert sorted(s.name for s in keys) == sorted(
+        ["embed", "head", "layer_t16_b1_c128", "layer_t32_b1_c128", "layer_t1_b1_c128", "layer_t2_b2_c128"]
+    )
+    assert len(set(keys.values())) == len(keys) == 6
     assert all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys.values())
+
+
+def test_every_field_of_a_piece_shape_is_in_the_key():
+    """Role, tokens, rows, ctx and samples each decide a graph; nothing else of a bucket does."""
+    common = dict(model_config={"a": 1}, cache={"block_size": 8}, backend={"name": "x"}, sources="s")
+    base = PieceShape("layer", 16, rows=1, ctx=128)
+    others = [
+        PieceShape("head", 16, rows=1, ctx=128),
+        PieceShape("layer", 32, rows=1, ctx=128),
+        PieceShape("layer", 16, rows=2, ctx=128),
+        PieceShape("layer", 16, rows=1, ctx=64),
+        PieceShape("layer", 16, rows=1, ctx=128, samples=2),
+    ]
+    keys = [cache_key.graph_key(piece=s, **common) for s in [base, *others]]
+    assert len(set(keys)) == len(keys)
+    assert cache_key.graph_key(piece=PieceShape("layer", 16, rows=1, ctx=128), **common) == keys[0]
 
 
 def test_same_inputs_give_the_same_keys_in_a_fresh_process(config, keys_of, tmp_path):
@@ -87,22 +114,30 @@ def test_a_different_model_config_changes_every_key(config, keys_of, tmp_path):
     assert_all_changed(keys_of(config), keys_of(replace(config, model=replace(config.model, path=other))))
 
 
-def test_adding_a_bucket_keeps_the_other_keys(config, keys_of, hf_model_dir, tmp_path):
+def test_adding_a_bucket_keeps_the_other_keys(config, keys_of, compiler_of, hf_model_dir, tmp_path):
     grown = TINY_CONFIG.replace("tokens_buckets = [16, 32]", "tokens_buckets = [16, 24, 32]")
     assert grown != TINY_CONFIG
     before = keys_of(config)
     (tmp_path / "grown").mkdir()
     after = keys_of(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)))
-    assert set(after) - set(before) == {Bucket("prefill", 1, 24, 128)}
-    assert {b: after[b] for b in before} == before
+    assert set(after) - set(before) == {PieceShape("layer", 24, rows=1, ctx=128)}  # one new layer piece
+    assert {s: after[s] for s in before} == before
+    (tmp_path / "grown2").mkdir()
+    grown_compiler = compiler_of(load_config(write_config(tmp_path / "grown2", hf_model_dir, grown)))
+    pieces = grown_compiler.bucket_pieces[Bucket("prefill", 2, 24, 128)]
+    assert (pieces["embed"], pieces["head"]) == (PieceShape("embed", 0), PieceShape("head", 0))  # shared
 
 
-def test_bucket_shape_is_in_the_key(config, keys_of):
-    """Same (batch, seq, ctx) but another kind, or another ctx, is another graph."""
+def test_bucket_shape_is_in_the_key(config, compiler_of):
+    """Same (batch, seq) but another ctx is another layer graph; the dynamic embed and head stay one."""
     ctx_buckets = replace(config.buckets, decode_context_length_buckets=(64, 128))
-    keys = keys_of(replace(config, buckets=ctx_buckets))
-    assert keys[Bucket("decode", 1, 1, 64)] != keys[Bucket("decode", 1, 1, 128)]
-    assert len(set(keys.values())) == len(keys)
+    compiler = compiler_of(replace(config, buckets=ctx_buckets))
+    keys, pieces = compiler.keys, compiler.bucket_pieces
+    short, long = pieces[Bucket("decode", 1, 1, 64)], pieces[Bucket("decode", 1, 1, 128)]
+    assert (short["layer"], long["layer"]) == (PieceShape("layer", 1, 1, 64), PieceShape("layer", 1, 1, 128))
+    assert keys[short["layer"]] != keys[long["layer"]]
+    assert short["embed"] == long["embed"] and short["head"] == long["head"]
+    assert len(set(keys.values())) == len(keys) == len(compiler.shapes) == 8  # embed, head, 6 layers
 
 
 def test_max_model_len_alone_changes_no_graph(config, keys_of):
@@ -113,9 +148,10 @@ def test_max_model_len_alone_changes_no_graph(config, keys_of):
         buckets=replace(short.buckets, decode_context_length_buckets=(64, 256)),
     )
     before, after = keys_of(short), keys_of(long)
-    kept = {b for b in before if b.ctx == 64}
-    assert kept and all(after[b] == before[b] for b in kept)
-    assert set(after) - set(before) == {b for b in after if b.ctx == 256}
+    kept = {s for s in before if s.ctx != 128}  # the ctx-64 layers and the shared embed and head
+    assert {s.role for s in kept} == {"embed", "layer", "head"}
+    assert all(after[s] == before[s] for s in kept)
+    assert set(after) - set(before) == {s for s in after if s.ctx == 256}
 
 
 @pytest.mark.parametrize(
@@ -185,7 +221,7 @@ def test_editing_the_model_source_changes_every_key(config, keys_of, tmp_path, m
     assert_all_changed(before, keys_of(config))
 
 
-@pytest.mark.parametrize("name", ["padding.py", "worker.py"])
+@pytest.mark.parametrize("name", ["padding.py", "pieces.py", "worker.py"])
 def test_editing_the_code_that_builds_example_inputs_changes_every_key(
     config, keys_of, tmp_path, monkeypatch, name
 ):

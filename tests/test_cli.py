@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.artifact.manifest import read_manifest, read_manifest_dict
 from neuron_buckets.cli import app
 from tests.conftest import TINY_CONFIG, write_config
 
@@ -37,22 +37,46 @@ def eager_dir(hf_model_dir: Path, tmp_path: Path) -> Path:
 
 def test_compile_writes_the_artifact_and_a_rerun_compiles_nothing(eager_dir, tmp_path):
     m = read_manifest(eager_dir)
-    assert [r["status"] for r in m["buckets"]] == ["ok"] * 4
+    assert [r.status for r in m.buckets] == ["ok"] * 4
+    assert [p.status for p in m.pieces.values()] == ["ok"] * 6  # shared embed and head, 4 layers
     assert (eager_dir / "weights.safetensors").is_file()
     config = tmp_path / "nb.toml"
     again = nb("compile", config, "--out", eager_dir, "--cache-dir", tmp_path / "cache")
     assert again.exit_code == 0, again.output
-    assert "compiled 0, reused 4, failed 0" in again.output
+    assert "4 buckets in 6 pieces" in said(again)
+    assert "compiled 0, reused 6, failed 0" in said(again)
 
 
-def test_ls_lists_every_bucket(eager_dir):
+def test_compile_reports_a_failed_piece_and_exits_1(hf_model_dir, tmp_path):
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    config = write_config(tmp_path, hf_model_dir, EAGER)
+    compiler = Compiler(load_config(config), tmp_path / "art", tmp_path / "cache")
+    layer = compiler.bucket_pieces[compiler.buckets[0]]["layer"]
+    compiler.store.path(compiler.keys[layer], "json").mkdir(parents=True)  # its commit fails
+    result = nb("compile", config, "--out", tmp_path / "art", "--cache-dir", tmp_path / "cache")
+    assert result.exit_code == 1
+    assert f"failed {layer.name}: IsADirectoryError" in said(result)
+    assert f"logs/{layer.name}.log" in said(result)
+    assert "compiled 5, reused 0, failed 1" in said(result)
+
+
+def test_ls_lists_every_bucket_with_its_pieces(eager_dir):
     result = nb("ls", eager_dir)
     assert result.exit_code == 0, result.output
-    for name in ("prefill b1 s16 c128", "prefill b1 s32 c128", "decode b1 s1 c128", "decode b2 s1 c128"):
-        assert name in result.output
-    for rec in read_manifest(eager_dir)["buckets"]:
-        assert rec["key"][:12] in result.output
-    assert "4 of 4 graphs ok" in said(result)
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 2}
+    expected = {
+        "prefill_s16": "layer_t16_b1_c128",
+        "prefill_s32": "layer_t32_b1_c128",
+        "decode_b1_c128": "layer_t1_b1_c128",
+        "decode_b2_c128": "layer_t2_b2_c128",
+    }
+    assert set(rows) == set(expected)
+    for bucket, layer in expected.items():
+        cells = [c.strip() for c in rows[bucket].split("│")]
+        assert cells[2] == "ok" and sorted(cells[3].split()) == sorted(["embed", "head", layer])
+    assert "4 of 4 buckets ok, 6 of 6 pieces" in said(result)
 
 
 def test_ls_of_a_directory_without_manifest_is_one_clear_error(tmp_path):
@@ -68,7 +92,13 @@ def test_generate_prints_tokens_and_stats(eager_dir):
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line and line[0].isdigit()]
     assert len(lines) == 2 and all(len(line.split(",")) == 3 for line in lines)
-    assert "prefill_s16" in result.output and "decode_b2" in result.output
+    stats = {
+        cells[0]: cells[1:]
+        for line in result.output.splitlines()
+        if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 5
+    }
+    assert stats["prefill_s16"] == ["1", "5", "16", "220%"]  # both prompts packed into one call
+    assert stats["decode_b2_c128"][0] == "2"  # then both decode together, twice
 
 
 def test_generate_refuses_bad_prompts(eager_dir):
@@ -89,12 +119,16 @@ def test_verify_passes_on_a_compiled_artifact(compiled_dir):
 def test_verify_catches_a_tampered_graph_and_an_edited_manifest(compiled_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(compiled_dir, copy, copy_function=shutil.copy)  # real copies, not links
-    rec = read_manifest(copy)["buckets"][0]
-    with open(copy / rec["file"], "r+b") as f:
+    m = read_manifest(copy)
+    rec = m.pieces[m.buckets[0].pieces["layer"]]
+    with open(copy / rec.file, "r+b") as f:
         f.seek(100)
         f.write(b"\x00tampered\x00")
     result = nb("verify", copy)
-    assert result.exit_code == 1 and "does not match its sha256" in said(result)
+    # the problem names the piece and its file by relative path; the other files pass
+    assert result.exit_code == 1
+    assert f"{rec.name} file {rec.file} does not match its sha256" in said(result)
+    assert said(result).count("problem:") == 1
 
     shutil.rmtree(copy)
     shutil.copytree(compiled_dir, copy, copy_function=shutil.copy)
@@ -103,6 +137,14 @@ def test_verify_catches_a_tampered_graph_and_an_edited_manifest(compiled_dir, tm
     (copy / "manifest.json").write_text(json.dumps(manifest))
     result = nb("verify", copy)
     assert result.exit_code == 2 and "num_blocks" in said(result)
+
+    shutil.rmtree(copy)
+    shutil.copytree(compiled_dir, copy, copy_function=shutil.copy)
+    embed_file = copy / read_manifest(copy).pieces[read_manifest(copy).buckets[0].pieces["embed"]].file
+    embed_file.unlink()
+    result = nb("verify", copy)
+    assert result.exit_code == 1
+    assert f"embed file {embed_file.relative_to(copy).as_posix()} is missing" in said(result)
 
 
 def test_doctor_reports_each_backend_and_why_neuron_is_unusable():
@@ -129,11 +171,28 @@ def test_compile_with_the_neuron_backend_fails_at_once_with_an_install_hint(tmp_
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def test_eager_graphs_share_the_one_weights_copy(eager_dir):
+def test_buckets_share_piece_files_and_the_one_weights_copy(eager_dir):
+    """The dynamic embed and head are one file each that every bucket references; pieces hold
+    no weights: every layer call gets its views of the runtime's one weights dict."""
     from neuron_buckets.serve.runtime import BucketRuntime
 
+    doc = read_manifest_dict(eager_dir)
+    for role in ("embed", "head"):
+        keys = {b["pieces"][role] for b in doc["buckets"]}
+        assert len(keys) == 1, role  # one piece for all four buckets
+        (key,) = keys
+        assert doc["pieces"][key]["name"] == role
+        assert sum(p["file"] == doc["pieces"][key]["file"] for p in doc["pieces"].values()) == 1
+    assert len({b["pieces"]["layer"] for b in doc["buckets"]}) == 4
+
     runtime = BucketRuntime.open(eager_dir, preload=True)
+    assert sorted(runtime.loaded) == sorted(doc["pieces"])  # each shared piece loaded once
+    assert len(runtime.loaded) == 6
+    for key in runtime.loaded:
+        assert list(runtime.graph(key).piece.parameters()) == []
     shared = {t.data_ptr() for t in runtime.weights.values()}
-    assert len(runtime.loaded) == 4
-    for bucket in runtime.loaded:
-        assert {p.data_ptr() for p in runtime.graph(bucket).model.parameters()} <= shared
+    assert len(runtime.layer_weights) == runtime.config.num_layers
+    for layer in runtime.layer_weights:
+        assert {t.data_ptr() for t in layer} <= shared
+    assert runtime.embed_weight.data_ptr() in shared
+    assert {t.data_ptr() for t in runtime.head_weights} <= shared

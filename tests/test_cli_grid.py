@@ -27,11 +27,13 @@ def test_help_lists_grid():
 def test_grid_prints_the_default_table():
     result = runner.invoke(app, ["grid"])
     assert result.exit_code == 0, result.output
-    assert "kind" in result.stdout and "tokens per graph" in result.stdout
+    assert "kind" in result.stdout and "tokens per step" in result.stdout
     rows = table_rows(result.stdout)
     assert rows == expected_rows(load_config())
-    assert rows[0] == ("prefill", "1", "32", "256", "32")
-    assert result.stdout.rstrip().endswith(f"{len(rows)} graphs")
+    # a prefill bucket packs up to max_num_seqs=4 requests into its 32 tokens: 32 per graph, not 4 x 32
+    assert rows[0] == ("prefill", "4", "32", "256", "32")
+    assert [r[0] for r in rows] == ["prefill"] * 3 + ["decode"] * 3
+    assert result.stdout.rstrip().endswith(f"{len(rows)} buckets")
 
 
 def test_grid_of_a_config_file_with_speculation(tmp_path):

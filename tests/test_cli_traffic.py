@@ -104,24 +104,36 @@ def test_inspect_reads_buckets_from_a_config_or_the_embedded_default(tmp_path: P
 
 
 def write_manifest(directory: Path) -> Path:
-    """A schema-valid artifact manifest: prefill 512/1024 and decode 1/2 compiled, all ok."""
-    shapes = [
-        ("prefill", 1, 512, 10.0),
-        ("prefill", 1, 1024, 18.0),
-        ("decode", 1, 1, 4.0),
-        ("decode", 2, 1, 5.0),
+    """A schema-valid artifact manifest: prefill 512/1024 and decode 1/2 compiled, all ok.
+
+    Every bucket runs the shared embed (0.5 s, 1000 bytes) and head (1.5 s, 2000 bytes) pieces and
+    a layer piece of its own, so a bucket costs its layer plus 2 s and 3000 bytes.
+    """
+    shared = [("embed", "embed", 0.5, 1000), ("head", "head", 1.5, 2000)]
+    layers = [  # (kind, batch, seq, layer piece, its seconds, its bytes)
+        ("prefill", 2, 512, "layer_t512_b1_c4096", 8.0, 512000),
+        ("prefill", 2, 1024, "layer_t1024_b1_c4096", 16.0, 1024000),
+        ("decode", 1, 1, "layer_t1_b1_c4096", 2.0, 1000),
+        ("decode", 2, 1, "layer_t2_b2_c4096", 3.0, 2000),
     ]
-    buckets = [
-        {
-            "kind": kind, "batch": batch, "seq": seq, "ctx": 4096, "key": f"{i:016x}",
-            "file": f"graphs/{i:016x}.pt2", "sha256": "0" * 64, "bytes": 1000 * batch * seq,
+    names = [*shared, *(("layer", name, secs, size) for _, _, _, name, secs, size in layers)]
+    pieces = {
+        f"{i:016x}": {
+            "role": role, "name": name, "file": f"graphs/{i:016x}.pt2", "sha256": "0" * 64, "bytes": size,
             "compile_seconds": secs, "cached": False, "status": "ok", "error": None, "log": None,
         }
-        for i, (kind, batch, seq, secs) in enumerate(shapes)
+        for i, (role, name, secs, size) in enumerate(names)
+    }  # fmt: skip
+    buckets = [
+        {
+            "kind": kind, "batch": batch, "seq": seq, "ctx": 4096, "status": "ok", "error": None,
+            "pieces": {"embed": f"{0:016x}", "head": f"{1:016x}", "layer": f"{i + 2:016x}"},
+        }
+        for i, (kind, batch, seq, *_) in enumerate(layers)
     ]  # fmt: skip
     manifest = {
-        "schema_version": 1,
-        "toolchain": {"name": "neuron-buckets", "version": "0.1.0"},
+        "schema_version": 2,
+        "toolchain": {"name": "neuron-buckets", "version": "0.2.0"},
         "created": "2024-01-01T00:00:00+00:00",
         "backend": {
             "name": "eager", "device": "cpu", "versions": {"torch": "2", "compiler": "-"}, "flags": {},
@@ -133,6 +145,7 @@ def write_manifest(directory: Path) -> Path:
             "dtype": "float32", "max_model_len": 4096,
         },
         "decode": {"speculation_length": 0, "max_num_seqs": 2, "max_num_batched_tokens": 1024},
+        "pieces": pieces,
         "buckets": buckets,
     }  # fmt: skip
     validate(manifest)
@@ -145,13 +158,27 @@ def test_inspect_takes_buckets_and_compile_costs_from_a_manifest(tmp_path: Path)
     doc = nb_json("inspect", "--trace", CODE, "--manifest", write_manifest(tmp_path))
     assert doc["prefill"]["buckets"] == [512, 1024] and doc["decode"]["buckets"] == [1, 2]
     graphs = {(g["kind"], g["batch"], g["seq"]): g for g in doc["graphs"]}
+    # a bucket costs its three pieces, the shared embed and head included: 16 + 0.5 + 1.5 s
     assert graphs[("prefill", 1, 1024)] == {
-        "kind": "prefill", "batch": 1, "seq": 1024, "seconds": 18.0, "bytes": 1024000, "measured": True
+        "kind": "prefill", "batch": 1, "seq": 1024, "seconds": 18.0, "bytes": 1027000, "measured": True
     }  # fmt: skip
+    assert (graphs[("decode", 2, 1)]["seconds"], graphs[("decode", 2, 1)]["bytes"]) == (5.0, 5000)
     doc = nb_json("inspect", "--trace", CODE, "--manifest", tmp_path, "--prefill-buckets", "512,2048")
     guess = doc["graphs"][1]  # 2048 was not compiled: a line through the measured graphs
     assert (guess["seq"], guess["measured"]) == (2048, False)
-    assert guess["seconds"] > 18.0 and guess["bytes"] > 1024000
+    assert guess["seconds"] > 18.0 and guess["bytes"] > 1027000
+
+
+def test_a_schema_version_1_manifest_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    doc = json.loads(write_manifest(tmp_path).joinpath("manifest.json").read_text())
+    doc["schema_version"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n100,5\n300,7\n")
+    result = nb("inspect", "--trace", trace, "--manifest", tmp_path, "--json")
+    assert result.exit_code == 2 and result.stdout == ""
+    message = " ".join(result.stderr.split())
+    assert "schema_version 1" in message and "run nb compile again" in message
 
 
 @needs_traces

@@ -3,7 +3,11 @@
 Most tests use the eager backend, whose "compile" takes milliseconds, so they exercise the real
 worker processes, store and manifest without compile time. Failures are injected where a real
 compile can fail: a cache entry that cannot be written, a worker process that dies. The slow tests
-use inductor and reuse the session's compiled graphs, so together they compile one graph.
+use inductor and reuse the session's compiled pieces, so together they compile one layer piece.
+
+The tiny grid's four buckets run as six pieces: the dynamic embed and head every bucket shares,
+and one decoder-layer piece per bucket shape. Outcomes, cache entries and graph files are per
+piece; the manifest's buckets say which pieces run them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ import jsonschema
 import pytest
 import torch
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import (
+    ManifestError,
+    PieceRecord,
+    read_manifest,
+    read_manifest_dict,
+    sha256_file,
+)
 from neuron_buckets.compile import compiler
 from neuron_buckets.compile.compiler import Compiler, CompileReport, Outcome
 from neuron_buckets.compile.directory_lock import DirectoryLocked, directory_lock
@@ -32,12 +42,18 @@ from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
-PREFILL_16, PREFILL_32 = Bucket("prefill", 1, 16, 128), Bucket("prefill", 1, 32, 128)
+PREFILL_16, PREFILL_32 = Bucket("prefill", 2, 16, 128), Bucket("prefill", 2, 32, 128)
 DECODE_1, DECODE_2 = Bucket("decode", 1, 1, 128), Bucket("decode", 2, 1, 128)
+BUCKETS = (PREFILL_16, PREFILL_32, DECODE_1, DECODE_2)
+EMBED, HEAD = PieceShape("embed", 0), PieceShape("head", 0)  # dynamic: one for every bucket
+LAYER_16, LAYER_32 = PieceShape("layer", 16, rows=1, ctx=128), PieceShape("layer", 32, rows=1, ctx=128)
+LAYER_D1, LAYER_D2 = PieceShape("layer", 1, rows=1, ctx=128), PieceShape("layer", 2, rows=2, ctx=128)
+PIECES = (EMBED, HEAD, LAYER_D1, LAYER_D2, LAYER_16, LAYER_32)  # the compiler's (sorted) order
 
 
 @pytest.fixture
@@ -51,41 +67,96 @@ def compile_(config: Config, out: Path, cache: Path, jobs: int = 1, **kw) -> Com
 
 
 def names(outcomes: list[Outcome]) -> list[str]:
-    return [o.bucket.name for o in outcomes]
+    return [o.name for o in outcomes]
+
+
+def pieces(out: Path) -> dict[str, tuple[str, PieceRecord]]:
+    """The manifest's pieces by name: (key, record)."""
+    return {rec.name: (key, rec) for key, rec in read_manifest(out).pieces.items()}
 
 
 def records(out: Path) -> dict[str, dict]:
-    return {f"{r['kind']}_b{r['batch']}_s{r['seq']}_c{r['ctx']}": r for r in read_manifest(out)["buckets"]}
+    """The manifest's buckets by name, as the JSON holds them."""
+    return {
+        Bucket(r["kind"], r["batch"], r["seq"], r["ctx"]).name: r for r in read_manifest_dict(out)["buckets"]
+    }
 
 
-def block_cache_entry(config: Config, cache: Path, bucket: Bucket) -> None:
-    """A directory where the bucket's cache entry must go: its compile fails at commit, alone."""
+def piece_file(out: Path, shape: PieceShape) -> Path:
+    return out / pieces(out)[shape.name][1].file
+
+
+def block_cache_entry(config: Config, cache: Path, shape: PieceShape) -> None:
+    """A directory where the piece's cache entry must go: its compile fails at commit, alone."""
     compiler = Compiler(config, cache.parent / "out", cache)  # computes keys, writes nothing
-    compiler.store.path(compiler.keys[bucket], compiler.backend.graph_ext).mkdir(parents=True)
+    compiler.store.path(compiler.keys[shape], compiler.backend.graph_ext).mkdir(parents=True)
+
+
+def test_the_tiny_grid_is_four_buckets_over_six_shared_pieces(eager, tmp_path):
+    c = Compiler(eager, tmp_path / "out", tmp_path / "cache")
+    assert c.buckets == list(BUCKETS)
+    assert c.shapes == list(PIECES)
+    assert set(c.keys) == set(PIECES)
+    assert c.bucket_pieces == {
+        PREFILL_16: {"embed": EMBED, "layer": LAYER_16, "head": HEAD},
+        PREFILL_32: {"embed": EMBED, "layer": LAYER_32, "head": HEAD},
+        DECODE_1: {"embed": EMBED, "layer": LAYER_D1, "head": HEAD},
+        DECODE_2: {"embed": EMBED, "layer": LAYER_D2, "head": HEAD},
+    }
+    assert [s.name for s in PIECES] == [
+        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b1_c128", "layer_t32_b1_c128",
+    ]
+
+
+def test_shared_pieces_appear_once_in_the_manifest_and_every_bucket_references_them(eager, tmp_path):
+    out = tmp_path / "out"
+    report = compile_(eager, out, tmp_path / "cache", jobs=2)
+    m = read_manifest(out)
+    assert sorted(r.name for r in m.pieces.values()) == sorted(s.name for s in PIECES)
+    assert len({r.file for r in m.pieces.values()}) == len(m.pieces) == 6  # one file per piece
+    by_name = pieces(out)
+    embed_key, head_key = by_name["embed"][0], by_name["head"][0]
+    assert [(b.kind, b.batch, b.seq, b.ctx) for b in m.buckets] == [
+        (b.kind, b.batch, b.seq, b.ctx) for b in BUCKETS
+    ]
+    for b, layer in zip(m.buckets, (LAYER_16, LAYER_32, LAYER_D1, LAYER_D2), strict=True):
+        assert b.pieces == {"embed": embed_key, "layer": by_name[layer.name][0], "head": head_key}
+        assert (b.status, b.error) == ("ok", None)
+    assert report.buckets == m.buckets
+    for key, rec in m.pieces.items():
+        assert rec.role == next(s.role for s in PIECES if s.name == rec.name)
+        assert rec.file == f"graphs/{key}.json" and rec.sha256 == sha256_file(out / rec.file)
+        assert rec.bytes == (out / rec.file).stat().st_size > 0
+    # the eager "graph" of a dynamic piece fixes no shape; a layer piece fixes its bucket's
+    embed = json.loads(piece_file(out, EMBED).read_text())
+    assert embed == {"piece": "EmbedPiece", "input_shapes": None}
+    layer = json.loads(piece_file(out, LAYER_16).read_text())
+    assert layer["piece"] == "LayerPiece" and layer["input_shapes"][0] == [16, 64]  # (tokens, hidden)
 
 
 def test_second_run_compiles_nothing_and_touches_no_graph(eager, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     first = compile_(eager, out, cache, jobs=2)
-    assert names(first.compiled) == names(first.outcomes) and len(first.outcomes) == 4
+    assert names(first.compiled) == names(first.outcomes) == [s.name for s in PIECES]
     files = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "graphs").iterdir()}
     events = []
     second = compile_(eager, out, cache, jobs=2, on_event=lambda e, o: events.append((e, o.cached)))
     assert second.compiled == [] and second.failed == []
-    assert events == [("done", True)] * 4  # no worker was started
+    assert events == [("done", True)] * 6  # no worker was started
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "graphs").iterdir()} == files
-    assert {k: r["key"] for k, r in records(out).items()} == {o.bucket.name: o.key for o in first.outcomes}
+    assert {name: key for name, (key, _) in pieces(out).items()} == {o.name: o.key for o in first.outcomes}
+    assert len(files) == 6
 
 
 def test_each_graph_is_hashed_once_per_run(eager, tmp_path, monkeypatch):
-    """The manifest is rewritten after every bucket; re-hashing every graph each time is quadratic."""
+    """The manifest is rewritten after every piece; re-hashing every graph each time is quadratic."""
     hashed, real = [], compiler.sha256_file
     monkeypatch.setattr(compiler, "sha256_file", lambda path: hashed.append(path) or real(path))
     for _ in range(2):  # a cold run, then a warm one that checks the graphs it reuses
         hashed.clear()
         compile_(eager, tmp_path / "out", tmp_path / "cache")
         graphs = [p.name for p in hashed if p.parent.name == "graphs"]
-        assert len(graphs) == len(set(graphs)) == 4
+        assert len(graphs) == len(set(graphs)) == 6
 
 
 def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
@@ -93,24 +164,33 @@ def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
     compile_(eager, tmp_path / "a", cache)
     # the cost measured when a graph was compiled travels with it (nb plan fits on it): pretend
     # that one took 42 s, as a real graph would, and expect the second directory to record it
-    digest = GraphStore.digest_path(cache / Path(records(tmp_path / "a")[PREFILL_32.name]["file"]).name)
+    digest = GraphStore.digest_path(cache / piece_file(tmp_path / "a", LAYER_32).name)
     digest.write_text(digest.read_text().split()[0] + " 42.000")
     report = compile_(eager, tmp_path / "b", cache)
-    assert report.compiled == [] and len(report.outcomes) == 4
-    for name, rec in records(tmp_path / "b").items():
-        assert rec["cached"] and rec["sha256"] == records(tmp_path / "a")[name]["sha256"]
-    assert records(tmp_path / "b")[PREFILL_32.name]["compile_seconds"] == 42.0
+    assert report.compiled == [] and len(report.outcomes) == 6
+    first, second = pieces(tmp_path / "a"), pieces(tmp_path / "b")
+    assert first.keys() == second.keys()
+    for name, (key, rec) in second.items():
+        assert rec.cached and (key, rec.sha256) == (first[name][0], first[name][1].sha256)
+    assert second[LAYER_32.name][1].compile_seconds == 42.0
 
 
-def test_one_new_bucket_list_entry_compiles_only_that_bucket(eager, hf_model_dir, tmp_path):
+def test_one_new_bucket_list_entry_compiles_only_its_layer_piece(eager, hf_model_dir, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
+    before = pieces(out)
     grown = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [16, 24, 32]")
     (tmp_path / "grown").mkdir()
     report = compile_(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)), out, cache)
-    assert names(report.compiled) == ["prefill_b1_s24_c128"]
-    assert len(report.outcomes) == 5 and report.failed == []
+    assert names(report.compiled) == ["layer_t24_b1_c128"]  # embed and head are shared, reused
+    assert len(report.outcomes) == 7 and report.failed == []
     assert len(records(out)) == 5
+    new = records(out)[Bucket("prefill", 2, 24, 128).name]
+    after = pieces(out)
+    assert new["pieces"] == {
+        "embed": before["embed"][0], "layer": after["layer_t24_b1_c128"][0], "head": before["head"][0],
+    }
+    assert new["status"] == "ok"
 
 
 def test_unchanged_weights_are_not_rewritten_and_changed_ones_are(eager, hf_model_dir, tmp_path):
@@ -128,7 +208,7 @@ def test_unchanged_weights_are_not_rewritten_and_changed_ones_are(eager, hf_mode
     retrained = load_config(write_config(tmp_path, model_dir, EAGER))
     report = compile_(retrained, out, cache)
     assert report.compiled == [] and report.failed == []
-    assert read_manifest(out)["weights"]["sha256"] == sha256_file(weights) != old_sha
+    assert read_manifest(out).weights.sha256 == sha256_file(weights) != old_sha
     assert (weights.stat().st_ino, weights.stat().st_mtime_ns) != before
 
 
@@ -143,61 +223,104 @@ def test_a_damaged_weights_file_of_the_same_size_is_rewritten(eager, tmp_path):
     assert BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
 
 
-def test_graphs_of_buckets_dropped_from_the_grid_leave_the_directory(eager, hf_model_dir, tmp_path):
+def test_graphs_of_pieces_dropped_from_the_grid_leave_the_directory(eager, hf_model_dir, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
+    dropped = piece_file(out, LAYER_16).name
     shrunk = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [32]")
     (tmp_path / "shrunk").mkdir()
     report = compile_(load_config(write_config(tmp_path / "shrunk", hf_model_dir, shrunk)), out, cache)
-    assert report.compiled == [] and len(report.outcomes) == 3
+    assert report.compiled == [] and len(report.outcomes) == 5  # prefill 16's layer piece is gone
+    assert LAYER_16.name not in names(report.outcomes) and "embed" in names(report.outcomes)
     assert sorted(p.name for p in (out / "graphs").iterdir()) == sorted(
-        Path(r["file"]).name for r in read_manifest(out)["buckets"]
+        Path(r.file).name for r in read_manifest(out).pieces.values()
     )
-    assert len(list(cache.glob("*.json"))) >= 4  # the cache keeps the dropped bucket's graph
+    assert not (out / "graphs" / dropped).exists()
+    assert (cache / dropped).is_file()  # the cache keeps the dropped piece's graph
+    assert len(list(cache.glob("*.json"))) >= 6
 
 
-def test_a_failing_bucket_is_recorded_and_the_others_finish(eager, tmp_path):
+def test_a_failing_piece_is_recorded_and_the_others_finish(eager, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    block_cache_entry(eager, cache, PREFILL_32)
+    block_cache_entry(eager, cache, LAYER_32)
     report = compile_(eager, out, cache, jobs=2)
-    assert names(report.failed) == [PREFILL_32.name]
-    assert sorted(names(report.compiled)) == sorted(b.name for b in (PREFILL_16, DECODE_1, DECODE_2))
+    assert names(report.failed) == [LAYER_32.name]
+    assert sorted(names(report.compiled)) == sorted(s.name for s in PIECES if s != LAYER_32)
 
-    rec = records(out)[PREFILL_32.name]
-    assert (rec["status"], rec["sha256"], rec["bytes"]) == ("failed", None, 0)
-    assert rec["error"].startswith("IsADirectoryError")
-    log = (out / rec["log"]).read_text()
-    assert "Traceback" in log and "commit" in log and rec["error"] in log
-    assert not (out / rec["file"]).exists()
-    assert BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
+    key, rec = pieces(out)[LAYER_32.name]
+    assert (rec.status, rec.sha256, rec.bytes) == ("failed", None, 0)
+    assert rec.error.startswith("IsADirectoryError")
+    assert rec.log == f"logs/{LAYER_32.name}.log"
+    log = (out / rec.log).read_text()
+    assert "Traceback" in log and "commit" in log and rec.error in log
+    assert not (out / rec.file).exists()
+    buckets = records(out)  # only the bucket that runs the failed piece fails, naming it
+    assert buckets[PREFILL_32.name]["status"] == "failed"
+    assert buckets[PREFILL_32.name]["error"] == f"{LAYER_32.name}: {rec.error}"
+    assert [n for n, r in buckets.items() if r["status"] == "ok"] == [
+        b.name for b in (PREFILL_16, DECODE_1, DECODE_2)
+    ]
+    runtime = BucketRuntime.open(out)
+    assert PREFILL_32 not in runtime.records
+    assert runtime.prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
 
-    Compiler(eager, out, cache).store.path(rec["key"], "json").rmdir()
+    Compiler(eager, out, cache).store.path(key, "json").rmdir()
     again = compile_(eager, out, cache)
-    assert names(again.compiled) == [PREFILL_32.name] and again.failed == []
+    assert names(again.compiled) == [LAYER_32.name] and again.failed == []
+    assert records(out)[PREFILL_32.name]["status"] == "ok"
+
+
+def test_a_failing_shared_piece_fails_every_bucket_that_runs_it(eager, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    block_cache_entry(eager, cache, HEAD)
+    report = compile_(eager, out, cache, jobs=2)
+    assert names(report.failed) == ["head"]
+    buckets = records(out)
+    assert list(buckets) == [b.name for b in BUCKETS]
+    for r in buckets.values():
+        assert r["status"] == "failed" and r["error"].startswith("head: IsADirectoryError")
+    with pytest.raises(ArtifactError, match="needs at least one working prefill and one decode bucket"):
+        BucketRuntime.open(out)
 
 
 def test_fail_fast_starts_nothing_after_the_first_failure(eager, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    block_cache_entry(eager, cache, PREFILL_16)  # the first bucket of the grid
+    block_cache_entry(eager, cache, LAYER_D1)  # the first layer piece, after embed and head
     report = compile_(eager, out, cache, jobs=1, fail_fast=True)
-    assert names(report.outcomes) == names(report.failed) == [PREFILL_16.name]
-    assert list(records(out)) == [PREFILL_16.name]
-    assert [p.name for p in cache.iterdir() if p.suffix == ".json" and p.is_file()] == []
+    assert names(report.outcomes) == ["embed", "head", LAYER_D1.name]
+    assert names(report.failed) == [LAYER_D1.name]
+    assert list(records(out)) == [DECODE_1.name]  # the one bucket whose pieces all finished
+    assert records(out)[DECODE_1.name]["status"] == "failed"
+    assert pieces(out)[LAYER_D1.name][1].status == "failed"
+    compiled = sorted(p.name for p in cache.iterdir() if p.suffix == ".json" and p.is_file())
+    assert compiled == sorted(piece_file(out, s).name for s in (EMBED, HEAD))  # nothing after the failure
 
 
-def test_a_worker_that_dies_fails_only_its_bucket(eager, tmp_path):
-    """An OOM kill or segfault breaks the worker pool; the buckets after it still compile."""
+def test_fail_fast_on_a_shared_piece_still_records_every_bucket_it_fails(eager, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    block_cache_entry(eager, cache, EMBED)  # the first piece, shared by every bucket
+    report = compile_(eager, out, cache, jobs=1, fail_fast=True)
+    assert names(report.outcomes) == ["embed"]
+    assert {name: r["status"] for name, r in records(out).items()} == dict.fromkeys(
+        (b.name for b in Compiler(eager, out, cache).buckets), "failed"
+    )
+
+
+def test_a_worker_that_dies_fails_only_its_piece(eager, tmp_path):
+    """An OOM kill or segfault breaks the worker pool; the pieces after it still compile."""
 
     def kill_the_worker(event: str, outcome: Outcome) -> None:
-        if event == "queued" and outcome.bucket == PREFILL_32:
+        if event == "queued" and outcome.shape == LAYER_16:
             for worker in multiprocessing.active_children():
                 os.kill(worker.pid, signal.SIGKILL)
 
     out = tmp_path / "out"
     report = compile_(eager, out, tmp_path / "cache", jobs=1, on_event=kill_the_worker)
-    assert names(report.failed) == [PREFILL_32.name]
-    assert "BrokenProcessPool" in records(out)[PREFILL_32.name]["error"]
-    assert sorted(names(report.compiled)) == sorted(b.name for b in (PREFILL_16, DECODE_1, DECODE_2))
+    assert names(report.failed) == [LAYER_16.name]
+    assert "BrokenProcessPool" in pieces(out)[LAYER_16.name][1].error
+    assert "BrokenProcessPool" in records(out)[PREFILL_16.name]["error"]
+    assert sorted(names(report.compiled)) == sorted(s.name for s in PIECES if s != LAYER_16)
+    assert LAYER_32.name in names(report.compiled)  # queued after the dead worker, on a fresh pool
 
 
 HOLD_SCRIPT = (
@@ -264,17 +387,17 @@ def test_a_graph_edited_in_place_is_caught_and_rebuilt_by_the_next_compile(eager
     """Artifact graphs are hard links into the cache: the edit reaches the cache entry too."""
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
-    rec = records(out)[PREFILL_16.name]
-    good = (out / rec["file"]).read_bytes()
-    with open(out / rec["file"], "r+b") as f:  # in place, as an editor or bit rot would
+    _, rec = pieces(out)[LAYER_16.name]
+    good = (out / rec.file).read_bytes()
+    with open(out / rec.file, "r+b") as f:  # in place, as an editor or bit rot would
         f.write(b"[]" + b" " * (len(good) - 2))
 
-    with pytest.raises(ArtifactError, match="does not match its sha256"):
+    with pytest.raises(ArtifactError, match=f"of piece {LAYER_16.name} does not match its sha256"):
         BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
     report = compile_(eager, out, cache)
-    assert names(report.compiled) == [PREFILL_16.name]
-    assert (out / rec["file"]).read_bytes() == good
-    assert records(out)[PREFILL_16.name]["sha256"] == rec["sha256"]
+    assert names(report.compiled) == [LAYER_16.name]
+    assert (out / rec.file).read_bytes() == good
+    assert pieces(out)[LAYER_16.name][1].sha256 == rec.sha256
     BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
 
 
@@ -291,25 +414,42 @@ def test_a_damaged_manifest_is_refused_on_load_and_rebuilt_from_the_cache(eager,
     with pytest.raises(ManifestError, match="not valid JSON"):
         BucketRuntime.open(out)
     report = compile_(eager, out, cache)
-    assert report.compiled == [] and len(report.outcomes) == 4
+    assert report.compiled == [] and len(report.outcomes) == 6
     assert len(BucketRuntime.open(out).records) == 4
+
+
+def first_piece(m: dict) -> dict:
+    return m["pieces"][m["buckets"][0]["pieces"]["layer"]]
+
+
+def first_key(m: dict) -> str:
+    return m["buckets"][0]["pieces"]["layer"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("edit", "error", "message"),
     [
-        (lambda m: m["buckets"][0].update(sha256="0" * 64), ArtifactError, "does not match its sha256"),
-        (lambda m: m["buckets"][0].update(file="../graphs/x.pt2"), ManifestError, "buckets/0/file"),
+        (lambda m: first_piece(m).update(sha256="0" * 64), ArtifactError,
+         r"of piece layer_t16_b1_c128 does not match its sha256"),
+        (lambda m: first_piece(m).update(file="../graphs/x.pt2"), ManifestError,
+         lambda m: f"pieces/{first_key(m)}/file"),
+        (lambda m: first_piece(m).update(status="done"), ManifestError,
+         lambda m: f"pieces/{first_key(m)}/status"),
         (lambda m: m["buckets"][0].update(status="done"), ManifestError, "buckets/0/status"),
+        (lambda m: m["buckets"][0]["pieces"].pop("head"), ManifestError, "'head' is a required property"),
         (lambda m: m["cache"].pop("num_blocks"), ManifestError, "'num_blocks' is a required property"),
+        (lambda m: m["buckets"][0]["pieces"].update(layer="f" * 64), ManifestError,
+         "buckets/0/pieces: no piece f{64}"),
     ],
-    ids=["bucket-sha256", "path-outside", "bad-status", "missing-geometry"],
+    ids=["piece-sha256", "path-outside", "bad-piece-status", "bad-bucket-status", "bucket-without-head",
+         "missing-geometry", "bucket-names-a-missing-piece"],
 )
 def test_an_edited_manifest_is_caught_when_loading(compiled_dir, tmp_path, edit, error, message):
     artifact = Path(shutil.copytree(compiled_dir, tmp_path / "artifact"))
     path = artifact / "manifest.json"
     manifest = json.loads(path.read_text())
+    message = message(manifest) if callable(message) else message
     edit(manifest)
     path.write_text(json.dumps(manifest))
     with pytest.raises(error, match=message):
@@ -355,14 +495,17 @@ def wait_for(condition, timeout: float, proc: subprocess.Popen, log: Path) -> No
 def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     compiled_dir, graph_cache_dir, hf_model_dir, tmp_path
 ):
-    """SIGKILL the whole ``nb compile`` (workers too) while it compiles prefill 32; rerun."""
+    """SIGKILL the whole ``nb compile`` (workers too) while it compiles prefill 32's layer; rerun."""
     config_file = write_config(tmp_path, hf_model_dir, KILL_CONFIG)
     config, out, cache = load_config(config_file), tmp_path / "out", tmp_path / "cache"
-    keys = Compiler(config, out, cache).keys
+    compiler = Compiler(config, out, cache)
+    keys = compiler.keys
+    assert compiler.shapes == [EMBED, HEAD, LAYER_D1, LAYER_16, LAYER_32]
     shared = GraphStore(graph_cache_dir)
-    for bucket in (PREFILL_16, DECODE_1):  # the session's graphs: only prefill 32 must compile
-        graph = shared.get(keys[bucket], "pt2")
-        assert graph, f"{bucket.name} is not in the session cache"
+    reused = (EMBED, HEAD, LAYER_D1, LAYER_16)  # the session's pieces: only prefill 32's layer compiles
+    for shape in reused:
+        graph = shared.get(keys[shape], "pt2")
+        assert graph, f"{shape.name} is not in the session cache"
         for src in (graph, GraphStore.digest_path(graph)):
             shutil.copy(src, cache / src.name)
 
@@ -376,8 +519,8 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         )
     try:
         wait_for(lambda: (out / "manifest.json").exists(), 60, proc, log)
-        time.sleep(5)  # the worker is now exporting or compiling prefill 32 (about 20 s in all)
-        assert proc.poll() is None and GraphStore(cache).get(keys[PREFILL_32], "pt2") is None
+        time.sleep(5)  # the worker is now exporting or compiling prefill 32's layer piece
+        assert proc.poll() is None and GraphStore(cache).get(keys[LAYER_32], "pt2") is None
         with pytest.raises(DirectoryLocked, match=f"pid {proc.pid}"):
             Compiler(config, out, cache).run(jobs=1)
     finally:
@@ -386,21 +529,23 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         proc.wait()
 
     recs = records(out)  # valid JSON and schema: manifest writes are atomic
-    assert set(recs) == {PREFILL_16.name, DECODE_1.name}
-    listed = {r["file"] for r in recs.values()}
+    assert set(recs) == {Bucket("prefill", 1, 16, 128).name, DECODE_1.name}
+    done = pieces(out)
+    assert set(done) == {s.name for s in reused}
+    listed = {rec.file for _, rec in done.values()}
     for graph in (out / "graphs").iterdir():
         rel = graph.relative_to(out).as_posix()
         assert graph.name.startswith(".") or rel in listed, f"{rel} looks valid but is not in the manifest"
-    for rec in recs.values():
-        assert sha256_file(out / rec["file"]) == rec["sha256"]
+    for _, rec in done.values():
+        assert sha256_file(out / rec.file) == rec.sha256
     store = GraphStore(cache)
-    assert store.get(keys[PREFILL_32], "pt2") is None
+    assert store.get(keys[LAYER_32], "pt2") is None
     for graph in cache.glob("*.pt2"):  # anything named like an entry is a complete, checked one
         assert graph.name.startswith(".") or store.get(graph.stem, "pt2") == graph
 
     report = Compiler(config, out, cache).run(jobs=1)
-    assert names(report.compiled) == [PREFILL_32.name] and report.failed == []
-    assert {o.bucket for o in report.outcomes if o.cached} == {PREFILL_16, DECODE_1}
-    prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]  # 20 tokens: the new prefill 32 graph
+    assert names(report.compiled) == [LAYER_32.name] and report.failed == []
+    assert {o.shape for o in report.outcomes if o.cached} == set(reused)
+    prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]  # 20 tokens: the new prefill 32 layer
     resumed = BucketRuntime.open(out).prefill(prompt)
     torch.testing.assert_close(resumed, BucketRuntime.open(compiled_dir).prefill(prompt))

@@ -19,7 +19,7 @@ def test_embedded_default_loads():
     assert (cfg.cache.block_size, cfg.cache.num_blocks, cfg.cache.max_model_len) == (16, 128, 256)
     assert cfg.buckets.num_seqs_buckets == (1, 2, 4)
     assert cfg.buckets.num_batched_tokens_buckets == (32, 64, 128)  # powers_of_two from 32
-    assert cfg.buckets.prefill_batch_buckets == (1,)
+    assert cfg.buckets.decode_context_length_buckets == (256,)  # max_model_len <= 256: one context
     assert cfg.compile.backend == "inductor"
 
 
@@ -27,7 +27,24 @@ def test_an_empty_file_gets_the_dataclass_defaults(tmp_path):
     cfg = load_config(write(tmp_path, ""))
     assert cfg.buckets.num_seqs_buckets == (1, 2, 4)  # powers of two up to max_num_seqs
     assert cfg.buckets.num_batched_tokens_buckets == (128,)  # one bucket at max_num_batched_tokens
-    assert cfg.buckets.decode_context_length_buckets is None
+    assert cfg.buckets.decode_context_length_buckets == (256,)  # max_model_len 256: just itself
+
+
+@pytest.mark.parametrize(
+    ("cache", "contexts"),
+    [
+        ("block_size = 16\nmax_model_len = 1024\nnum_blocks = 128", (256, 512, 1024)),
+        ("block_size = 16\nmax_model_len = 2048\nnum_blocks = 256", (256, 512, 1024, 2048)),
+        ("block_size = 8\nmax_model_len = 128", (128,)),  # at most 256: one context, max_model_len
+        ("block_size = 16\nmax_model_len = 256", (256,)),
+        ("block_size = 96\nmax_model_len = 1152\nnum_blocks = 32", (288, 576, 1152)),  # from a block multiple
+    ],
+)
+def test_decode_contexts_default_to_powers_of_two_from_256(tmp_path, cache, contexts):
+    cfg = load_config(write(tmp_path, f"[cache]\n{cache}\n"))
+    assert cfg.buckets.decode_context_length_buckets == contexts
+    assert all(c % cfg.cache.block_size == 0 for c in contexts)
+    assert contexts[-1] == cfg.cache.max_model_len
 
 
 def test_strategies_and_explicit_lists(tmp_path):
@@ -40,7 +57,6 @@ max_num_seqs = 8
 max_num_batched_tokens = 256
 num_seqs_buckets = { strategy = "linear", min = 2, step = 2 }
 num_batched_tokens_buckets = { strategy = "powers_of_two", min = 64 }
-prefill_batch_buckets = [1, 2]
 decode_context_length_buckets = [128, 512]
 speculation_length = 3
 [compile]
@@ -50,7 +66,7 @@ flags = { max_autotune = true }
     b = cfg.buckets
     assert b.num_seqs_buckets == (2, 4, 6, 8)
     assert b.num_batched_tokens_buckets == (64, 128, 256)
-    assert (b.prefill_batch_buckets, b.decode_context_length_buckets) == ((1, 2), (128, 512))
+    assert b.decode_context_length_buckets == (128, 512)
     assert b.speculation_length == 3
     assert cfg.compile.flags == {"max_autotune": True}
 
@@ -102,8 +118,10 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
          "buckets.num_seqs_buckets: linear buckets need 0 < min <= max"),
         ("[buckets]\ndecode_context_length_buckets = [40, 256]", "40 is not a multiple of cache.block_size"),
         ("[buckets]\ndecode_context_length_buckets = [128]", "decode_context_length_buckets must equal 256"),
+        # removed keys name the release and say what replaced them
         ("[buckets]\nprefill_batch_buckets = [2]\nnum_batched_tokens_buckets = [128]",
-         "2 rows x 128 tokens exceeds max_num_batched_tokens=128"),
+         "prefill_batch_buckets was removed in 0.2: .*packs up to max_num_seqs requests.*delete the key"),
+        ("[buckets]\nprefill_batch_buckets = [1]", "buckets.prefill_batch_buckets was removed in 0.2"),
         # not TOML at all
         ("[cache\nblock_size = 16", "not valid TOML"),
     ],

@@ -1,12 +1,14 @@
 """End to end: a transformers Llama, compiled to bucket graphs, generates what transformers does.
 
-The session artifact has prefill buckets of 16 and 32 tokens and decode batches of 1 and 2, so
-prompts of 5, 20 and 45 tokens mix the prefill buckets, the 45-token one is prefilled in two
-chunks, and four running requests split every decode step over two graph calls.
+The session artifact has prefill buckets of 16 and 32 tokens (each packing up to 2 requests) and
+decode batches of 1 and 2, so prompts of 5, 8, 45 and 11 tokens mix the prefill buckets (5 + 8
+packed in 16 tokens), the 45-token one is prefilled in two chunks (32, then 13 packed with the
+11-token prompt), and four running requests split every decode step over two graph calls.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,9 @@ from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.serve.engine import generate
 from neuron_buckets.serve.runtime import BucketRuntime
 from tests.conftest import write_config
+from tests.test_traces import CONV, needs_traces
 
-PROMPT_LENS = (5, 20, 45, 11)
+PROMPT_LENS = (5, 8, 45, 11)
 MAX_NEW = 10
 
 
@@ -63,9 +66,12 @@ def test_compiled_buckets_generate_exactly_what_transformers_does(compiled_dir, 
     assert got == hf_greedy(prompts, MAX_NEW)
     assert pool.num_free == runtime.num_blocks - 1  # every block back, the null block never lent
     used = {label: s.calls for label, s in runtime.stats.items() if s.calls}
-    # both prefill buckets, the 45-token prompt as 32 + 13, and decode steps split 2 + 2
-    assert used["prefill_s16"] >= 2 and used["prefill_s32"] >= 2
-    assert used["decode_b2"] == 2 * (MAX_NEW - 1)
+    # step 1 packs 5 + 8 in prefill 16; step 2 prefills 32 of the 45; step 3 packs its last 13 with
+    # the 11-token prompt in prefill 32; every decode step of four rows is split 2 + 2
+    assert used == {"prefill_s16": 1, "prefill_s32": 2, "decode_b2_c128": 2 * (MAX_NEW - 1)}
+    s16, s32 = runtime.stats["prefill_s16"], runtime.stats["prefill_s32"]
+    assert (s16.real_tokens, s16.padded_tokens) == (5 + 8, 16)
+    assert (s32.real_tokens, s32.padded_tokens) == (32 + 13 + 11, 64)
 
 
 @pytest.mark.slow
@@ -81,6 +87,22 @@ def test_a_small_pool_makes_requests_wait_without_changing_tokens(compiled_dir, 
     assert pool.num_free == 8
     # waiting requests were admitted one prefill step at a time, not all at once
     assert sum(s.calls for label, s in runtime.stats.items() if label.startswith("prefill")) >= 4
+    assert runtime.stats["decode_b1_c128"].calls > 0  # the 45-token prompt decoded alone
+
+
+@pytest.mark.slow
+def test_one_max_new_tokens_per_prompt(compiled_dir, hf_greedy):
+    """Requests that finish early give their blocks back while the others run on unchanged."""
+    runtime = BucketRuntime.open(compiled_dir)
+    prompts = make_prompts(PROMPT_LENS, seed=2)
+    news = [3, 12, 1, 7]
+    pool = BlockPool(runtime.num_blocks, runtime.block_size)
+
+    got = generate(runtime, prompts, news, pool=pool)
+
+    assert [len(g) for g in got] == news
+    assert got == [hf_greedy([p], n)[0] for p, n in zip(prompts, news, strict=True)]
+    assert pool.num_free == runtime.num_blocks - 1
 
 
 @pytest.mark.slow
@@ -146,7 +168,8 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
     prompts = make_prompts((7, 40, 3))
 
     assert generate(runtime, prompts, 6) == hf_greedy(prompts, 6)
-    decode = runtime.stats["decode_b2"]
+    assert [b.name for b in runtime.decode_buckets] == ["decode_b2_s3_c96"]
+    decode = runtime.stats["decode_b2_s3_c96"]
     assert decode.padded_tokens >= 3 * decode.real_tokens  # at least two of every three positions are pads
 
 
@@ -166,5 +189,33 @@ def test_decode_context_buckets_serve_short_contexts_with_short_graphs(hf_model_
     prompts = make_prompts((20,))  # contexts 20..35 over 16 new tokens: crosses 32
 
     assert generate(runtime, prompts, 16) == hf_greedy(prompts, 16)
-    short, long = runtime.stats["decode_b1_c32"], runtime.stats["decode_b1"]
+    short, long = runtime.stats["decode_b1_c32"], runtime.stats["decode_b1_c128"]
     assert (short.calls, long.calls) == (12, 3)  # decode context 21..32 in c32, then 33..35
+
+
+@needs_traces
+def test_runtime_counters_equal_what_nb_inspect_predicts(compiled_dir, tiny_config_file, tmp_path):
+    """200 requests of a shared trace, clipped to the tiny model's 128 positions: the runtime's
+    per-bucket calls, real and padded tokens equal nb inspect's packed replay of the same file."""
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from neuron_buckets.traffic.runtime_replay import fit_requests
+    from neuron_buckets.traffic.traces import load_trace
+
+    full = load_trace(CONV)
+    prompts, outputs = fit_requests(full.prompt_lens, full.output_lens, 128, 200)
+    outputs = [min(o, 12) for o in outputs]  # decode steps are what cost test time
+    trace = tmp_path / "sample.csv"
+    rows = "".join(f"{i},{p},{o}\n" for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)))
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    result = CliRunner().invoke(app, ["inspect", "--trace", str(trace), str(tiny_config_file), "--json"])
+    assert result.exit_code == 0, result.output
+    predicted = {b.pop("bucket"): b for b in json.loads(result.stdout)["packed"]["per_bucket"]}
+
+    runtime = BucketRuntime.open(compiled_dir)
+    gen = torch.Generator().manual_seed(0)
+    generate(runtime, [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompts], outputs)
+    measured = {name: vars(s) for name, s in runtime.stats.items() if s.calls}
+    assert measured == predicted
+    assert any(s["real_tokens"] > s["calls"] * 8 for name, s in measured.items() if "prefill" in name)

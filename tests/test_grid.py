@@ -100,16 +100,18 @@ def config(**buckets) -> Config:
 
 def test_enumerate_prefill_then_decode():
     grid = enumerate_grid(config(num_seqs_buckets=(1, 2, 4), num_batched_tokens_buckets=(32, 64, 128)))
-    assert grid == [
-        Bucket("prefill", 1, 32, 256),
-        Bucket("prefill", 1, 64, 256),
-        Bucket("prefill", 1, 128, 256),
+    assert grid == [  # a prefill bucket packs up to max_num_seqs=4 requests into its seq tokens
+        Bucket("prefill", 4, 32, 256),
+        Bucket("prefill", 4, 64, 256),
+        Bucket("prefill", 4, 128, 256),
         Bucket("decode", 1, 1, 256),
         Bucket("decode", 2, 1, 256),
         Bucket("decode", 4, 1, 256),
     ]
-    assert [b.tokens for b in grid] == [32, 64, 128, 1, 2, 4]
-    assert grid[0].name == "prefill_b1_s32_c256"
+    assert [b.tokens for b in grid] == [32, 64, 128, 1, 2, 4]  # prefill: seq is the total
+    assert [b.name for b in grid] == [
+        "prefill_s32", "prefill_s64", "prefill_s128", "decode_b1_c256", "decode_b2_c256", "decode_b4_c256",
+    ]
 
 
 def test_enumerate_with_speculation_and_context_buckets():
@@ -119,9 +121,18 @@ def test_enumerate_with_speculation_and_context_buckets():
     decode = [(b.batch, b.seq, b.ctx) for b in grid if b.kind == "decode"]
     assert decode == [(2, 4, 128), (4, 4, 128), (2, 4, 256), (4, 4, 256)]
     assert [b.tokens for b in grid if b.kind == "decode"] == [8, 16, 8, 16]
+    assert [b.name for b in grid if b.kind == "decode"] == [
+        "decode_b2_s4_c128", "decode_b4_s4_c128", "decode_b2_s4_c256", "decode_b4_s4_c256",
+    ]
 
 
-def test_enumerate_batched_prefill_stays_within_max_num_batched_tokens():
-    grid = enumerate_grid(config(prefill_batch_buckets=(1, 2), num_batched_tokens_buckets=(32, 64, 128)))
-    prefill = [(b.batch, b.seq) for b in grid if b.kind == "prefill"]
-    assert prefill == [(1, 32), (1, 64), (1, 128), (2, 32), (2, 64)]
+def test_enumerate_packed_prefill_stays_within_max_num_batched_tokens():
+    """One prefill bucket per token count, its tokens the packed total (never rows x seq); it packs
+    up to max_num_seqs requests, but never more than it has tokens (a request needs one)."""
+    buckets = config(max_num_seqs=8, max_num_batched_tokens=64, num_batched_tokens_buckets=(4, 16, 64))
+    grid = enumerate_grid(buckets)
+    prefill = [b for b in grid if b.kind == "prefill"]
+    assert [(b.batch, b.seq, b.ctx) for b in prefill] == [(4, 4, 256), (8, 16, 256), (8, 64, 256)]
+    assert [b.tokens for b in prefill] == [4, 16, 64]
+    assert max(b.tokens for b in prefill) == 64  # max_num_batched_tokens
+    assert [b.name for b in prefill] == ["prefill_s4", "prefill_s16", "prefill_s64"]

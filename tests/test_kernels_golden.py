@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
+from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
 KVH, D = 2, 8
 
@@ -107,8 +107,9 @@ def paged_case(cache_lens: list[int], seq: int, bs: int, max_blocks: int, heads:
 def run_attention(case, cache_lens, scale=0.3, table=None):
     q, k_act, v_act, k_cache, v_cache, base_table, _, _ = case
     table = remap_null_block_to_sentinel(base_table) if table is None else table
+    segments = torch.zeros(q.shape[:2], dtype=torch.int64)  # one request per row
     return block_kv_attention(q, k_act, v_act, k_cache, v_cache, table,
-                              torch.tensor(cache_lens), scale)
+                              torch.tensor(cache_lens), segments, scale)
 
 
 @settings(max_examples=25, deadline=None)
@@ -175,15 +176,31 @@ def test_causal_among_active_tokens():
     assert not torch.allclose(out[:, 2:], out2[:, 2:])
 
 
-def test_layer_write_into_stacked_caches_touches_only_that_layer():
-    """The model's form: one index_put_ into (L, NB, BS, KVH, D) equals writing the layer alone."""
+def test_packed_segments_attend_like_separate_requests():
+    """One row holding two requests end to end: the first continues the row's cached context,
+    the second starts fresh; each equals the dense reference of its own request alone."""
+    bs, cached, first, second = 8, 11, 3, 4
+    case = paged_case([cached], first + second, bs, 3, 4, seed=5)
+    q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
+    segments = torch.tensor([[0] * first + [1] * second])
+    out = block_kv_attention(q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table),
+                             torch.tensor([cached]), segments, 0.3)
+    end = cached + first
+    ref_first = dense_reference(q[0, :first], k_seq[0, :end], v_seq[0, :end], cached, 0.3)
+    ref_second = dense_reference(q[0, first:], k_act[0, first:], v_act[0, first:], 0, 0.3)
+    torch.testing.assert_close(out[0, :first], ref_first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0, first:], ref_second, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_write_through_a_view_touches_only_that_layer():
+    """The runtime's form: each layer piece writes its slice (a view) of the stacked caches."""
     stacked_k = garbage_cache(12, 8).view(3, 4, 8, KVH, D)
     stacked_v = garbage_cache(12, 8).view(3, 4, 8, KVH, D)
     alone_k, alone_v = stacked_k[1].clone(), stacked_v[1].clone()
     before_k, before_v = stacked_k.clone(), stacked_v.clone()
     k, v = torch.randn(5, KVH, D), torch.randn(5, KVH, D)
     slots = torch.tensor([9, 10, -1, 31, -1])
-    write_kv_cache(k, v, stacked_k, stacked_v, slots, layer=1)
+    write_kv_cache(k, v, stacked_k[1], stacked_v[1], slots)
     write_kv_cache(k, v, alone_k, alone_v, slots)
     assert torch.equal(bits(stacked_k[1]), bits(alone_k))
     assert torch.equal(bits(stacked_v[1]), bits(alone_v))

@@ -6,26 +6,18 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
 
 from neuron_buckets.backends import BackendUnavailable, get_backend
-from neuron_buckets.backends.neuron import CacheStateStep, NeuronFlags, core_index
+from neuron_buckets.backends.neuron import NeuronFlags, StackedLayer, core_index, stacked_of
 from neuron_buckets.cli.doctor import doctor_report
 from neuron_buckets.compile import cache_key
 from neuron_buckets.kernels import dispatch
+from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
+from neuron_buckets.model.pieces import LayerPiece, PieceShape, example_inputs
 
 SDK_PRESENT = get_backend("neuron").available()[0]  # placeholder wheels import-fail: absent
 without_sdk = pytest.mark.skipif(SDK_PRESENT, reason="the Neuron SDK is installed here")
 INSTALL = "pip install torch-neuronx neuronx-cc nki --extra-index-url https://pip.repos.neuron"
-
-
-class CacheBump(nn.Module):
-    """Stands in for the model: writes its caches in place, returns logits from the step."""
-
-    def forward(self, input_ids, k_cache, v_cache):
-        k_cache[0] += 1
-        v_cache[1] -= 1
-        return input_ids.float() * 2
 
 
 @without_sdk
@@ -39,12 +31,13 @@ def test_unavailable_without_the_sdk_says_what_to_install():
 def test_compile_and_load_refuse_at_once_with_the_install_hint(tmp_path):
     backend = get_backend("neuron")
     out = tmp_path / f"graph.{backend.graph_ext}"
-    example = (torch.zeros(4, dtype=torch.int64), torch.zeros(2, 3), torch.zeros(2, 3))
+    shape = PieceShape("layer", 4, rows=1, ctx=16)
+    example = example_inputs(shape, DEFAULT_CONFIG, 16, 4, torch.float32)
     with pytest.raises(BackendUnavailable, match=INSTALL):
-        backend.compile(CacheBump(), example, out, {"target": "trn1"})
+        backend.compile(LayerPiece(DEFAULT_CONFIG), example, out, {"target": "trn1"}, None)
     assert not out.exists()
     with pytest.raises(BackendUnavailable, match=INSTALL):
-        backend.load(out, {}, {}, "neuron:0")
+        backend.load(out, {}, "neuron:0")
 
 
 @without_sdk
@@ -99,32 +92,45 @@ def test_core_index_accepts_only_neuron_devices():
         core_index("cpu")
 
 
-def test_cache_state_step_holds_the_caches_as_aliased_parameters():
-    k, v = torch.zeros(2, 3), torch.zeros(2, 3)
-    step = CacheStateStep(CacheBump(), k, v)
-    logits, k_out, v_out = step(torch.arange(4))
-    assert torch.equal(logits, torch.arange(4).float() * 2)
-    # The updated caches come back as outputs 1 and 2, and they are the module's own parameters,
-    # which is what torch_neuronx matches input_output_aliases against.
-    assert k_out is step.k_cache and v_out is step.v_cache
-    assert k_out[0].tolist() == [1, 1, 1] and v_out[1].tolist() == [-1, -1, -1]
-    params = dict(step.named_parameters())
-    assert step.aliases() == {params["k_cache"]: 1, params["v_cache"]: 2}
+def test_stacked_layer_updates_the_chosen_layer_of_the_stacked_cache_only():
+    """What the Neuron layer NEFF computes, run on CPU: layer l of the stacked state, offset by
+    slot and block id, gives what the layer piece gives on that layer's own cache slice."""
+    config = DEFAULT_CONFIG
+    shape = PieceShape("layer", 8, rows=2, ctx=32)
+    h, cos, sin, slots, table, lens, seg, k, v, weights = example_inputs(shape, config, 16, 6, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    h, cos, sin = (torch.randn(t.shape, generator=gen) for t in (h, cos, sin))
+    weights = tuple(torch.randn(w.shape, generator=gen) * 0.1 for w in weights)
+    slots = torch.tensor([17, 18, 19, -1, 33, 34, -1, -1])
+    table = torch.tensor([[1, -1], [2, -1]])
+    lens, seg = torch.tensor([1, 1]), torch.zeros(8, dtype=torch.int64)
+    stacked = [torch.randn(config.num_layers, 6, 16, config.num_kv_heads, config.head_dim, generator=gen)
+               for _ in range(2)]
+    want_k, want_v = (c[1].clone() for c in stacked)
+    want = LayerPiece(config)(h, cos, sin, slots, table, lens, seg, want_k, want_v, weights)
+    module = StackedLayer(LayerPiece(config), *(c.clone() for c in stacked))
+    got, k_out, v_out = module(torch.tensor(1), h, cos, sin, slots, table, lens, seg, *weights)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(k_out[1], want_k) and torch.equal(v_out[1], want_v)
+    assert torch.equal(k_out[0], stacked[0][0]) and k_out is module.k_cache  # aliased state
+    params = dict(module.named_parameters())
+    assert module.aliases() == {params["k_cache"]: 1, params["v_cache"]: 2}
+    assert stacked_of(stacked[0][1]).data_ptr() == stacked[0].data_ptr()
 
 
 def test_dispatch_runs_the_goldens_unless_a_backend_swaps_its_kernels_in():
     calls = []
     fake = dispatch.KernelSet(
         "fake",
-        lambda *a, layer: calls.append(("write", layer)),
+        lambda *a: calls.append("write"),
         lambda *a: calls.append("attend") or a[0],
     )
     assert dispatch.active() is dispatch.GOLDEN
     with pytest.raises(RuntimeError, match="boom"), dispatch.use(fake):
-        dispatch.write_kv_cache(*[torch.zeros(1)] * 5, layer=3)
-        assert dispatch.block_kv_attention(*[torch.ones(1)] * 7, 1.0).item() == 1
+        dispatch.write_kv_cache(*[torch.zeros(1)] * 5)
+        assert dispatch.block_kv_attention(*[torch.ones(1)] * 8, 1.0).item() == 1
         raise RuntimeError("boom")
-    assert calls == [("write", 3), "attend"] and dispatch.active() is dispatch.GOLDEN
+    assert calls == ["write", "attend"] and dispatch.active() is dispatch.GOLDEN
 
 
 def test_the_nki_kernel_source_is_in_every_graph_key(tmp_path, monkeypatch):

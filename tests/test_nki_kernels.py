@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from neuron_buckets.kernels import block_kv_nki, block_kv_torch, nki_ops
 
+from neuron_buckets.backends.neuron import offset_to_layer
 from neuron_buckets.core.block_table import compute_slot_mapping
+from neuron_buckets.kernels import block_kv_nki, block_kv_torch, nki_ops
 
 NO_NKI = (
     "needs the nki package (AWS Neuron SDK 2.29+, NKI 0.3) to run nki.simulate: "
@@ -40,7 +41,8 @@ def step_case(batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=0):
     q = torch.randn(batch, seq, heads, head_dim, generator=g)
     k_act = torch.randn(batch, seq, kv_heads, head_dim, generator=g)
     v_act = torch.randn(batch, seq, kv_heads, head_dim, generator=g)
-    return q, k_act, v_act, k_cache, v_cache, table, lens
+    segments = torch.zeros(batch, seq, dtype=torch.int64)  # decode rows: one request each
+    return q, k_act, v_act, k_cache, v_cache, table, lens, segments
 
 
 def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
@@ -58,9 +60,10 @@ def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
 
 def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks():
     batch, seq, heads, kv_heads, head_dim, bs, cols = 2, 3, 4, 2, 8, 4, 2
-    q, k_act, v_act, *_, table, lens = step_case(batch, seq, heads, kv_heads, head_dim, bs, cols)
+    q, k_act, v_act, *_, table, lens, _ = step_case(batch, seq, heads, kv_heads, head_dim, bs, cols)
+    segments = torch.tensor([[0, 0, 0], [0, 1, 1]])  # row 1 packs two requests
     q_k, k_k, v_k, slots, mask_cache, mask_active = nki_ops.attention_kernel_inputs(
-        q, k_act, v_act, table, lens, bs
+        q, k_act, v_act, table, lens, segments, bs
     )
     group = heads // kv_heads
     assert q_k.shape == (batch, kv_heads, group * seq, head_dim)
@@ -71,9 +74,11 @@ def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks():
                 for s in range(seq):
                     r = j * seq + s  # row of query head g*group + j at step token s
                     assert torch.equal(q_k[b, g, r], q[b, s, g * group + j])
-                    live = torch.arange(bs * cols) < lens[b]
+                    seg = segments[b]
+                    live = (torch.arange(bs * cols) < lens[b]) & (seg[s] == 0)
                     assert torch.equal(mask_cache[b, g, r].bool(), live)
-                    assert torch.equal(mask_active[b, g, r].bool(), torch.arange(seq) <= s)
+                    sees = (torch.arange(seq) <= s) & (seg == seg[s])
+                    assert torch.equal(mask_active[b, g, r].bool(), sees)
     assert mask_cache.dtype == mask_active.dtype == torch.uint8
 
 
@@ -95,13 +100,6 @@ def test_kernel_call_without_the_sdk_names_what_to_install():
         nki_ops.block_kv_attention(*case, scale=0.125)
 
 
-def test_write_slots_address_one_layer_of_the_stacked_cache_and_keep_pads_out_of_range():
-    slots = torch.tensor([5, -1, 70, -1])
-    assert nki_ops.write_slots(slots, (4, 8, 16, 2, 8), None)[:, 0].tolist() == [5, -1, 70, -1]
-    rows = nki_ops.write_slots(slots, (4, 8, 16, 2, 8), 2)  # layer 2 starts at row 2 * 8 * 16
-    assert rows.dtype == torch.int32 and rows[:, 0].tolist() == [261, -1, 326, -1]
-
-
 @pytest.mark.neuron
 def test_stacked_layer_write_matches_the_golden():
     nki = pytest.importorskip("nki", reason=NO_NKI)
@@ -110,11 +108,14 @@ def test_stacked_layer_write_matches_the_golden():
     k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
     caches = [torch.randn(layers, num_blocks, block_size, 2, 8) for _ in range(2)]
     golden = [c.clone() for c in caches]
-    block_kv_torch.write_kv_cache(k, v, *golden, slots, layer=1)
-    k_np, v_np = (c.numpy().copy() for c in caches)
-    rows = nki_ops.write_slots(slots, tuple(caches[0].shape), 1).numpy()
+    block_kv_torch.write_kv_cache(k, v, golden[0][1], golden[1][1], slots)
+    k_np, v_np = (c.reshape(layers * num_blocks, block_size, 2, 8).numpy().copy() for c in caches)
+    table = torch.zeros(1, 1, dtype=torch.int64)
+    layer_slots, _ = offset_to_layer(torch.tensor(1), slots, table, num_blocks, block_size)
+    rows = layer_slots.to(torch.int32).reshape(-1, 1).numpy()
     nki.simulate(block_kv_nki.write_kv_cache_kernel)(k.numpy(), v.numpy(), k_np, v_np, rows)
-    assert np.array_equal(k_np, golden[0].numpy()) and np.array_equal(v_np, golden[1].numpy())
+    assert np.array_equal(k_np, golden[0].reshape(k_np.shape).numpy())
+    assert np.array_equal(v_np, golden[1].reshape(v_np.shape).numpy())
 
 
 @pytest.mark.parametrize("tokens", [128, 300])
@@ -150,13 +151,14 @@ def test_write_kernel_matches_the_golden_and_skips_pad_slots(tokens):
 @pytest.mark.neuron
 def test_attention_kernel_matches_the_golden(batch, seq, heads, kv_heads, head_dim, block_size, cols):
     nki = pytest.importorskip("nki", reason=NO_NKI)
-    q, k_act, v_act, k_cache, v_cache, table, lens = step_case(
+    q, k_act, v_act, k_cache, v_cache, table, lens, segments = step_case(
         batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=seq
     )
     scale = head_dim**-0.5
-    want = block_kv_torch.block_kv_attention(q, k_act, v_act, k_cache, v_cache, table, lens, scale)
+    want = block_kv_torch.block_kv_attention(q, k_act, v_act, k_cache, v_cache, table, lens, segments, scale)
     q_k, k_k, v_k, slots, mask_cache, mask_active = (
-        t.numpy() for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, table, lens, block_size)
+        t.numpy()
+        for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, table, lens, segments, block_size)
     )
     out = nki.simulate(block_kv_nki.block_kv_attention_kernel)(
         q_k, k_k, v_k, k_cache.numpy(), v_cache.numpy(), slots, mask_cache, mask_active, scale

@@ -19,9 +19,12 @@ def test_seed_prefill_100_tokens_padded_to_128():
     assert step.block_table.tolist() == [[10, 15, -1, -1]]
     assert step.cache_lens.tolist() == [0]
     assert step.sampling_positions.tolist() == [99]  # the last real token, not the last pad
+    assert step.segment_ids.tolist() == [0] * 100 + [1] * 28  # pads: a segment of their own
     assert (step.num_rows, step.num_samples) == (1, 1)
-    order = (step.input_ids, step.positions, step.slot_mapping, step.block_table, step.cache_lens)
-    assert all(a is b for a, b in zip(step.args(), order, strict=False))  # the graph's input order
+    order = (step.input_ids, step.positions, step.slot_mapping, step.block_table, step.cache_lens,
+             step.segment_ids, step.sampling_positions)  # fmt: skip
+    assert len(step.args()) == len(order)
+    assert all(a is b for a, b in zip(step.args(), order, strict=True))  # the graph's input order
     assert all(t.dtype == torch.int64 for t in step.args())
 
 
@@ -46,21 +49,44 @@ def test_seed_decode_bucket_8_with_2_active_requests():
     assert step.cache_lens.tolist() == [50, 75, 0, 0, 0, 0, 0, 0]
     assert step.real_sampling_positions.tolist() == [0, 1]
     assert step.sampling_positions.tolist() == list(range(8))  # S = 1: token 0 of each row
+    assert step.segment_ids.tolist() == [0] * 8  # decode: one request per row
     assert (step.num_rows, step.num_samples) == (2, 2)
 
 
-def test_prefill_batch_of_two_chunks_and_a_dummy_row():
-    # Row 0: a fresh prompt of 5 tokens; row 1: the continuation of a chunked prompt at 6..8.
-    chunks = [PrefillChunk([1, 2, 3, 4, 5], 0, [3, 9]), PrefillChunk([6, 7, 8], 6, [4, 7, 2])]
-    step = pad_prefill(chunks, Bucket("prefill", 3, 8, 16), block_size=4)
-    pad3, pad5 = [-1] * 3, [-1] * 5
-    assert step.slot_mapping.tolist() == [12, 13, 14, 15, 36, *pad3, 30, 31, 8, *pad5, *[-1] * 8]
-    assert step.positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0] + [0] * 8
-    assert step.input_ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0] + [0] * 8
-    assert step.block_table.tolist() == [[3, 9, -1, -1], [4, 7, 2, -1], [3, 9, -1, -1]]
-    assert step.cache_lens.tolist() == [0, 6, 0]
-    assert step.sampling_positions.tolist() == [4, 10, 16]  # last real token; dummy: its token 0
+def test_packed_prefill_of_two_chunks_and_a_pad_tail():
+    # Chunk 0 continues a chunked prompt at 6..8; chunk 1 is a fresh prompt of 5 tokens, packed
+    # right behind it in one run of 16 tokens; the bucket holds up to 3 requests.
+    chunks = [PrefillChunk([6, 7, 8], 6, [4, 7, 2]), PrefillChunk([1, 2, 3, 4, 5], 0, [3, 9])]
+    bucket = Bucket("prefill", 3, 16, 16)
+    step = pad_prefill(chunks, bucket, block_size=4)
+    pad8 = [-1] * 8
+    assert step.input_ids.tolist() == [6, 7, 8, 1, 2, 3, 4, 5] + [0] * 8  # end to end, padded at the tail
+    assert step.positions.tolist() == [6, 7, 8, 0, 1, 2, 3, 4] + [0] * 8
+    assert step.slot_mapping.tolist() == [30, 31, 8, 12, 13, 14, 15, 36, *pad8]  # 7*4+2, 7*4+3, 2*4
+    assert step.segment_ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 1] + [2] * 8  # pads: segment 2
+    assert step.block_table.tolist() == [[4, 7, 2, -1]]  # one row: the first chunk's blocks
+    assert step.cache_lens.tolist() == [6]  # the first chunk's start
+    assert step.sampling_positions.tolist() == [2, 7, 0]  # each chunk's last token; pad entry 0
+    assert step.real_sampling_positions.tolist() == [2, 7]
     assert (step.num_rows, step.num_samples) == (2, 2)
+    for t in (step.input_ids, step.positions, step.slot_mapping, step.segment_ids):
+        assert t.shape == (bucket.seq,) == (bucket.tokens,)  # seq is the total, not per request
+    assert all(t.dtype == torch.int64 for t in step.args())
+
+
+def test_only_the_first_packed_chunk_may_continue_a_cached_prompt():
+    chunks = [PrefillChunk([1, 2], 0, [3]), PrefillChunk([6, 7], 6, [4, 7])]
+    with pytest.raises(ValueError, match="only the first chunk of a packed prefill step"):
+        pad_prefill(chunks, Bucket("prefill", 2, 16, 16), block_size=4)
+
+
+def test_packed_prefill_refuses_more_tokens_or_requests_than_the_bucket_holds():
+    chunks = [PrefillChunk([1] * 10, 0, [1, 2, 3]), PrefillChunk([2] * 7, 0, [4, 5])]
+    with pytest.raises(NoBucketFits, match=r"17 tokens do not fit bucket prefill_s16 \(16 tokens\)"):
+        pad_prefill(chunks, Bucket("prefill", 2, 16, 16), block_size=4)
+    three = [PrefillChunk([i], 0, [i]) for i in (1, 2, 3)]
+    with pytest.raises(NoBucketFits, match=r"3 requests do not fit bucket prefill_s16 \(at most 2\)"):
+        pad_prefill(three, Bucket("prefill", 2, 16, 16), block_size=4)
 
 
 def test_speculative_decode_rows_cross_the_block_boundary():
@@ -89,12 +115,32 @@ def test_dummy_rows_allocate_nothing_and_copy_row_0():
 
 def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[str, list]:
     """The worked example's layout token by token in plain Python, to check the vectorised padding against."""
-    ids, pos, slot, table, lens, sampling = [], [], [], [], [], []
     max_blocks = bucket.ctx // block_size
+
+    def table_row(row) -> list[int]:
+        blocks = [b if b > 0 else -1 for b in row.block_ids][:max_blocks]
+        return blocks + [-1] * (max_blocks - len(blocks))
+
+    def slot(row, p: int) -> int:
+        return row.block_ids[p // block_size] * block_size + p % block_size
+
+    ids, pos, slots, segment, table, lens, sampling = [], [], [], [], [], [], []
+    if not decode:  # packed: chunks end to end in one run, pads at the tail; one table row
+        for i, row in enumerate(rows):
+            for j, token in enumerate(row.token_ids):
+                ids.append(token)
+                pos.append(row.start_pos + j)
+                slots.append(slot(row, row.start_pos + j))
+                segment.append(i)
+            sampling.append(len(ids) - 1)
+        pads = bucket.seq - len(ids)
+        return dict(input_ids=ids + [0] * pads, positions=pos + [0] * pads, slot_mapping=slots + [-1] * pads,
+                    segment_ids=segment + [len(rows)] * pads, block_table=[table_row(rows[0])],
+                    cache_lens=[rows[0].start_pos],
+                    sampling_positions=sampling + [0] * (bucket.batch - len(rows)))  # fmt: skip
     for r in range(bucket.batch):
         row = rows[r] if r < len(rows) else rows[0]
-        blocks = [b if b > 0 else -1 for b in row.block_ids][:max_blocks]
-        table.append(blocks + [-1] * (max_blocks - len(blocks)))
+        table.append(table_row(row))
         real = r < len(rows)
         lens.append(row.start_pos if real else 0)
         for j in range(bucket.seq):
@@ -102,29 +148,29 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
                 p = row.start_pos + j
                 ids.append(row.token_ids[j])
                 pos.append(p)
-                slot.append(row.block_ids[p // block_size] * block_size + p % block_size)
+                slots.append(slot(row, p))
             else:
                 ids.append(0)
                 pos.append(0)
-                slot.append(-1)
-        if decode:
-            n_real = len(row.token_ids) if real else 0
-            sampling += [r * bucket.seq + (j if j < n_real else 0) for j in range(bucket.seq)]
-        else:
-            sampling.append(r * bucket.seq + (len(row.token_ids) - 1 if real else 0))
-    return dict(input_ids=ids, positions=pos, slot_mapping=slot, block_table=table, cache_lens=lens,
-                sampling_positions=sampling)  # fmt: skip
+                slots.append(-1)
+            segment.append(0)
+        n_real = len(row.token_ids) if real else 0
+        sampling += [r * bucket.seq + (j if j < n_real else 0) for j in range(bucket.seq)]
+    return dict(input_ids=ids, positions=pos, slot_mapping=slots, segment_ids=segment, block_table=table,
+                cache_lens=lens, sampling_positions=sampling)  # fmt: skip
 
 
 @st.composite
 def steps(draw):
-    """Random real rows over shuffled physical blocks, padded to a random larger bucket."""
+    """Random real rows over shuffled physical blocks, padded to a random larger bucket.
+
+    Decode: one row per request. Prefill: chunks packed into one run; only the first continues."""
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     decode = draw(st.booleans())
     n = draw(st.integers(1, 4))
-    seq = draw(st.integers(1, 6 if decode else 24))
-    lens = [draw(st.integers(1, seq)) for _ in range(n)]
-    starts = [draw(st.integers(0, 40)) for _ in range(n)]
+    longest = draw(st.integers(1, 6 if decode else 24))
+    lens = [draw(st.integers(1, longest)) for _ in range(n)]
+    starts = [draw(st.integers(0, 40)) if decode or i == 0 else 0 for i in range(n)]
     needed = [-(-(s + n_tok) // block_size) for s, n_tok in zip(starts, lens, strict=True)]
     max_blocks = max(needed) + draw(st.integers(0, 2))
     physical = draw(st.permutations(range(1, sum(needed) + 1)))  # distinct blocks, any order
@@ -134,7 +180,8 @@ def steps(draw):
         trailing_zeros = [0] * draw(st.integers(0, max_blocks - k))  # scheduler-style unused entries
         rows.append(PrefillChunk(tokens, start, list(physical[used : used + k]) + trailing_zeros))
         used += k
-    batch = n + draw(st.integers(0, 3))  # dummy rows
+    batch = n + draw(st.integers(0, 3))  # dummy rows / unused request slots
+    seq = longest if decode else sum(lens) + draw(st.integers(0, 8))  # prefill: a padded tail
     bucket = Bucket("decode" if decode else "prefill", batch, seq, max_blocks * block_size)
     return rows, bucket, block_size, decode
 
@@ -148,10 +195,19 @@ def test_padding_matches_the_reference_and_keeps_the_slot_invariants(case):
     for name, expected in want.items():
         assert getattr(step, name).tolist() == expected, name
     slots = step.slot_mapping
-    real = torch.zeros(bucket.batch, bucket.seq, dtype=torch.bool)
-    for r, row in enumerate(rows):
-        real[r, : len(row.token_ids)] = True
-    real = real.flatten()
+    assert slots.shape == (bucket.tokens,)
+    if decode:
+        real = torch.zeros(bucket.batch, bucket.seq, dtype=torch.bool)
+        for r, row in enumerate(rows):
+            real[r, : len(row.token_ids)] = True
+        real = real.flatten()
+    else:
+        real = torch.arange(bucket.seq) < sum(len(row.token_ids) for row in rows)
+        assert (step.segment_ids[~real] == len(rows)).all()  # pads attend to no request
+        last = step.real_sampling_positions
+        assert step.segment_ids[last].tolist() == list(range(len(rows)))  # one sample per request...
+        after = step.segment_ids[(last + 1).clamp(max=bucket.seq - 1)]
+        assert ((after != step.segment_ids[last]) | (last == bucket.seq - 1)).all()  # ...its last token
     assert (slots[~real] == -1).all()  # a pad maps to -1 and nothing else
     assert (slots[real] >= block_size).all()  # a real token never lands on -1 or the null block
     assert slots[real].unique().numel() == int(real.sum())  # no two real tokens share a slot
@@ -162,18 +218,18 @@ def test_padding_matches_the_reference_and_keeps_the_slot_invariants(case):
 def test_a_request_larger_than_every_bucket_is_refused():
     with pytest.raises(NoBucketFits, match="no bucket fits 129: the largest bucket is 128"):
         select_bucket([32, 64, 128], 129)
-    with pytest.raises(NoBucketFits, match=r"a request of 129 tokens does not fit bucket prefill_b1_s128"):
+    with pytest.raises(NoBucketFits, match=r"129 tokens do not fit bucket prefill_s128 \(128 tokens\)"):
         pad_prefill([PrefillChunk([1] * 129, 0, [1, 2, 3])], Bucket("prefill", 1, 128, 256), 64)
 
 
 def test_more_requests_than_rows_are_refused():
     rows = [DecodeRow([1], 0, [b]) for b in (1, 2, 3)]
-    with pytest.raises(NoBucketFits, match=r"3 requests do not fit bucket decode_b2_s1_c64 \(batch 2\)"):
+    with pytest.raises(NoBucketFits, match=r"3 requests do not fit bucket decode_b2_c64 \(batch 2\)"):
         pad_decode(rows, Bucket("decode", 2, 1, 64), 16)
 
 
 def test_context_beyond_the_bucket_is_refused():
-    with pytest.raises(NoBucketFits, match=r"context 65 exceeds bucket decode_b1_s1_c64 \(ctx 64\)"):
+    with pytest.raises(NoBucketFits, match=r"context 65 exceeds bucket decode_b1_c64 \(ctx 64\)"):
         pad_decode([DecodeRow([1], 64, [1, 2, 3, 4, 5])], Bucket("decode", 1, 1, 64), 16)
 
 

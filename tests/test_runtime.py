@@ -1,4 +1,5 @@
-"""BucketRuntime over the session artifact (prefill 16/32, decode batch 1/2, blocks of 8, 64 blocks).
+"""BucketRuntime over the session artifact (prefill 16/32 packing up to 2 requests, decode batch 1/2,
+blocks of 8, 64 blocks), whose buckets run six pieces: a shared embed and head, a layer each.
 
 Logits are checked against transformers' own forward of the same checkpoint. Every test that
 damages the artifact works on a copy, so the session artifact stays intact.
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuron_buckets.artifact.manifest import ManifestError
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
 from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
@@ -47,33 +48,51 @@ def artifact_copy(compiled_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(compiled_dir, tmp_path / "artifact"))
 
 
-def test_open_loads_no_graph_first_use_loads_one_preload_loads_all(compiled_dir):
+def piece_keys(runtime: BucketRuntime, bucket: Bucket) -> list[str]:
+    pieces = runtime.records[bucket].pieces
+    return [pieces[role] for role in ("embed", "layer", "head")]
+
+
+def test_open_loads_no_graph_first_use_loads_its_pieces_preload_loads_all(compiled_dir):
     runtime = BucketRuntime.open(compiled_dir)
     assert runtime.loaded == []
 
     runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
-    assert runtime.loaded == [Bucket("prefill", 1, 16, 128)]
+    prefill_16 = piece_keys(runtime, Bucket("prefill", 2, 16, 128))
+    assert runtime.loaded == prefill_16  # embed, the bucket's layer, head
+
+    runtime.decode([DecodeRow([7], 10, [1, 2])])  # another bucket: only its layer piece is new
+    decode_1 = piece_keys(runtime, Bucket("decode", 1, 1, 128))
+    assert (decode_1[0], decode_1[2]) == (prefill_16[0], prefill_16[2])  # the shared embed and head
+    assert runtime.loaded == [*prefill_16, decode_1[1]]
 
     warm = BucketRuntime.open(compiled_dir, preload=True)
-    assert sorted(warm.loaded) == sorted(warm.records) and len(warm.loaded) == 4
+    assert sorted(warm.loaded) == sorted(warm.manifest.pieces) and len(warm.loaded) == 6
+    names = sorted(warm.manifest.pieces[k].name for k in warm.loaded)
+    assert names == sorted(
+        ["embed", "head", "layer_t16_b1_c128", "layer_t32_b1_c128", "layer_t1_b1_c128", "layer_t2_b2_c128"]
+    )
 
 
 def test_stats_count_calls_real_and_padded_tokens_per_bucket(compiled_dir):
     runtime = BucketRuntime.open(compiled_dir)
-    assert set(runtime.stats) == {"prefill_s16", "prefill_s32", "decode_b1", "decode_b2"}
+    assert set(runtime.stats) == {"prefill_s16", "prefill_s32", "decode_b1_c128", "decode_b2_c128"}
 
+    # 10 + 20 tokens pack into one call of the 32-token bucket; 10 alone take the 16-token one
     runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2]), PrefillChunk(tokens(20, 1), 0, [3, 4, 5])])
+    runtime.prefill([PrefillChunk(tokens(10, 2), 0, [6, 7])])
     runtime.decode([DecodeRow([7], 10, [1, 2])])
 
     def counters(label: str) -> tuple[int, int, int]:
         s = runtime.stats[label]
         return s.calls, s.real_tokens, s.padded_tokens
 
-    assert counters("prefill_s16") == (1, 10, 16)  # padded = every position computed
-    assert counters("prefill_s32") == (1, 20, 32)
-    assert counters("decode_b1") == (1, 1, 1)
-    assert runtime.stats["prefill_s32"].padding_ratio == 12 / 20
-    assert counters("decode_b2") == (0, 0, 0)
+    assert counters("prefill_s32") == (1, 30, 32)  # padded = every position computed
+    assert counters("prefill_s16") == (1, 10, 16)
+    assert counters("decode_b1_c128") == (1, 1, 1)
+    assert runtime.stats["prefill_s32"].padding_ratio == 2 / 30
+    assert runtime.stats["prefill_s16"].padding_ratio == 6 / 10
+    assert counters("decode_b2_c128") == (0, 0, 0)
 
 
 def test_chunked_prefill_matches_transformers(compiled_dir, hf_model):
@@ -86,6 +105,27 @@ def test_chunked_prefill_matches_transformers(compiled_dir, hf_model):
     want = torch.stack([hf_last_logits(hf_model, long), hf_last_logits(hf_model, short)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert runtime.stats["prefill_s32"].calls == 2 and runtime.stats["prefill_s16"].calls == 1
+
+
+def test_packed_prefill_matches_transformers_and_keeps_requests_apart(compiled_dir, hf_model):
+    """A continuing chunk and fresh prompts in one packed call: each request attends to its own
+    tokens and cache only, so every logit row is what transformers gives that prompt alone."""
+    runtime = BucketRuntime.open(compiled_dir)
+    long, a, b = tokens(40, 4), tokens(7, 5), tokens(9, 6)
+    first = runtime.prefill([PrefillChunk(long[:24], 0, blocks(1, 40))])  # 24 of 40 cached
+    torch.testing.assert_close(first[0], hf_last_logits(hf_model, long[:24]), rtol=1e-4, atol=1e-4)
+    assert runtime.stats["prefill_s32"].calls == 1
+
+    logits = runtime.prefill([
+        PrefillChunk(long[24:], 24, blocks(1, 40)),  # 16 more, attending to the cached 24
+        PrefillChunk(a, 0, blocks(10, 7)),
+        PrefillChunk(b, 0, blocks(11, 9)),
+    ])  # fmt: skip
+    want = torch.stack([hf_last_logits(hf_model, p) for p in (long, a, b)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # 16 + 7 fill one 32-token call (two requests, the bucket's most); 9 more need another call
+    assert runtime.stats["prefill_s32"].calls == 2 and runtime.stats["prefill_s16"].calls == 1
+    assert runtime.stats["prefill_s32"].real_tokens == 24 + 16 + 7
 
 
 def test_decode_of_three_rows_splits_over_batch_2_graphs_and_matches_transformers(compiled_dir, hf_model):
@@ -101,7 +141,7 @@ def test_decode_of_three_rows_splits_over_batch_2_graphs_and_matches_transformer
     assert logits.shape == (3, 1, 256)
     want = torch.stack([hf_last_logits(hf_model, p + [n]) for p, n in zip(prompts, nxt, strict=True)])
     torch.testing.assert_close(logits[:, 0], want, rtol=1e-4, atol=1e-4)
-    assert runtime.stats["decode_b2"].calls == 1 and runtime.stats["decode_b1"].calls == 1
+    assert runtime.stats["decode_b2_c128"].calls == 1 and runtime.stats["decode_b1_c128"].calls == 1
 
 
 def _delete(path: Path) -> None:
@@ -121,16 +161,16 @@ def _flip_a_byte(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (_delete, "graph of bucket prefill_b1_s16_c128 is missing"),
-        (_truncate, "graph .* of bucket prefill_b1_s16_c128 does not match its sha256"),
-        (_flip_a_byte, "graph .* of bucket prefill_b1_s16_c128 does not match its sha256"),
+        (_delete, "graph of piece layer_t16_b1_c128 is missing"),
+        (_truncate, "graph .* of piece layer_t16_b1_c128 does not match its sha256"),
+        (_flip_a_byte, "graph .* of piece layer_t16_b1_c128 does not match its sha256"),
     ],
     ids=["missing", "truncated", "tampered"],
 )
 def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, damage, message):
-    manifest = json.loads((artifact_copy / "manifest.json").read_text())
-    rec = next(r for r in manifest["buckets"] if (r["kind"], r["seq"]) == ("prefill", 16))
-    damage(artifact_copy / rec["file"])
+    manifest = read_manifest(artifact_copy)
+    rec = next(p for p in manifest.pieces.values() if p.name == "layer_t16_b1_c128")  # prefill 16's own
+    damage(artifact_copy / rec.file)
 
     runtime = BucketRuntime.open(artifact_copy)  # lazy: opening does not read the graph
     before = runtime.k_cache.clone()
@@ -138,6 +178,24 @@ def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, da
         runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
     assert torch.equal(runtime.k_cache, before)
     runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])])  # the other buckets still serve
+    runtime.decode([DecodeRow([7], 20, [1, 2, 3])])
+
+
+def test_a_damaged_shared_piece_fails_every_bucket_that_runs_it(artifact_copy):
+    manifest = read_manifest(artifact_copy)
+    rec = next(p for p in manifest.pieces.values() if p.name == "head")
+    _flip_a_byte(artifact_copy / rec.file)
+
+    runtime = BucketRuntime.open(artifact_copy)
+    before = runtime.k_cache.clone()
+    for step in (
+        lambda: runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])]),
+        lambda: runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])]),
+        lambda: runtime.decode([DecodeRow([7], 10, [1, 2])]),
+    ):
+        with pytest.raises(ArtifactError, match=r"graph .* of piece head does not match its sha256"):
+            step()
+    assert torch.equal(runtime.k_cache, before)  # every graph of a call loads before it runs
 
 
 def test_weights_that_do_not_match_the_manifest_fail_at_open(artifact_copy):
@@ -160,11 +218,15 @@ def test_weights_that_do_not_match_the_manifest_fail_at_open(artifact_copy):
             r"schema_version \d+ is newer than this toolchain supports .*upgrade neuron-buckets",
         ),
         (
+            lambda m: m.update(schema_version=1),
+            r"schema_version 1 was written by an older neuron-buckets .*run nb compile again",
+        ),
+        (
             lambda m: m["backend"]["versions"].update(torch="0.0.1"),
             r"compiled for other versions \(torch: built with 0.0.1, running .*\); recompile",
         ),
     ],
-    ids=["newer-schema", "other-torch"],
+    ids=["newer-schema", "schema-v1", "other-torch"],
 )
 def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit, message):
     path = artifact_copy / "manifest.json"

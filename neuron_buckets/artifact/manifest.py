@@ -1,8 +1,9 @@
 """The artifact directory's ``manifest.json``: what was built, from what, and how to check it.
 
 Read by the runtime, written by the compiler, validated against ``manifests/manifest.schema.json``
-both ways. Writes are atomic (temp file, fsync, rename): a crash leaves the old manifest or the
-new one, never half of either. All paths inside are relative, so a directory can be moved.
+both ways, and handed to every reader as the typed ``Manifest`` (one place knows the keys).
+Writes are atomic (temp file, fsync, rename): a crash leaves the old manifest or the new one,
+never half of either. All paths inside are relative, so a directory can be moved.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPHS = "graphs"
@@ -64,6 +66,11 @@ def validate(manifest: dict[str, Any], where: str = MANIFEST) -> dict[str, Any]:
             f"{where}: schema_version {version} is newer than this toolchain supports "
             f"({SCHEMA_VERSION}); upgrade neuron-buckets"
         )
+    if version < SCHEMA_VERSION:
+        raise ManifestError(
+            f"{where}: schema_version {version} was written by an older neuron-buckets (whole-model "
+            f"graphs); run nb compile again to rebuild it as layer pieces (schema {SCHEMA_VERSION})"
+        )
     try:
         jsonschema.validate(manifest, schema())
     except jsonschema.ValidationError as e:
@@ -72,7 +79,130 @@ def validate(manifest: dict[str, Any], where: str = MANIFEST) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    device: str
+    versions: dict[str, str]
+    flags: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    source: str
+    config: dict[str, Any]  # the Hugging Face style config.json
+    dtype: str
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    file: str
+    sha256: str
+    bytes: int
+    source_fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_model_len: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """Each of the K and V caches: (layers, blocks, block_size, kv_heads, head_dim)."""
+        return (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class DecodeInfo:
+    speculation_length: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class PieceRecord:
+    """One compiled graph file: an embed, layer or head piece, shared by the buckets that use it."""
+
+    role: str
+    name: str
+    file: str
+    sha256: str | None
+    bytes: int = 0
+    compile_seconds: float = 0.0
+    cached: bool = False
+    status: str = "ok"
+    error: str | None = None
+    log: str | None = None
+
+
+@dataclass
+class BucketRecord:
+    """One bucket: its shape, the keys of its three pieces, and whether all of them work."""
+
+    kind: str
+    batch: int
+    seq: int
+    ctx: int
+    pieces: dict[str, str]  # role -> piece key
+    status: str = "ok"
+    error: str | None = None
+
+
+@dataclass
+class Manifest:
+    toolchain: dict[str, str]
+    backend: BackendInfo
+    model: ModelInfo
+    cache: CacheGeometry
+    decode: DecodeInfo
+    weights: WeightsInfo | None = None
+    pieces: dict[str, PieceRecord] = field(default_factory=dict)
+    buckets: list[BucketRecord] = field(default_factory=list)
+    created: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = MANIFEST) -> Manifest:
+        """A manifest dict that ``validate`` accepted, typed; every piece a bucket names exists."""
+        for i, b in enumerate(d["buckets"]):
+            if missing := sorted(set(b["pieces"].values()) - set(d["pieces"])):
+                raise ManifestError(f"{where}: invalid at buckets/{i}/pieces: no piece {missing[0]}")
+        return cls(
+            toolchain=d["toolchain"],
+            backend=BackendInfo(**d["backend"]),
+            model=ModelInfo(**d["model"]),
+            cache=CacheGeometry(**d["cache"]),
+            decode=DecodeInfo(**d["decode"]),
+            weights=WeightsInfo(**d["weights"]),
+            pieces={k: PieceRecord(**v) for k, v in d["pieces"].items()},
+            buckets=[BucketRecord(**b) for b in d["buckets"]],
+            created=d["created"],
+            schema_version=d["schema_version"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def files(self) -> list[tuple[str, str, str]]:
+        """(relative path, sha256, what) of every file the manifest vouches for."""
+        assert self.weights is not None
+        entries = [(self.weights.file, self.weights.sha256, "weights")]
+        ok = [p for p in self.pieces.values() if p.status == "ok" and p.sha256]
+        return entries + [(p.file, p.sha256, p.name) for p in ok]
+
+
+def read_manifest(directory: Path) -> Manifest:
+    return Manifest.from_dict(read_manifest_dict(directory), str(Path(directory) / MANIFEST))
+
+
+def read_manifest_dict(directory: Path) -> dict[str, Any]:
+    """The validated JSON document itself (for tools that edit or print it whole)."""
     path = Path(directory) / MANIFEST
     try:
         data = json.loads(path.read_text())
@@ -83,7 +213,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return validate(data, str(path))
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    validate(manifest)
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    doc = validate(manifest.to_dict())
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     atomic_write(Path(directory) / MANIFEST, lambda p: p.write_text(text))

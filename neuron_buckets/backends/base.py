@@ -1,7 +1,8 @@
-"""The one small protocol every backend implements: compile a bucket's graph, load it, say versions.
+"""The one small protocol every backend implements: compile a piece's graph, load it, say versions.
 
-The compiler drives ``compile`` in worker processes; the runtime calls ``load`` with the shared
-weights. Nothing here assumes a particular compiler, file format or device.
+The compiler drives ``compile`` in worker processes, once per piece (embed, decoder layer, head);
+the runtime calls ``load`` and then the graph with the step, the caches and the weights as
+inputs. Nothing here assumes a particular compiler, file format or device.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from torch import Tensor, nn
+from torch import nn
 
-GraphFn = Callable[..., Tensor]
+GraphFn = Callable[..., Any]
 
 
 class BackendUnavailable(RuntimeError):
@@ -43,14 +44,16 @@ class Backend(Protocol):
         """``flags`` validated with defaults filled in: what the manifest records and keys hash."""
         ...
 
+    dynamic_shapes: bool  # whether embed and head compile once for every token count
+
     def compile(
-        self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
+        self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None
     ) -> None:
-        """Compile ``model`` for the exact shapes of ``example`` and write the graph to ``out_file``."""
+        """Compile ``piece`` for the shapes of ``example`` (``dynamic``: torch.export's dynamic
+        dimensions, or None for all static) and write the graph to ``out_file``."""
         ...
 
-    def load(
-        self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
-    ) -> GraphFn:
-        """Load one graph; ``weights`` is shared by every graph and must not be copied per graph."""
+    def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
+        """Load one piece's graph. It is called with the piece's inputs, weights included, as
+        positional arguments (the weights tuple flattened last), and returns its outputs."""
         ...

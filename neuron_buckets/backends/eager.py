@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from neuron_buckets.backends.base import GraphFn
 
@@ -20,6 +21,7 @@ from neuron_buckets.backends.base import GraphFn
 class EagerBackend:
     name = "eager"
     graph_ext = "json"
+    dynamic_shapes = True
 
     def available(self) -> tuple[bool, str]:
         return True, f"torch {torch.__version__}"
@@ -34,32 +36,31 @@ class EagerBackend:
         return dict(flags)  # nothing is compiled, so flags change nothing but the key
 
     def compile(
-        self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
+        self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None
     ) -> None:
-        out_file.write_text(json.dumps({"input_shapes": [list(t.shape) for t in example]}))
+        shapes = None if dynamic else [list(t.shape) for t in tree_leaves(example)]
+        out_file.write_text(json.dumps({"piece": type(piece).__name__, "input_shapes": shapes}))
 
-    def load(
-        self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
-    ) -> GraphFn:
-        from neuron_buckets.model.checkpoint import load_weights
-        from neuron_buckets.model.llama import Llama, LlamaConfig
+    def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
+        from neuron_buckets.model.llama import LlamaConfig
+        from neuron_buckets.model.pieces import PIECES
 
-        with torch.device("meta"):  # no storage of its own: it uses the shared weights
-            model = Llama(LlamaConfig.from_hf(model_config))
-        load_weights(model, weights, share=True).eval()
-        shapes = [tuple(s) for s in json.loads(path.read_text())["input_shapes"]]
-        return EagerGraph(model, shapes, path.name)
+        spec = json.loads(path.read_text())
+        pieces = {cls.__name__: cls for cls in PIECES.values()}
+        piece = pieces[spec["piece"]](LlamaConfig.from_hf(model_config))
+        shapes = spec["input_shapes"]
+        return EagerGraph(piece, shapes and [tuple(s) for s in shapes], path.name)
 
 
 class EagerGraph:
-    """The model behind a fixed-shape front, so a mis-padded step fails as on a compiled graph."""
+    """A piece behind a fixed-shape front, so a mis-padded step fails as on a compiled graph."""
 
-    def __init__(self, model: nn.Module, shapes: list[tuple[int, ...]], name: str) -> None:
-        self.model, self.shapes, self.name = model, shapes, name
+    def __init__(self, piece: nn.Module, shapes: list[tuple[int, ...]] | None, name: str) -> None:
+        self.piece, self.shapes, self.name = piece, shapes, name
 
     @torch.no_grad()
-    def __call__(self, *args: Tensor) -> Tensor:
-        got = [tuple(t.shape) for t in args]
-        if got != self.shapes:
+    def __call__(self, *args: Any) -> Any:
+        got = [tuple(t.shape) for t in tree_leaves(args)]
+        if self.shapes is not None and got != self.shapes:
             raise ValueError(f"{self.name}: inputs {got} do not match the bucket's shapes {self.shapes}")
-        return self.model(*args)
+        return self.piece(*args)

@@ -1,22 +1,27 @@
-"""torch.export + AOTInductor: one ``.pt2`` per bucket, weights kept out and shared at load time.
+"""torch.export + AOTInductor: one ``.pt2`` per piece, with weights and caches as inputs.
 
-``package_constants_in_so=False`` leaves the weights out of every package; ``load`` hands each
-graph pointers into the single weights copy (``user_managed=True``), so N buckets cost one copy
-of the weights. KV caches are graph inputs that the compiled code mutates in place, so every
-bucket graph works on the same cache. A graph must never run before its constants are loaded
-(it would crash), which is why ``load`` does both in one step.
+A piece has no parameters of its own (``model/pieces.py``), so its package holds code only; the
+runtime passes each call the weights it needs, from its one copy, and the KV cache slice the
+compiled code mutates in place. ``package_constants_in_so=False`` stays fixed so that no user
+flag can bake tensors into a package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from neuron_buckets.backends.base import GraphFn
+from neuron_buckets.core.cache_dir import default_cache_dir
 
 FIXED_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
@@ -24,16 +29,48 @@ FIXED_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 @functools.cache
 def _cxx_version() -> str:
     """The C++ compiler that builds the graph's shared library, part of every cache key."""
+    return _probe()["cxx"]
+
+
+def _probe_key() -> str:
+    """What the probe's answers depend on: torch, and the compilers inductor may pick (by the
+    ``CXX`` variable, else ``g++`` or ``clang++`` on PATH) with their files' modification times."""
+    parts = [torch.__version__, os.environ.get("CXX", "")]
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and (path := shutil.which(name)):
+            parts.append(f"{path}:{os.stat(path).st_mtime_ns}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _probe() -> dict[str, Any]:
+    """The compiler version and inductor's option names. Asking costs an import of
+    ``torch._inductor`` (over a second), so the answers are kept under the cache directory,
+    keyed by ``_probe_key``: a warm ``nb compile`` that has nothing to build never pays it."""
+    path = default_cache_dir() / "probes" / f"inductor-{_probe_key()}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())
+    from torch._inductor import config as inductor_config
     from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
 
     cxx = get_cpp_compiler()
     info = [p for p in get_compiler_version_info(cxx).split("_") if "version" in p]
-    return f"{cxx} {info[-1].strip() if info else 'unknown'}"
+    found = {
+        "cxx": f"{cxx} {info[-1].strip() if info else 'unknown'}",
+        "options": sorted(inductor_config.get_config_copy()),
+    }
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next run the probe
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(found))
+        os.replace(tmp, path)
+    return found
 
 
 class InductorBackend:
     name = "inductor"
     graph_ext = "pt2"
+    dynamic_shapes = True
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -53,9 +90,7 @@ class InductorBackend:
 
         A misspelt option fails here, once, instead of in every bucket after its export.
         """
-        from torch._inductor import config as inductor_config
-
-        if unknown := sorted(set(flags) - set(inductor_config.get_config_copy())):
+        if flags and (unknown := sorted(set(flags) - set(_probe()["options"]))):
             raise ValueError(
                 f"compile.flags {unknown} are not torch._inductor.config options (torch {torch.__version__})"
             )
@@ -64,21 +99,15 @@ class InductorBackend:
         return {**flags, **FIXED_CONFIGS}
 
     def compile(
-        self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
+        self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None
     ) -> None:
         with torch.no_grad():
-            program = torch.export.export(model, example, strict=False)
+            program = torch.export.export(piece, example, dynamic_shapes=dynamic, strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(out_file), inductor_configs=self.resolved_flags(flags)
             )
 
-    def load(
-        self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
-    ) -> GraphFn:
+    def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         index = torch.device(device).index
         compiled = torch._inductor.aoti_load_package(str(path), device_index=-1 if index is None else index)
-        wanted = compiled.get_constant_fqns()
-        if missing := [k for k in wanted if k not in weights]:
-            raise ValueError(f"{path.name}: weights file lacks constants {missing[:5]}")
-        compiled.load_constants({k: weights[k] for k in wanted}, check_full_update=True, user_managed=True)
         return compiled

@@ -1,14 +1,17 @@
-"""The Neuron backend: one NEFF per bucket via ``torch_neuronx.trace``, with the NKI kernels inside.
+"""The Neuron backend: one NEFF per piece via ``torch_neuronx.trace``, with the NKI kernels inside.
 
 Written against the public torch-neuronx (XLA-based ``trace`` API) and NKI 0.3 APIs of Neuron SDK
 2.29+; the SDK cannot be installed on the machines this project is built on, so none of this has
 run on Neuron hardware. Without the SDK, ``available()`` says what to install and ``compile`` and
 ``load`` raise ``BackendUnavailable`` with the same message; nothing is emulated.
 
-Per bucket: the model runs with the NKI kernels swapped in for the goldens (``dispatch.use``); the
-KV cache becomes module state aliased to outputs 1 and 2 (``input_output_aliases``, so that the
-graph updates it in device memory rather than copying it); weights stay out of the NEFF
-(``inline_weights_to_neff=False``) and are supplied once at load time with ``replace_weights``.
+Pieces have static shapes here (``dynamic_shapes = False``: one embed and head per token count).
+Weights are ordinary inputs of every call, so one layer NEFF serves every layer. The layer piece
+runs with the NKI kernels swapped in for the goldens (``dispatch.use``) and holds the whole
+stacked KV cache as module state aliased to outputs 1 and 2 (``input_output_aliases``: torch_neuronx
+aliases only module state, and then updates it in device memory rather than copying it). The
+layer to work on is an input: its slots and block ids are offset into the flattened
+(layers * blocks) cache, so no call copies a layer out and back.
 """
 
 from __future__ import annotations
@@ -111,22 +114,32 @@ def core_index(device: str) -> int:
     return int(index or 0)
 
 
-class CacheStateStep(nn.Module):
-    """The model with its KV cache held as parameters, returned as outputs 1 and 2.
+def offset_to_layer(
+    layer: Tensor, slot_mapping: Tensor, block_table: Tensor, num_blocks: int, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Slots and block ids of one layer in the stacked cache flattened to (L * NB, BS, KVH, D);
+    pads (-1) stay -1."""
+    slots = torch.where(slot_mapping >= 0, slot_mapping + layer * (num_blocks * block_size), -1)
+    table = torch.where(block_table >= 0, block_table + layer * num_blocks, -1)
+    return slots, table
 
-    torch_neuronx aliases only parameters of the traced module to outputs, so the caches move from
-    forward arguments into module state here; the graph then updates them in device memory.
-    """
 
-    def __init__(self, model: nn.Module, k_cache: Tensor, v_cache: Tensor) -> None:
+class StackedLayer(nn.Module):
+    """The layer piece over the stacked KV caches held as state and returned as outputs 1 and 2."""
+
+    def __init__(self, piece: nn.Module, k_cache: Tensor, v_cache: Tensor) -> None:
         super().__init__()
-        self.model = model
+        self.piece = piece
         self.k_cache = nn.Parameter(k_cache, requires_grad=False)
         self.v_cache = nn.Parameter(v_cache, requires_grad=False)
 
-    def forward(self, *step: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = self.model(*step, self.k_cache, self.v_cache)
-        return logits, self.k_cache, self.v_cache
+    def forward(self, layer: Tensor, h: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor,
+                block_table: Tensor, cache_lens: Tensor, segment_ids: Tensor, *weights: Tensor) -> tuple:
+        num_blocks, block_size = self.k_cache.shape[1:3]
+        slots, table = offset_to_layer(layer, slot_mapping, block_table, num_blocks, block_size)
+        k, v = (c.flatten(0, 1) for c in (self.k_cache, self.v_cache))
+        out = self.piece(h, cos, sin, slots, table, cache_lens, segment_ids, k, v, weights)
+        return out, self.k_cache, self.v_cache
 
     def aliases(self) -> dict[Tensor, int]:
         """``input_output_aliases`` of ``torch_neuronx.trace``: state tensor -> output index."""
@@ -134,18 +147,18 @@ class CacheStateStep(nn.Module):
 
 
 class _SharedCache:
-    """Keeps one logical KV cache across bucket graphs that each hold their own device copy.
+    """Keeps one logical KV cache across layer NEFFs that each hold their own device copy.
 
-    The graph last run holds the newest cache on device. When another graph runs, the newest cache
-    comes back to the runtime's host tensors and is placed into that graph's state first; steps
-    that stay on one graph (a decode run) copy nothing.
+    The NEFF last run holds the newest cache on device. When another runs, the newest cache
+    comes back to the runtime's host tensors and is placed into that NEFF's state first; the L
+    calls of one step stay on one NEFF and copy nothing.
     """
 
     def __init__(self) -> None:
-        self.holder: NeuronGraph | None = None
+        self.holder: NeuronLayer | None = None
         self.newest: tuple[Tensor, Tensor] | None = None
 
-    def hand_to(self, graph: NeuronGraph, k_cache: Tensor, v_cache: Tensor) -> None:
+    def hand_to(self, graph: NeuronLayer, k_cache: Tensor, v_cache: Tensor) -> None:
         if self.holder is graph:
             return
         if self.newest is not None:
@@ -155,23 +168,33 @@ class _SharedCache:
         self.holder = graph
 
 
-class NeuronGraph:
-    """One loaded bucket NEFF, called with the model's forward arguments (caches included)."""
+def stacked_of(layer_slice: Tensor) -> Tensor:
+    """The stacked (L, NB, BS, KVH, D) cache that a contiguous layer slice is a view of."""
+    layers = layer_slice.untyped_storage().nbytes() // (layer_slice.numel() * layer_slice.element_size())
+    shape = (layers, *layer_slice.shape)
+    return layer_slice.new_empty(0).set_(layer_slice.untyped_storage(), 0, shape)
+
+
+class NeuronLayer:
+    """One loaded layer NEFF, called as the runtime calls every layer piece: with one layer's
+    cache slices, which are views of the stacked caches (the layer is their position in them)."""
 
     def __init__(self, sdk: Any, traced: Any, shared: _SharedCache) -> None:
         self.sdk, self.traced, self.shared = sdk, traced, shared
 
-    def __call__(self, *args: Tensor) -> Tensor:
-        *step, k_cache, v_cache = args
-        self.shared.hand_to(self, k_cache, v_cache)
-        logits, k_new, v_new = self.traced(*step)
+    def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, *args: Any) -> Tensor:
+        *step, k_slice, v_slice, weights = args
+        layer = k_slice.storage_offset() // k_slice.numel()
+        self.shared.hand_to(self, stacked_of(k_slice), stacked_of(v_slice))
+        out, k_new, v_new = self.traced(torch.tensor(layer), h, cos, sin, *step, *weights)
         self.shared.newest = (k_new, v_new)
-        return logits
+        return out
 
 
 class NeuronBackend:
     name = "neuron"
     graph_ext = "pt"  # a TorchScript archive around the NEFF, as torch.jit.save writes it
+    dynamic_shapes = False  # a NEFF has static shapes
 
     def __init__(self) -> None:
         self._shared = _SharedCache()  # one KV cache for every graph this backend loads
@@ -200,31 +223,32 @@ class NeuronBackend:
         return NeuronFlags.from_dict(flags).as_dict()
 
     def compile(
-        self, model: nn.Module, example: tuple[Tensor, ...], out_file: Path, flags: dict[str, Any]
+        self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None
     ) -> None:
         sdk = _sdk()
         from neuron_buckets.kernels import dispatch, nki_ops
+        from neuron_buckets.model.pieces import LayerPiece
 
         args = NeuronFlags.from_dict(flags).compiler_args()
-        *step, k_cache, v_cache = example
-        module = CacheStateStep(model, k_cache, v_cache).eval()
+        cpu_only = not neuron_device_present()  # compile-only hosts trace on CPU
+        trace = dict(compiler_args=args, inline_weights_to_neff=False, cpu_backend=cpu_only)
         with torch.no_grad(), dispatch.use(nki_ops.KERNELS):
-            traced = sdk.trace(
-                module,
-                tuple(step),
-                input_output_aliases=module.aliases(),
-                compiler_args=args,
-                inline_weights_to_neff=False,
-                cpu_backend=not neuron_device_present(),  # compile-only hosts trace on CPU
-            )
-        sdk.async_load(traced)  # must precede jit.save: loading overlaps across bucket graphs
+            if isinstance(piece, LayerPiece):  # the stacked cache as aliased state, the layer an input
+                *step, k_cache, v_cache, weights = example
+                layers = piece.config.num_layers
+                module = StackedLayer(piece, k_cache.expand(layers, *k_cache.shape).clone(),
+                                      v_cache.expand(layers, *v_cache.shape).clone()).eval()
+                inputs = (torch.tensor(0), *step, *weights)
+                traced = sdk.trace(module, inputs, input_output_aliases=module.aliases(), **trace)
+            else:
+                traced = sdk.trace(piece.eval(), example, **trace)
+        sdk.async_load(traced)  # must precede jit.save: loading overlaps across piece graphs
         torch.jit.save(traced, str(out_file))
 
-    def load(
-        self, path: Path, weights: dict[str, Tensor], model_config: dict[str, Any], device: str
-    ) -> GraphFn:
+    def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         sdk = _sdk()
         traced = torch.jit.load(str(path))
-        sdk.replace_weights(traced, {f"model.{k}": w for k, w in weights.items()})
         sdk.move_trace_to_device(traced, core_index(device))
-        return NeuronGraph(sdk, traced, self._shared)
+        if "k_cache" in dict(traced.named_parameters()):
+            return NeuronLayer(sdk, traced, self._shared)
+        return traced

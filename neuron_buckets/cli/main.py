@@ -9,14 +9,15 @@ import typer
 from rich.table import Table
 
 from neuron_buckets import __version__
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest
+from neuron_buckets.artifact.manifest import Manifest, ManifestError, read_manifest
 from neuron_buckets.cli.console import err, fail, int_list
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import Config, ConfigError, enumerate_grid, load_config
+from neuron_buckets.core.bucket import Bucket
 
 app = typer.Typer(
-    help="Compile one fixed-shape LLM graph per (batch, seq) bucket over a block-KV cache.",
+    help="Compile fixed-shape LLM graphs, one set per bucket, over a paged block-KV cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -48,16 +49,16 @@ def load_or_fail(config: Path | None) -> Config:
 
 @app.command()
 def grid(config: ConfigArg = None) -> None:
-    """Show the bucket grid a config compiles: one row per graph."""
+    """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head pieces)."""
     cfg = load_or_fail(config)
     table = Table(title=f"bucket grid ({config or 'embedded default'})")
-    for col in ("kind", "batch", "seq", "ctx", "tokens per graph"):
+    for col in ("kind", "batch", "seq", "ctx", "tokens per step"):
         table.add_column(col, justify="left" if col == "kind" else "right")
     buckets = enumerate_grid(cfg)
     for b in buckets:
         table.add_row(b.kind, str(b.batch), str(b.seq), str(b.ctx), str(b.tokens))
     console.print(table)
-    console.print(f"{len(buckets)} graphs")
+    console.print(f"{len(buckets)} buckets")
 
 
 @app.command("compile")
@@ -72,13 +73,13 @@ def compile_(
     cache_dir: Annotated[Path | None, typer.Option(help="Shared graph cache (default: user cache)")] = None,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed bucket")] = False,
 ) -> None:
-    """Compile one graph per bucket into an artifact directory; unchanged buckets are reused."""
+    """Compile each bucket's pieces into an artifact directory; pieces already built are reused."""
     from dataclasses import replace
 
     from neuron_buckets.cli.progress import CompileProgress
     from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.compile.directory_lock import DirectoryLocked
-    from neuron_buckets.compile.store import default_cache_dir
+    from neuron_buckets.core.cache_dir import default_cache_dir
 
     cfg = load_or_fail(config)
     overrides = {k: v for k, v in (("jobs", jobs), ("backend", backend), ("device", device)) if v is not None}
@@ -86,10 +87,11 @@ def compile_(
     try:
         compiler = Compiler(cfg, out, cache_dir or default_cache_dir(), fail_fast=fail_fast)
         err.print(
-            f"{len(compiler.buckets)} buckets, backend {cfg.compile.backend} on {cfg.compile.device}, "
+            f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend "
+            f"{cfg.compile.backend} on {cfg.compile.device}, "
             f"{cfg.compile.jobs} jobs -> {out}"
         )
-        with CompileProgress(len(compiler.buckets), cfg.compile.jobs, err) as progress:
+        with CompileProgress(len(compiler.shapes), cfg.compile.jobs, err) as progress:
             report = compiler.run(cfg.compile.jobs, progress)
     except (DirectoryLocked, RuntimeError, ValueError, OSError) as e:
         raise fail(str(e)) from None
@@ -98,11 +100,11 @@ def compile_(
         f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
         f"manifest: {out / 'manifest.json'}"
     )
-    if report.failed or len(report.outcomes) < len(compiler.buckets):
+    if report.failed or len(report.outcomes) < len(compiler.shapes):
         raise typer.Exit(1)
 
 
-def read_or_fail(directory: Path) -> dict:
+def read_or_fail(directory: Path) -> Manifest:
     try:
         return read_manifest(directory)
     except ManifestError as e:
@@ -111,24 +113,27 @@ def read_or_fail(directory: Path) -> dict:
 
 @app.command("ls")
 def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -> None:
-    """List an artifact directory's buckets: status, size, compile time and key."""
+    """List an artifact directory's buckets and the pieces that run them: status, size, compile time."""
     m = read_or_fail(directory)
-    b = m["backend"]
-    table = Table(title=f"{directory}: {b['name']} on {b['device']}, torch {b['versions']['torch']}")
-    for col in ("bucket", "status", "size", "compile s", "key"):
+    b = m.backend
+    table = Table(title=f"{directory}: {b.name} on {b.device}, torch {b.versions['torch']}")
+    for col in ("bucket", "status", "pieces", "size", "compile s"):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
-    for r in m["buckets"]:
-        name = f"{r['kind']} b{r['batch']} s{r['seq']} c{r['ctx']}"
-        status = "[green]ok[/]" if r["status"] == "ok" else f"[red]failed[/] {r['error']}"
-        table.add_row(
-            name, status, f"{r['bytes'] / 1e6:.1f} MB", f"{r['compile_seconds']:.1f}", r["key"][:12]
-        )
+    for r in m.buckets:
+        bucket = Bucket(r.kind, r.batch, r.seq, r.ctx)
+        pieces = [m.pieces[k] for k in r.pieces.values()]
+        status = "[green]ok[/]" if r.status == "ok" else f"[red]failed[/] {r.error}"
+        size = sum(p.bytes for p in pieces) / 1e6
+        secs = sum(p.compile_seconds for p in pieces)
+        table.add_row(bucket.name, status, " ".join(p.name for p in pieces), f"{size:.1f} MB", f"{secs:.1f}")
     console.print(table)
-    ok = [r for r in m["buckets"] if r["status"] == "ok"]
+    ok = [p for p in m.pieces.values() if p.status == "ok"]
+    buckets_ok = sum(r.status == "ok" for r in m.buckets)
+    secs = sum(p.compile_seconds for p in m.pieces.values())
     console.print(
-        f"{len(ok)} of {len(m['buckets'])} graphs ok, {sum(r['bytes'] for r in ok) / 1e6:.1f} MB, "
-        f"{sum(r['compile_seconds'] for r in m['buckets']):.0f} s of compile; weights "
-        f"{m['weights']['bytes'] / 1e6:.1f} MB, sha256 {m['weights']['sha256'][:12]}"
+        f"{buckets_ok} of {len(m.buckets)} buckets ok, {len(ok)} of {len(m.pieces)} pieces "
+        f"({sum(p.bytes for p in ok) / 1e6:.1f} MB, {secs:.0f} s of compile); "
+        f"weights {m.weights.bytes / 1e6:.1f} MB, sha256 {m.weights.sha256[:12]}"
     )
 
 
@@ -137,7 +142,7 @@ def verify(
     directory: Annotated[Path, typer.Argument(help="Artifact directory")],
     trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
 ) -> None:
-    """Check every file's sha256 and the schema, then run each graph against the eager model."""
+    """Check every file's sha256 and the schema, then run each bucket against the eager model."""
     from neuron_buckets.serve.verify import file_problems, verify_graphs
 
     try:
@@ -148,7 +153,7 @@ def verify(
         err.print(f"[red]problem:[/] {p}")
     if problems:
         raise typer.Exit(1)
-    table = Table(title=f"{directory}: graphs against the eager model")
+    table = Table(title=f"{directory}: buckets against the eager model")
     for col in ("bucket", "result", "max |diff|"):
         table.add_column(col)
     checks = verify_graphs(directory, trials=trials)

@@ -1,4 +1,4 @@
-"""A rich progress bar for ``nb compile``: buckets done, running and failed, elapsed time and ETA."""
+"""A rich progress bar for ``nb compile``: pieces done, running and failed, elapsed time and ETA."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from neuron_buckets.compile.compiler import Outcome
 
 
 class CompileProgress:
-    """Turns the compiler's events into one bar; a log line per finished or failed bucket."""
+    """Turns the compiler's events into one bar; a log line per finished or failed piece."""
 
     def __init__(self, total: int, jobs: int, console: Console) -> None:
         self.jobs, self.console = jobs, console
@@ -53,11 +53,11 @@ class CompileProgress:
                 return
             self.queued -= 1
             if outcome.status == "ok":
-                self.progress.print(f"[green]ok[/] {outcome.bucket.name} in {outcome.compile_seconds:.1f} s")
+                self.progress.print(f"[green]ok[/] {outcome.name} in {outcome.compile_seconds:.1f} s")
             else:
                 self.failed += 1
                 self.progress.log(
-                    f"[red]failed[/] {outcome.bucket.name}: {outcome.error} (see {outcome.log})"
+                    f"[red]failed[/] {outcome.name}: {outcome.error} (see {outcome.log})"
                 )
             self.progress.update(self.task, advance=1)
         running = min(self.queued, self.jobs)

@@ -14,12 +14,13 @@ from typing import Annotated
 import typer
 
 from neuron_buckets.cli.console import err, fail, int_list, out
-from neuron_buckets.config import load_config
+from neuron_buckets.config import Config, enumerate_grid, load_config
 from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.traffic.padding_stats import inspect_trace
 from neuron_buckets.traffic.planner import PlanOptions, plan
 from neuron_buckets.traffic.report import print_inspect, print_plan, toml_snippet
+from neuron_buckets.traffic.runtime_replay import fit_requests, packed_report, replay_runtime
 from neuron_buckets.traffic.traces import Trace, load_trace
 
 DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
@@ -82,14 +83,20 @@ def inspect(
     decode_rate: RateOpt = 30.0,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of lengths and padding")] = None,
+    replay_requests: Annotated[
+        int, typer.Option("--replay-requests", min=1, help="Requests of the trace the packed replay runs")
+    ] = 1000,
 ) -> None:
-    """Padding, decode batch sizes and compile cost of a bucket set on a trace."""
+    """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
+    what the runtime does: the trace replayed through its scheduler and packing (``packed``)."""
     try:
         built = load_manifest_buckets(manifest) if manifest else None
         prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
         slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
         data = _load(trace)
         doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
+        if built is None and prefill_buckets is None and num_seqs_buckets is None:
+            doc["packed"] = _packed(load_config(config), data, replay_requests)
     except ValueError as e:
         raise fail(e) from None
     if plot is not None:
@@ -98,6 +105,14 @@ def inspect(
         plot_padding(plot, data.prompt_lens, doc["prefill"])
         err.print(f"wrote {plot}", highlight=False)
     _emit(doc, as_json, print_inspect)
+
+
+def _packed(config: Config, trace: Trace, limit: int) -> dict:
+    """The runtime's calls and padding for the first ``limit`` requests of the trace."""
+    cache = config.cache
+    prompts, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
+    counters = replay_runtime(prompts, outputs, enumerate_grid(config), cache.num_blocks, cache.block_size)
+    return packed_report(counters, len(prompts))
 
 
 def _bucket_sets(

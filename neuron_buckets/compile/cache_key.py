@@ -1,7 +1,7 @@
-"""Content-addressed keys: a bucket's graph is reused exactly when nothing that shapes it changed.
+"""Content-addressed keys: a piece's graph is reused exactly when nothing that shapes it changed.
 
 The key hashes the model config, the source of the code that builds the graph (model, kernels,
-example inputs, the compile worker and the backend), the bucket shape, the
+example inputs, the compile worker and the backend), the piece's role and shape, the
 cache geometry and dtype, the backend with its compiler/torch versions, flags and device. Weights
 are not in it: graphs take them at load time, so new weights of the same model reuse every graph;
 nor is max_model_len: each bucket's own ctx bounds its graph.
@@ -15,7 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.model.pieces import PieceShape
 
 # Cache settings that no graph depends on: a bucket's own ctx bounds what it attends over.
 _NOT_IN_GRAPH = ("max_model_len",)
@@ -51,15 +51,15 @@ def source_digest(extra: tuple[Path, ...] = ()) -> str:
 
 def graph_key(
     *,
-    bucket: Bucket,
+    piece: PieceShape,
     model_config: dict[str, Any],
     cache: dict[str, Any],
     backend: dict[str, Any],
     sources: str,
 ) -> str:
-    """sha256 of everything that changes one bucket's compiled graph, as canonical JSON."""
+    """sha256 of everything that changes one piece's compiled graph, as canonical JSON."""
     material = {
-        "bucket": [bucket.kind, bucket.batch, bucket.seq, bucket.ctx],
+        "piece": [piece.role, piece.tokens, piece.rows, piece.ctx, piece.samples],
         "model_config": model_config,
         "cache": {k: v for k, v in cache.items() if k not in _NOT_IN_GRAPH},
         "backend": backend,

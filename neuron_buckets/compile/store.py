@@ -16,13 +16,6 @@ from pathlib import Path
 from neuron_buckets.artifact.manifest import atomic_write, sha256_file
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("NB_CACHE_DIR")
-    if base:
-        return Path(base)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "neuron-buckets"
-
-
 class GraphStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)

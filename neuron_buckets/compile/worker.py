@@ -1,4 +1,4 @@
-"""What runs inside one ``nb compile`` worker process: rebuild the model, compile one bucket.
+"""What runs inside one ``nb compile`` worker process: build one piece, compile it.
 
 Workers are spawned (a clean interpreter, no inherited locks or threads) and get only picklable
 inputs; each writes its graph into the shared cache under a temp name and renames it when done.
@@ -19,32 +19,26 @@ import torch
 from neuron_buckets.backends import get_backend
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import Config
-from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.padding import PrefillChunk, pad_decode, pad_prefill
-from neuron_buckets.model.checkpoint import build_model
-from neuron_buckets.model.llama import Llama
+from neuron_buckets.model.checkpoint import model_config_of
+from neuron_buckets.model.pieces import PIECES, PieceShape, dynamic_shapes, example_inputs
 
 
-def example_args(model: Llama, bucket: Bucket, config: Config, device: str) -> tuple[torch.Tensor, ...]:
-    """Inputs of the bucket's exact shapes (one real token, the rest padding) plus the caches."""
-    pad = pad_decode if bucket.kind == "decode" else pad_prefill
-    step = pad([PrefillChunk([0], 0, [1])], bucket, config.cache.block_size)
-    shape = model.cache_shape(config.cache.num_blocks, config.cache.block_size)
-    dtype = getattr(torch, config.cache.dtype)
-    caches = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-    return tuple(t.to(device) for t in (*step.args(), *caches))
-
-
-def compile_bucket(config: Config, bucket: Bucket, key: str, store_root: str) -> tuple[float, str | None]:
-    """Runs in a worker process: rebuild the model, compile one bucket into the cache."""
+def compile_piece(config: Config, shape: PieceShape, key: str, store_root: str) -> tuple[float, str | None]:
+    """Runs in a worker process: build one piece from the model config alone, compile it into
+    the cache. No weights are read: pieces take them as inputs, so zeros of their shapes trace."""
     backend = get_backend(config.compile.backend)
     store = GraphStore(Path(store_root))
     device = config.compile.device
-    model = build_model(config.model.path, getattr(torch, config.cache.dtype)).to(device)
+    model_config = model_config_of(config.model.path)
+    piece = PIECES[shape.role](model_config).to(device)
+    example = example_inputs(
+        shape, model_config, config.cache.block_size, config.cache.num_blocks,
+        getattr(torch, config.cache.dtype), device,
+    )
     temp = store.temp_path(key, backend.graph_ext)
     start = time.perf_counter()
     try:
-        backend.compile(model, example_args(model, bucket, config, device), temp, config.compile.flags)
+        backend.compile(piece, example, temp, config.compile.flags, dynamic_shapes(shape))
         store.commit(temp, key, backend.graph_ext, time.perf_counter() - start)
     except Exception:
         temp.unlink(missing_ok=True)

@@ -11,6 +11,5 @@ class BucketConfig:
     max_num_batched_tokens: int = 128
     num_seqs_buckets: tuple[int, ...] = (1, 2, 4)
     num_batched_tokens_buckets: tuple[int, ...] = (32, 64, 128)
-    prefill_batch_buckets: tuple[int, ...] = (1,)
     speculation_length: int = 0
-    decode_context_length_buckets: tuple[int, ...] | None = None
+    decode_context_length_buckets: tuple[int, ...] = (256,)

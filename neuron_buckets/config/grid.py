@@ -7,15 +7,16 @@ from neuron_buckets.core.bucket import Bucket
 
 
 def enumerate_grid(config: Config) -> list[Bucket]:
-    """Every bucket the config asks for: prefill token counts, then decode batch sizes x contexts."""
+    """Every bucket the config asks for: prefill token counts, then decode batch sizes x contexts.
+
+    A prefill bucket packs up to ``max_num_seqs`` requests (never more than it has tokens).
+    """
     b, cache = config.buckets, config.cache
     prefill = [
-        Bucket("prefill", rows, seq, cache.max_model_len)
-        for rows in b.prefill_batch_buckets
+        Bucket("prefill", min(b.max_num_seqs, seq), seq, cache.max_model_len)
         for seq in b.num_batched_tokens_buckets
-        if rows * seq <= b.max_num_batched_tokens
     ]
-    contexts = b.decode_context_length_buckets or (cache.max_model_len,)
+    contexts = b.decode_context_length_buckets
     decode = [
         Bucket("decode", rows, 1 + b.speculation_length, ctx)
         for ctx in contexts

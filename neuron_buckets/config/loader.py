@@ -18,6 +18,9 @@ from neuron_buckets.config.compile import BACKENDS, CompileConfig
 from neuron_buckets.config.model import ModelSource
 from neuron_buckets.core.bucket import linear, powers_of_two, validate_buckets
 
+# Below this, a smaller context saves less attention than another set of decode graphs costs.
+MIN_DEFAULT_CONTEXT = 256
+
 
 class ConfigError(ValueError):
     """A config file that cannot describe a valid build."""
@@ -80,6 +83,11 @@ def _positive(section: str, obj: object, *names: str) -> None:
 
 
 def _build_buckets(raw: dict[str, Any], cache: CacheConfig) -> BucketConfig:
+    if "prefill_batch_buckets" in raw:
+        raise ConfigError(
+            "buckets.prefill_batch_buckets was removed in 0.2: a prefill step now packs up to "
+            "max_num_seqs requests end to end in one num_batched_tokens bucket; delete the key"
+        )
     d = _section(BucketConfig, "buckets", raw)
     base = BucketConfig(
         max_num_seqs=d.get("max_num_seqs", BucketConfig.max_num_seqs),
@@ -91,13 +99,12 @@ def _build_buckets(raw: dict[str, Any], cache: CacheConfig) -> BucketConfig:
     limits = {
         "num_seqs_buckets": base.max_num_seqs,
         "num_batched_tokens_buckets": base.max_num_batched_tokens,
-        "prefill_batch_buckets": None,
         "decode_context_length_buckets": cache.max_model_len,
     }
     for key, last in limits.items():
         if key not in d:
             continue
-        sizes = _sizes(f"buckets.{key}", d[key], last or base.max_num_seqs)
+        sizes = _sizes(f"buckets.{key}", d[key], last)
         try:
             lists[key] = validate_buckets(f"buckets.{key}", sizes, last)
         except ValueError as e:
@@ -106,7 +113,9 @@ def _build_buckets(raw: dict[str, Any], cache: CacheConfig) -> BucketConfig:
         lists["num_seqs_buckets"] = tuple(powers_of_two(1, base.max_num_seqs))
     if "num_batched_tokens_buckets" not in d:
         lists["num_batched_tokens_buckets"] = (base.max_num_batched_tokens,)
-    for ctx in lists.get("decode_context_length_buckets") or ():
+    if "decode_context_length_buckets" not in d:
+        lists["decode_context_length_buckets"] = default_contexts(cache)
+    for ctx in lists["decode_context_length_buckets"]:
         if ctx % cache.block_size:
             raise ConfigError(
                 f"buckets.decode_context_length_buckets: {ctx} is not a multiple of "
@@ -114,14 +123,16 @@ def _build_buckets(raw: dict[str, Any], cache: CacheConfig) -> BucketConfig:
             )
     if base.speculation_length + 1 > cache.max_model_len:
         raise ConfigError("buckets.speculation_length must be below cache.max_model_len")
-    out = BucketConfig(**{**base.__dict__, **lists})
-    if out.prefill_batch_buckets[0] * out.num_batched_tokens_buckets[0] > out.max_num_batched_tokens:
-        raise ConfigError(
-            f"buckets.prefill_batch_buckets: {out.prefill_batch_buckets[0]} rows x "
-            f"{out.num_batched_tokens_buckets[0]} tokens exceeds max_num_batched_tokens="
-            f"{out.max_num_batched_tokens}, so no prefill bucket would be compiled"
-        )
-    return out
+    return BucketConfig(**{**base.__dict__, **lists})
+
+
+def default_contexts(cache: CacheConfig) -> tuple[int, ...]:
+    """Decode contexts that keep a step's attention near its real context: powers of two from
+    ``MIN_DEFAULT_CONTEXT`` (a block multiple) up to ``max_model_len``."""
+    lo = -(-MIN_DEFAULT_CONTEXT // cache.block_size) * cache.block_size
+    if lo >= cache.max_model_len:
+        return (cache.max_model_len,)
+    return tuple(c for c in powers_of_two(lo, cache.max_model_len) if c % cache.block_size == 0)
 
 
 def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:

@@ -17,7 +17,11 @@ Kind = Literal["prefill", "decode"]
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """One compiled shape: ``batch`` block-table rows x ``seq`` tokens each, over ``ctx`` context."""
+    """One compiled shape over ``ctx`` positions of context.
+
+    Decode: ``batch`` block-table rows of ``seq`` (1 + speculation_length) tokens each. Prefill:
+    ``seq`` tokens in one run, holding the chunks of up to ``batch`` requests end to end.
+    """
 
     kind: Kind
     batch: int
@@ -27,11 +31,16 @@ class Bucket:
     @property
     def tokens(self) -> int:
         """Token positions the graph computes per call (its padded work)."""
-        return self.batch * self.seq
+        return self.seq if self.kind == "prefill" else self.batch * self.seq
 
     @property
     def name(self) -> str:
-        return f"{self.kind}_b{self.batch}_s{self.seq}_c{self.ctx}"
+        """The one label of a bucket: vLLM-neuron's ``prefill_s{N}`` / ``decode_b{N}``, plus the
+        speculation width and the decode context, which tell buckets of one grid apart."""
+        if self.kind == "prefill":
+            return f"prefill_s{self.seq}"
+        width = f"_s{self.seq}" if self.seq > 1 else ""
+        return f"decode_b{self.batch}{width}_c{self.ctx}"
 
 
 class NoBucketFits(ValueError):

@@ -1,9 +1,12 @@
 """Padding a step to a bucket's fixed shape without ever touching real KV data.
 
-A step is ``batch`` block-table rows of ``seq`` token positions each, flattened row-major. Pad
-tokens get position 0 and slot -1 (they write nothing); dummy rows copy row 0's block table
-(they allocate nothing) and have cache length 0; only real rows are sampled. Blocks are allocated
-by the caller for actual tokens only, so padding never needs a block.
+Decode: ``batch`` block-table rows of ``seq`` (1 + speculation_length) token positions each,
+flattened row-major; dummy rows copy row 0's block table (they allocate nothing) and have cache
+length 0. Prefill: the chunks of several requests laid end to end in one run of ``seq`` tokens,
+padded only at the tail, told apart by ``segment_ids``; the one block-table row is the first
+chunk's, the only one that may continue a cached prompt. Pad tokens get position 0, slot -1
+(they write nothing) and a segment of their own; only real tokens are sampled. Blocks are
+allocated by the caller for actual tokens only, so padding never needs a block.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class StepInputs:
     slot_mapping: Tensor  # (T,)
     block_table: Tensor  # (batch, ctx // block_size), -1 for unused entries
     cache_lens: Tensor  # (batch,) tokens already cached before this step
+    segment_ids: Tensor  # (T,) which request of its row each token belongs to; pads their own
     sampling_positions: Tensor  # (N,) flat token indices whose logits the graph returns
     num_rows: int  # real rows at the front
     num_samples: int  # real entries at the front of sampling_positions
@@ -57,6 +61,7 @@ class StepInputs:
             self.slot_mapping,
             self.block_table,
             self.cache_lens,
+            self.segment_ids,
             self.sampling_positions,
         )
 
@@ -66,8 +71,45 @@ class StepInputs:
 
 
 def pad_prefill(chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int) -> StepInputs:
-    """One row per request chunk; the logits of each row's last real token are sampled."""
-    return _pad(chunks, bucket, block_size, sample_every_token=False)
+    """Chunks end to end in ``bucket.seq`` tokens, at most ``bucket.batch`` of them; the logits of
+    each chunk's last token are sampled. Only the first chunk may start past position 0."""
+    if not chunks:
+        raise ValueError("a step needs at least one request")
+    if len(chunks) > bucket.batch:
+        raise NoBucketFits(f"{len(chunks)} requests do not fit bucket {bucket.name} (at most {bucket.batch})")
+    flat_ids, lens = _ragged([c.token_ids for c in chunks])
+    if int(lens.min()) == 0:
+        raise ValueError("every request in a step needs at least one token")
+    total = int(lens.sum())
+    if total > bucket.seq:
+        raise NoBucketFits(f"{total} tokens do not fit bucket {bucket.name} ({bucket.seq} tokens)")
+    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
+    if int(starts.min()) < 0:
+        raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
+    if bool((starts[1:] > 0).any()):
+        raise ValueError("only the first chunk of a packed prefill step may continue a cached prompt")
+    table = _block_rows(chunks, starts, lens, bucket, block_size)
+    segment = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+    offsets = torch.arange(total) - (lens.cumsum(0) - lens)[segment]
+    positions = starts[segment] + offsets
+    slots = _real_slots(table, segment, positions, block_size)
+
+    def padded(real: Tensor, fill: int) -> Tensor:
+        return torch.cat([real, torch.full((bucket.seq - total,), fill, dtype=torch.int64)])
+
+    sampling = torch.zeros(bucket.batch, dtype=torch.int64)
+    sampling[: len(chunks)] = lens.cumsum(0) - 1
+    return StepInputs(
+        input_ids=padded(flat_ids, 0),
+        positions=padded(positions, 0),
+        slot_mapping=padded(slots, PAD_SLOT_ID),
+        block_table=remap_null_block_to_sentinel(table[:1]),
+        cache_lens=starts[:1],
+        segment_ids=padded(segment, len(chunks)),
+        sampling_positions=sampling,
+        num_rows=len(chunks),
+        num_samples=len(chunks),
+    )
 
 
 def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> StepInputs:
@@ -76,24 +118,7 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> St
     The first ``num_rows * seq`` samples are the real rows, row by row; a short row's pad entries
     point at its token 0, so a caller slicing per row never reads a pad token's logits.
     """
-    return _pad(rows, bucket, block_size, sample_every_token=True)
-
-
-def _ragged(lists: Sequence[Sequence[int] | Tensor]) -> tuple[Tensor, Tensor]:
-    """Concatenate per-request id lists into one tensor (one conversion, not one per request)."""
-    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
-    if all(isinstance(x, Tensor) for x in lists):
-        return torch.cat([x.reshape(-1) for x in lists]).to(torch.int64), lens
-    plain = [x.tolist() if isinstance(x, Tensor) else x for x in lists]
-    flat = plain[0] if len(plain) == 1 else list(chain.from_iterable(plain))
-    return torch.as_tensor(flat, dtype=torch.int64), lens
-
-
-def _pad(
-    rows: Sequence[PrefillChunk], bucket: Bucket, block_size: int, sample_every_token: bool
-) -> StepInputs:
     batch, seq = bucket.batch, bucket.seq
-    max_blocks = bucket.ctx // block_size
     if not rows:
         raise ValueError("a step needs at least one request")
     if len(rows) > batch:
@@ -108,27 +133,9 @@ def _pad(
     starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
     if int(starts.min()) < 0:
         raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
-    if int((starts + lens).max()) > bucket.ctx:
-        raise NoBucketFits(
-            f"context {int((starts + lens).max())} exceeds bucket {bucket.name} (ctx {bucket.ctx})"
-        )
-
-    table = torch.full((batch, max_blocks), NULL_BLOCK_ID, dtype=torch.int64)
-    flat_blocks, counts = _ragged([r.block_ids[:max_blocks] for r in rows])
-    row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
-    first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    table[row_of, torch.arange(flat_blocks.numel()) - first] = flat_blocks
+    table = torch.empty(batch, bucket.ctx // block_size, dtype=torch.int64)
+    table[: len(rows)] = _block_rows(rows, starts, lens, bucket, block_size)
     table[len(rows) :] = table[0]
-    # Every block under a row's context must be allocated: attention reads [0, start) from the
-    # cache, and a hole there would silently read the null block as if it held real K/V.
-    needed = -(-(starts + lens) // block_size)
-    holes = (torch.arange(max_blocks) < needed[:, None]) & (table[: len(rows)] <= NULL_BLOCK_ID)
-    if bool(holes.any()):
-        r, col = (int(i) for i in holes.nonzero()[0])
-        raise ValueError(
-            f"request {r} covers positions [0, {int(starts[r] + lens[r])}) but its logical block {col} "
-            f"is unallocated (entry {int(table[r, col])}); allocate blocks before padding"
-        )
 
     offsets = torch.arange(seq, dtype=torch.int64)
     real = torch.zeros(batch, seq, dtype=torch.bool)
@@ -142,28 +149,63 @@ def _pad(
     flat_real = real.reshape(-1)
     req_indices = torch.arange(batch).repeat_interleave(seq)
     slot_mapping = torch.full((batch * seq,), PAD_SLOT_ID, dtype=torch.int64)
-    real_slots = compute_slot_mapping(table, req_indices[flat_real], positions[flat_real], block_size)
-    if real_slots.unique().numel() != real_slots.numel():
-        raise ValueError("two real tokens of the step map to the same cache slot (a block is listed twice)")
-    slot_mapping[flat_real] = real_slots
+    slot_mapping[flat_real] = _real_slots(table, req_indices[flat_real], positions[flat_real], block_size)
 
     cache_lens = torch.zeros(batch, dtype=torch.int64)
     cache_lens[: len(rows)] = starts
-    if sample_every_token:
-        num_samples = len(rows) * seq
-        tokens = torch.arange(batch * seq, dtype=torch.int64)
-        sampling = torch.where(flat_real, tokens, tokens // seq * seq)  # pads: their row's token 0
-    else:
-        sampling = torch.arange(batch, dtype=torch.int64) * seq
-        sampling[: len(rows)] += lens - 1
-        num_samples = len(rows)
+    tokens = torch.arange(batch * seq, dtype=torch.int64)
     return StepInputs(
         input_ids=input_ids.reshape(-1),
         positions=positions,
         slot_mapping=slot_mapping,
         block_table=remap_null_block_to_sentinel(table),
         cache_lens=cache_lens,
-        sampling_positions=sampling,
+        segment_ids=torch.zeros(batch * seq, dtype=torch.int64),  # one request per row
+        sampling_positions=torch.where(flat_real, tokens, tokens // seq * seq),  # pads: row's token 0
         num_rows=len(rows),
-        num_samples=num_samples,
+        num_samples=len(rows) * seq,
     )
+
+
+def _ragged(lists: Sequence[Sequence[int] | Tensor]) -> tuple[Tensor, Tensor]:
+    """Concatenate per-request id lists into one tensor (one conversion, not one per request)."""
+    lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    if all(isinstance(x, Tensor) for x in lists):
+        return torch.cat([x.reshape(-1) for x in lists]).to(torch.int64), lens
+    plain = [x.tolist() if isinstance(x, Tensor) else x for x in lists]
+    flat = plain[0] if len(plain) == 1 else list(chain.from_iterable(plain))
+    return torch.as_tensor(flat, dtype=torch.int64), lens
+
+
+def _block_rows(
+    rows: Sequence[PrefillChunk], starts: Tensor, lens: Tensor, bucket: Bucket, block_size: int
+) -> Tensor:
+    """(rows, ctx // block_size) block table of the real rows, 0 (null) where unused, checked."""
+    max_blocks = bucket.ctx // block_size
+    if int((starts + lens).max()) > bucket.ctx:
+        raise NoBucketFits(
+            f"context {int((starts + lens).max())} exceeds bucket {bucket.name} (ctx {bucket.ctx})"
+        )
+    table = torch.full((len(rows), max_blocks), NULL_BLOCK_ID, dtype=torch.int64)
+    flat_blocks, counts = _ragged([r.block_ids[:max_blocks] for r in rows])
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
+    first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    table[row_of, torch.arange(flat_blocks.numel()) - first] = flat_blocks
+    # Every block under a row's context must be allocated: attention reads [0, start) from the
+    # cache, and a hole there would silently read the null block as if it held real K/V.
+    needed = -(-(starts + lens) // block_size)
+    holes = (torch.arange(max_blocks) < needed[:, None]) & (table <= NULL_BLOCK_ID)
+    if bool(holes.any()):
+        r, col = (int(i) for i in holes.nonzero()[0])
+        raise ValueError(
+            f"request {r} covers positions [0, {int(starts[r] + lens[r])}) but its logical block {col} "
+            f"is unallocated (entry {int(table[r, col])}); allocate blocks before padding"
+        )
+    return table
+
+
+def _real_slots(table: Tensor, rows: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    slots = compute_slot_mapping(table, rows, positions, block_size)
+    if slots.unique().numel() != slots.numel():
+        raise ValueError("two real tokens of the step map to the same cache slot (a block is listed twice)")
+    return slots

@@ -1,9 +1,12 @@
 """A Llama-architecture decoder over the paged block-KV cache, one forward for every bucket.
 
 gpt-fast style plain PyTorch with the transformers parameter names, so a Hugging Face state dict
-loads as is. The forward takes one padded step of fixed shape (see ``Llama.forward``) and is
+loads as is. A step runs in three parts that are also the compiled pieces of an artifact:
+``embed`` (token ids and positions -> hidden states and rotary angles), ``decoder_layer`` once per
+layer (a pure function of its inputs and that layer's weights, so ONE compiled layer serves every
+layer), and ``head`` (final norm and LM head on the sampled tokens). Everything is
 torch.export-friendly: no data-dependent Python control flow, no ``.item()``, no loop over
-tokens; its shape checks run only in eager mode. The cache write and the attention go through
+tokens; shape checks run only in eager mode. The cache write and the attention go through
 ``kernels/dispatch.py``: the goldens of ``kernels/block_kv_torch.py`` unless a backend (Neuron)
 swaps its own kernels in.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +159,93 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class Step(NamedTuple):
+    """The step tensors every layer reads (see ``StepInputs`` for their layout)."""
+
+    slot_mapping: Tensor  # (T,)
+    block_table: Tensor  # (B, M)
+    cache_lens: Tensor  # (B,)
+    segment_ids: Tensor  # (T,)
+
+
+# One layer's weights in the order a compiled layer piece takes them, by transformers name.
+LAYER_WEIGHTS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def layer_weight_names(layer: int) -> list[str]:
+    """State-dict names of layer ``layer``'s weights, in ``LAYER_WEIGHTS`` order."""
+    return [f"model.layers.{layer}.{name}" for name in LAYER_WEIGHTS]
+
+
+def head_weight_names(config: LlamaConfig) -> list[str]:
+    """Final norm and output projection (the embedding itself when tied)."""
+    out = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return ["model.norm.weight", out]
+
+
+def embed(
+    config: LlamaConfig, input_ids: Tensor, positions: Tensor, embed_weight: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Hidden states (T, hidden) and rotary cos/sin (T, head_dim) in the model dtype."""
+    inv_freq = rope_inv_freq(config, positions.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2), float32 as HF
+    angles = torch.cat([freqs, freqs], dim=-1)
+    h = F.embedding(input_ids, embed_weight)
+    return h, angles.cos().to(h.dtype), angles.sin().to(h.dtype)
+
+
+def decoder_layer(
+    config: LlamaConfig,
+    h: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    step: Step,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    weights: tuple[Tensor, ...],
+) -> Tensor:
+    """One decoder layer over one layer's (NB, BS, KVH, D) caches, which it updates in place."""
+    ln1, wq, wk, wv, wo, ln2, w_gate, w_up, w_down = weights
+    c = config
+    tokens, batch = h.shape[0], step.block_table.shape[0]
+    seq = tokens // batch
+    x = rms_norm(h, ln1, c.rms_norm_eps)
+    q = apply_rope(F.linear(x, wq).view(tokens, c.num_heads, c.head_dim), cos, sin)
+    k = apply_rope(F.linear(x, wk).view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
+    v = F.linear(x, wv).view(tokens, c.num_kv_heads, c.head_dim)
+    write_kv_cache(k, v, k_cache, v_cache, step.slot_mapping)
+    kv_shape = (batch, seq, c.num_kv_heads, c.head_dim)
+    out = block_kv_attention(
+        q.view(batch, seq, c.num_heads, c.head_dim), k.view(kv_shape), v.view(kv_shape),
+        k_cache, v_cache, step.block_table, step.cache_lens, step.segment_ids.view(batch, seq),
+        c.head_dim**-0.5,
+    )
+    h = h + F.linear(out.reshape(tokens, c.num_heads * c.head_dim), wo)
+    x = rms_norm(h, ln2, c.rms_norm_eps)
+    return h + F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def head(config: LlamaConfig, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor) -> Tensor:
+    """(N, vocab) float32 logits of the tokens at ``sampling_positions`` only."""
+    return F.linear(rms_norm(h[sampling_positions], norm, config.rms_norm_eps), out).float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -162,36 +253,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int) -> None:
+    def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.layer = layer  # which slice of the stacked (L, NB, BS, KVH, D) caches is ours
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: tuple[Tensor, ...],
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        slot_mapping, block_table, cache_lens = step
-        tokens, batch = x.shape[0], block_table.shape[0]
-        seq = tokens // batch
-        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, layer=self.layer)
-        kv_shape = (batch, seq, self.num_kv_heads, self.head_dim)
-        out = block_kv_attention(
-            q.view(batch, seq, self.num_heads, self.head_dim), k.view(kv_shape), v.view(kv_shape),
-            k_cache[self.layer], v_cache[self.layer], block_table, cache_lens, self.head_dim**-0.5,
-        )
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -201,22 +272,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int) -> None:
+    """Holds one layer's parameters under their transformers names; ``decoder_layer`` computes."""
+
+    def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(c, layer)
+        self.self_attn = Attention(c)
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: tuple[Tensor, ...],
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def weights(self) -> tuple[Tensor, ...]:
+        params = dict(self.named_parameters())
+        return tuple(params[name] for name in LAYER_WEIGHTS)
 
 
 class Backbone(nn.Module):
@@ -225,7 +294,7 @@ class Backbone(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -246,39 +315,35 @@ class Llama(nn.Module):
         return (c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def forward(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
-                block_table: Tensor, cache_lens: Tensor, sampling_positions: Tensor,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+                block_table: Tensor, cache_lens: Tensor, segment_ids: Tensor,
+                sampling_positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """One step of B rows x S tokens (T = B * S, row-major) -> (N, vocab) float32 logits.
 
         Writes the step's K/V into ``k_cache``/``v_cache`` (L, NB, BS, KVH, D) in place through
-        ``slot_mapping`` and attends through ``block_table`` (B, M) and ``cache_lens`` (B,);
-        only the tokens at ``sampling_positions`` (N,) reach the final norm and the LM head.
+        ``slot_mapping`` and attends through ``block_table`` (B, M), ``cache_lens`` (B,) and
+        ``segment_ids`` (T,); only the tokens at ``sampling_positions`` (N,) reach the final
+        norm and the LM head. The same three parts a layer-granular artifact runs as pieces.
         """
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             self.check_step(input_ids, positions, slot_mapping, block_table, cache_lens,
-                            sampling_positions, k_cache, v_cache)
-        inv_freq = rope_inv_freq(self.config, positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2), float32 as HF
-        angles = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = angles.cos(), angles.sin()
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-        step = (slot_mapping, block_table, cache_lens)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, step, k_cache, v_cache)
-        h = self.model.norm(h[sampling_positions])
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+                            segment_ids, sampling_positions, k_cache, v_cache)
+        c = self.config
+        h, cos, sin = embed(c, input_ids, positions, self.model.embed_tokens.weight)
+        step = Step(slot_mapping, block_table, cache_lens, segment_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = decoder_layer(c, h, cos, sin, step, k_cache[i], v_cache[i], layer.weights())
+        params = dict(self.named_parameters())
+        return head(c, h, sampling_positions, *(params[n] for n in head_weight_names(c)))
 
     def check_step(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor,
-                   block_table: Tensor, cache_lens: Tensor, sampling_positions: Tensor,
-                   k_cache: Tensor, v_cache: Tensor) -> None:
+                   block_table: Tensor, cache_lens: Tensor, segment_ids: Tensor,
+                   sampling_positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
         """Eager-only validation: a wrong step fails here with its bad value, not as garbage."""
         tokens, (batch, max_blocks) = input_ids.shape[0], block_table.shape
-        flat = (input_ids.shape, positions.shape, slot_mapping.shape)
+        flat = (input_ids.shape, positions.shape, slot_mapping.shape, segment_ids.shape)
         if any(shape != (tokens,) for shape in flat) or tokens % batch or cache_lens.shape != (batch,):
-            raise ValueError(f"need T = B * S tokens in 1-D input_ids/positions/slot_mapping and "
-                             f"cache_lens (B,) for B={batch} rows, got {flat}, {cache_lens.shape}")
+            raise ValueError(f"need T = B * S tokens in 1-D input_ids/positions/slot_mapping/segment_ids "
+                             f"and cache_lens (B,) for B={batch} rows, got {flat}, {cache_lens.shape}")
         if k_cache.dim() != 5 or k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                              "must be equal 5-D (layers, blocks, block_size, kv_heads, head_dim)")
@@ -288,9 +353,8 @@ class Llama(nn.Module):
                              f"expected {self.cache_shape(num_blocks, block_size)}")
         check_block_ids(block_table, num_blocks)
         ctx = max_blocks * block_size
-        ends = cache_lens + (slot_mapping >= 0).view(batch, -1).sum(1)
-        if int(ends.max()) > ctx:
-            raise ValueError(f"row context {int(ends.max())} exceeds the bucket's ctx {ctx} "
+        if int(cache_lens.max()) > ctx:
+            raise ValueError(f"row context {int(cache_lens.max())} exceeds the bucket's ctx {ctx} "
                              f"({max_blocks} blocks of {block_size}); use a larger bucket")
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "

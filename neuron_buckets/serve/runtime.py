@@ -1,9 +1,11 @@
 """Serve steps from an artifact directory: pick the smallest bucket, pad, run, unpad.
 
 ``BucketRuntime.open`` validates the manifest, checks and loads the weights once, allocates the
-one KV cache every graph shares, and loads nothing else: each bucket graph is loaded (and its
-sha256 checked) on first use, so opening a directory of many buckets costs about one graph.
-It never imports the compiler: artifacts flow one way, from ``nb compile`` to here.
+one stacked KV cache every graph shares, and loads nothing else: each piece graph is loaded (and
+its sha256 checked) on first use, so opening a directory of many buckets costs about nothing.
+A step runs its bucket's embed piece, then its layer piece once per layer with that layer's
+weights and cache slice (updated in place), then its head piece. It never imports the compiler:
+artifacts flow one way, from ``nb compile`` to here.
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest, sha256_file
 from neuron_buckets.backends import GraphFn, get_backend
-from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
+from neuron_buckets.core.bucket import Bucket, NoBucketFits
+from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
-from neuron_buckets.serve.row_packer import group_rows, split_long_chunks
+from neuron_buckets.model.llama import LlamaConfig, head_weight_names, layer_weight_names
 
 
 class ArtifactError(RuntimeError):
@@ -46,58 +48,50 @@ class BucketStats:
         return (self.padded_tokens - self.real_tokens) / max(self.real_tokens, 1)
 
 
-def stats_label(bucket: Bucket, max_model_len: int) -> str:
-    if bucket.kind == "prefill":
-        rows = "" if bucket.batch == 1 else f"_b{bucket.batch}"
-        return f"prefill{rows}_s{bucket.seq}"
-    ctx = "" if bucket.ctx == max_model_len else f"_c{bucket.ctx}"
-    return f"decode_b{bucket.batch}{ctx}"
-
-
 class BucketRuntime:
-    def __init__(self, directory: Path, manifest: dict[str, Any], device: str) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
-        self.backend = get_backend(manifest["backend"]["name"])
+        self.backend = get_backend(manifest.backend.name)
         self._check_versions()
-        self.weights = self._load_weights()
-        geo = manifest["cache"]
-        self.block_size, self.num_blocks = geo["block_size"], geo["num_blocks"]
-        self.max_model_len = geo["max_model_len"]
-        shape = (
-            geo["num_layers"],
-            geo["num_blocks"],
-            geo["block_size"],
-            geo["num_kv_heads"],
-            geo["head_dim"],
-        )
-        dtype = getattr(torch, geo["dtype"])
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        weights = self._load_weights()
+        geo = manifest.cache
+        self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
+        self.max_model_len = geo.max_model_len
+        self.config = LlamaConfig.from_hf(manifest.model.config)
+        dtype = getattr(torch, geo.dtype)
+        self.k_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
+        # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
+        self.embed_weight = weights["model.embed_tokens.weight"]
+        self.layer_weights = [tuple(weights[n] for n in layer_weight_names(i)) for i in range(geo.num_layers)]
+        self.head_weights = tuple(weights[n] for n in head_weight_names(self.config))
+        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
+        self.weights = weights
         self.records = {
-            Bucket(r["kind"], r["batch"], r["seq"], r["ctx"]): r
-            for r in manifest["buckets"]
-            if r["status"] == "ok"
+            Bucket(r.kind, r.batch, r.seq, r.ctx): r for r in manifest.buckets if r.status == "ok"
         }
         self.prefill_buckets = sorted(b for b in self.records if b.kind == "prefill")
         self.decode_buckets = sorted(b for b in self.records if b.kind == "decode")
         if not self.prefill_buckets or not self.decode_buckets:
             raise ArtifactError(f"{directory}: needs at least one working prefill and one decode bucket")
         self.decode_seq = self.decode_buckets[0].seq
-        self._graphs: dict[Bucket, GraphFn] = {}
-        self.stats = {stats_label(b, self.max_model_len): BucketStats() for b in self.records}
+        self.max_rows = max(b.batch for b in self.prefill_buckets)
+        self._graphs: dict[str, GraphFn] = {}
+        self.stats = {b.name: BucketStats() for b in self.records}
 
     @classmethod
     def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:
         """Open an artifact directory; ``preload`` loads every graph now instead of on first use."""
         manifest = read_manifest(Path(path))
-        runtime = cls(Path(path), manifest, device or manifest["backend"]["device"])
+        runtime = cls(Path(path), manifest, device or manifest.backend.device)
         if preload:
-            for bucket in runtime.records:
-                runtime.graph(bucket)
+            for record in runtime.records.values():
+                for key in record.pieces.values():
+                    runtime.graph(key)
         return runtime
 
     def _check_versions(self) -> None:
-        recorded = self.manifest["backend"]["versions"]
+        recorded = self.manifest.backend.versions
         current = self.backend.load_versions()
         if diff := {k: (recorded.get(k), v) for k, v in current.items() if recorded.get(k) != v}:
             detail = ", ".join(f"{k}: built with {a}, running {b}" for k, (a, b) in diff.items())
@@ -106,53 +100,59 @@ class BucketRuntime:
             )
 
     def _load_weights(self) -> dict[str, Tensor]:
-        info = self.manifest["weights"]
-        path = self.directory / info["file"]
+        info = self.manifest.weights
+        path = self.directory / info.file
         if not path.is_file():
             raise ArtifactError(f"weights file {path} is missing")
-        if sha256_file(path) != info["sha256"]:
+        if sha256_file(path) != info.sha256:
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
         return load_file(path, device=self.device)
 
-    def graph(self, bucket: Bucket) -> GraphFn:
-        """The bucket's graph, loaded on first use after checking its file against the manifest."""
-        if bucket in self._graphs:
-            return self._graphs[bucket]
-        rec = self.records.get(bucket)
-        if rec is None:
-            raise NoBucketFits(f"bucket {bucket.name} is not in {self.directory}")
-        path = self.directory / rec["file"]
+    def graph(self, key: str) -> GraphFn:
+        """A piece's graph, loaded on first use after checking its file against the manifest."""
+        if key in self._graphs:
+            return self._graphs[key]
+        rec = self.manifest.pieces[key]
+        path = self.directory / rec.file
         if not path.is_file():
-            raise ArtifactError(f"graph of bucket {bucket.name} is missing: {path}")
-        if sha256_file(path) != rec["sha256"]:
+            raise ArtifactError(f"graph of piece {rec.name} is missing: {path}")
+        if sha256_file(path) != rec.sha256:
             raise ArtifactError(
-                f"graph {path} of bucket {bucket.name} does not match its sha256 (corrupt or tampered)"
+                f"graph {path} of piece {rec.name} does not match its sha256 (corrupt or tampered)"
             )
-        fn = self.backend.load(path, self.weights, self.manifest["model"]["config"], self.device)
-        self._graphs[bucket] = fn
+        fn = self.backend.load(path, self.manifest.model.config, self.device)
+        self._graphs[key] = fn
         return fn
 
     @property
-    def loaded(self) -> list[Bucket]:
+    def loaded(self) -> list[str]:
+        """Keys of the piece graphs loaded so far."""
         return list(self._graphs)
 
     def reset_cache(self) -> None:
         self.k_cache.zero_()
         self.v_cache.zero_()
 
+    def record(self, bucket: Bucket) -> BucketRecord:
+        rec = self.records.get(bucket)
+        if rec is None:
+            raise NoBucketFits(f"bucket {bucket.name} is not in {self.directory}")
+        return rec
+
+    @torch.inference_mode()
     def run(self, bucket: Bucket, step: StepInputs) -> Tensor:
-        """Run one padded step; logits of the real samples only, (num_samples, vocab)."""
-        args = [t.to(self.device) for t in step.args()]
-        logits = self.graph(bucket)(*args, self.k_cache, self.v_cache)
-        if isinstance(logits, (list, tuple)):
-            logits = logits[0]
-        real = int((step.slot_mapping >= 0).sum())
-        s = self.stats[stats_label(bucket, self.max_model_len)]
-        s.calls, s.real_tokens, s.padded_tokens = (
-            s.calls + 1,
-            s.real_tokens + real,
-            s.padded_tokens + bucket.tokens,
-        )
+        """Run one padded step through the bucket's pieces; logits of the real samples only."""
+        pieces = self.record(bucket).pieces
+        embed, layer, head = (self.graph(pieces[role]) for role in ("embed", "layer", "head"))
+        input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
+        h, cos, sin = embed(input_ids, positions, self.embed_weight)
+        for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
+            h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
+        logits = head(h, sampling, *self.head_weights)
+        s = self.stats[bucket.name]
+        s.calls += 1
+        s.real_tokens += int((step.slot_mapping >= 0).sum())
+        s.padded_tokens += bucket.tokens
         return logits[: step.num_samples]
 
     def _check_requests(self, rows: Sequence[PrefillChunk]) -> None:
@@ -182,17 +182,26 @@ class BucketRuntime:
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests; (R, vocab) logits of each request's last token.
 
-        Prompts longer than the largest prefill bucket run as successive chunks, each attending to
-        the cache the earlier ones wrote. Everything is checked before the first cache write.
+        Chunks are packed end to end into as few token-bucket calls as fit; prompts longer than
+        the largest bucket run as successive pieces, each attending to the cache the earlier ones
+        wrote. Everything is checked before the first cache write.
         """
         self._check_requests(chunks)
-        max_seq = max(b.seq for b in self.prefill_buckets)
+        token_buckets = [b.seq for b in self.prefill_buckets]
+        shapes = [ChunkShape(len(c.token_ids), c.start_pos) for c in chunks]
+        by_seq = {b.seq: b for b in self.prefill_buckets}
         last: dict[int, Tensor] = {}
-        for wave in split_long_chunks(chunks, max_seq):
-            for group, bucket in group_rows(wave, self.prefill_buckets):
-                logits = self.run(bucket, pad_prefill([c for _, c in group], bucket, self.block_size))
-                for (i, _), row in zip(group, logits, strict=True):
-                    last[i] = row
+        for wave in split_long(shapes, token_buckets[-1]):
+            pieces = [
+                PrefillChunk(chunks[i].token_ids[s.start - chunks[i].start_pos :][: s.tokens], s.start,
+                             chunks[i].block_ids)
+                for i, s in wave
+            ]
+            for call, seq in pack_prefill([s for _, s in wave], token_buckets, self.max_rows):
+                bucket = by_seq[seq]
+                logits = self.run(bucket, pad_prefill([pieces[j] for j in call], bucket, self.block_size))
+                for j, row in zip(call, logits, strict=True):
+                    last[wave[j][0]] = row
         return torch.stack([last[i] for i in range(len(chunks))])
 
     def decode(self, rows: Sequence[DecodeRow]) -> Tensor:
@@ -204,11 +213,12 @@ class BucketRuntime:
                     f"decode rows carry at most {self.decode_seq} tokens, got {len(r.token_ids)}"
                 )
         out: list[Tensor] = [torch.empty(0)] * len(rows)
-        for group, bucket in group_rows(list(enumerate(rows)), self.decode_buckets):
-            logits = self.run(bucket, pad_decode([r for _, r in group], bucket, self.block_size))
-            for k, (i, _) in enumerate(group):
+        contexts = [r.start_pos + len(r.token_ids) for r in rows]
+        for group, bucket in group_decode(contexts, self.decode_buckets):
+            logits = self.run(bucket, pad_decode([rows[i] for i in group], bucket, self.block_size))
+            for k, i in enumerate(group):
                 out[i] = logits[k * bucket.seq : (k + 1) * bucket.seq]
         return torch.stack(out)
 
 
-__all__ = ["ArtifactError", "BucketRuntime", "BucketStats", "NoBucketFits", "select_bucket"]
+__all__ = ["ArtifactError", "BucketRuntime", "BucketStats", "NoBucketFits"]

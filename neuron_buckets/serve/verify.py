@@ -1,6 +1,6 @@
 """``nb verify``: is an artifact directory intact, and does every graph compute what the model does?
 
-Checks the schema, the weights' and every graph's sha256, then runs each bucket graph on random
+Checks the schema, the weights' and every piece's sha256, then runs each bucket's pieces on random
 padded steps (random rows, lengths, starting positions and shuffled blocks, over a cache full of
 random values) and compares logits and the written cache with the eager model on the same input.
 """
@@ -16,7 +16,7 @@ from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha25
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.model.checkpoint import load_weights
-from neuron_buckets.model.llama import Llama, LlamaConfig
+from neuron_buckets.model.llama import Llama
 from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
 
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
@@ -34,18 +34,16 @@ def file_problems(directory: Path) -> list[str]:
     """Every file whose bytes disagree with the manifest (missing, truncated, tampered)."""
     manifest = read_manifest(directory)
     problems = []
-    entries = [(manifest["weights"]["file"], manifest["weights"]["sha256"], "weights")]
-    entries += [(r["file"], r["sha256"], r["kind"]) for r in manifest["buckets"] if r["status"] == "ok"]
-    for rel, digest, what in entries:
+    for rel, digest, what in manifest.files():
         path = directory / rel
         if not path.is_file():
             problems.append(f"{what} file {rel} is missing")
         elif sha256_file(path) != digest:
             problems.append(f"{what} file {rel} does not match its sha256")
     problems += [
-        f"bucket {r['kind']} b{r['batch']} s{r['seq']} failed to compile: {r['error']}"
-        for r in manifest["buckets"]
-        if r["status"] != "ok"
+        f"bucket {Bucket(r.kind, r.batch, r.seq, r.ctx).name} failed to compile: {r.error}"
+        for r in manifest.buckets
+        if r.status != "ok"
     ]
     return problems
 
@@ -53,22 +51,26 @@ def file_problems(directory: Path) -> list[str]:
 def random_step(
     bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator
 ) -> StepInputs:
-    """A padded step with 1..batch real rows of random tokens, length, context and shuffled blocks.
+    """A padded step with 1..batch real requests of random tokens, length, context and shuffled
+    blocks (prefill: packed, only the first continuing a cached prompt).
 
     The config guarantees the pool holds one full-context row; rows are capped to what it holds.
     """
     max_blocks = bucket.ctx // block_size
     rows = int(torch.randint(1, bucket.batch + 1, (1,), generator=gen))
     rows = min(rows, (num_blocks - 1) // max_blocks or 1)
+    if bucket.kind == "prefill":  # packed: every request needs a token of the bucket's run
+        rows = min(rows, bucket.seq)
+        cuts = sorted(torch.randperm(bucket.seq - 1, generator=gen)[: rows - 1].add(1).tolist())
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, bucket.seq], strict=True)]
+        lengths[-1] = int(torch.randint(1, lengths[-1] + 1, (1,), generator=gen))  # a padded tail
+    else:
+        lengths = [bucket.seq] * rows
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     chunks = []
-    for _ in range(rows):
-        n = (
-            bucket.seq
-            if bucket.kind == "decode"
-            else int(torch.randint(1, bucket.seq + 1, (1,), generator=gen))
-        )
-        start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
+    for i, n in enumerate(lengths):
+        continues = bucket.kind == "decode" or i == 0
+        start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen)) if continues else 0
         need = -(-(start + n) // block_size)
         blocks, free = free[:need], free[need:]
         chunks.append(PrefillChunk(torch.randint(0, vocab, (n,), generator=gen), start, blocks))
@@ -80,11 +82,11 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
     """Run every bucket graph against the eager model; one result per bucket."""
     runtime = BucketRuntime.open(directory)
     manifest = runtime.manifest
-    dtype = manifest["cache"]["dtype"]
-    model = Llama(LlamaConfig.from_hf(manifest["model"]["config"])).to(getattr(torch, dtype))
+    dtype = manifest.cache.dtype
+    model = Llama(runtime.config).to(getattr(torch, dtype))
     load_weights(model, runtime.weights).to(runtime.device).eval()
     gen = torch.Generator().manual_seed(seed)
-    vocab = manifest["model"]["config"]["vocab_size"]
+    vocab = runtime.config.vocab_size
     results = []
     for bucket in sorted(runtime.records):
         try:

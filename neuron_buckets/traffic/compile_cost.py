@@ -4,6 +4,8 @@ Every extra bucket is another graph to compile (minutes each on Neuron) and to k
 plan trades padding against these. A bucket the manifest holds uses its measured numbers; any
 other is estimated from a least-squares line in tokens per graph (batch x seq) fitted to the
 manifest's successful buckets, so the estimate is only as good as the manifest it came from.
+A bucket's cost is the sum of its three pieces (embed, layer, head), shared pieces counted in
+each bucket that uses them: the upper bound of what adding or dropping it changes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest
+from neuron_buckets.artifact.manifest import BucketRecord, ManifestError, read_manifest
 
 
 @dataclass(frozen=True)
@@ -34,13 +36,13 @@ class CompileCost:
     def estimate(self, kind: str, batch: int, seq: int) -> GraphCost:
         if (hit := self.measured.get((kind, batch, seq))) is not None:
             return GraphCost(hit[0], hit[1], True)
-        tokens = batch * seq
+        tokens = seq if kind == "prefill" else batch * seq
         seconds = max(0.0, self.seconds_line[0] * tokens + self.seconds_line[1])
         size = max(0.0, self.bytes_line[0] * tokens + self.bytes_line[1])
         return GraphCost(seconds, int(round(size)), False)
 
     def shapes(self, prefill: Sequence[int], num_seqs: Sequence[int]) -> list[tuple[str, int, int]]:
-        """(kind, batch, seq) of a bucket set: single-row prefill graphs, then decode graphs."""
+        """(kind, batch, seq) of a bucket set: prefill graphs (keyed by tokens alone), then decode."""
         return [("prefill", 1, s) for s in prefill] + [("decode", b, self.decode_seq) for b in num_seqs]
 
     def graphs(self, prefill: Sequence[int], num_seqs: Sequence[int]) -> list[GraphCost]:
@@ -67,19 +69,26 @@ def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 def load_manifest_buckets(directory: str | Path) -> ManifestBuckets:
     """Bucket sets and compile costs of an artifact directory (its manifest, schema-checked)."""
     manifest = read_manifest(Path(directory))
-    entries = manifest["buckets"]
-    ok = [e for e in entries if e["status"] == "ok"]
+    entries = manifest.buckets
+    ok = [e for e in entries if e.status == "ok"]
     if not ok:
         raise ManifestError(f"{directory}: no bucket compiled successfully, nothing to fit costs to")
-    measured = {(e["kind"], e["batch"], e["seq"]): (e["compile_seconds"], e["bytes"]) for e in ok}
-    tokens = np.array([e["batch"] * e["seq"] for e in ok], dtype=np.float64)
-    seconds = np.array([e["compile_seconds"] for e in ok], dtype=np.float64)
-    size = np.array([e["bytes"] for e in ok], dtype=np.float64)
-    decode_seq = 1 + manifest["decode"]["speculation_length"]
-    cost = CompileCost(measured, _line(tokens, seconds), _line(tokens, size), decode_seq)
-    prefill = {e["seq"] for e in entries if e["kind"] == "prefill" and e["batch"] == 1}
+
+    def key(e: BucketRecord) -> tuple[str, int, int]:
+        return (e.kind, 1, e.seq) if e.kind == "prefill" else (e.kind, e.batch, e.seq)
+
+    def cost(e: BucketRecord) -> tuple[float, int]:
+        pieces = [manifest.pieces[k] for k in e.pieces.values()]
+        return sum(p.compile_seconds for p in pieces), sum(p.bytes for p in pieces)
+
+    measured = {key(e): cost(e) for e in ok}
+    tokens = np.array([e.seq if e.kind == "prefill" else e.batch * e.seq for e in ok], dtype=np.float64)
+    seconds = np.array([measured[key(e)][0] for e in ok], dtype=np.float64)
+    size = np.array([measured[key(e)][1] for e in ok], dtype=np.float64)
+    decode_seq = 1 + manifest.decode.speculation_length
+    fitted = CompileCost(measured, _line(tokens, seconds), _line(tokens, size), decode_seq)
     return ManifestBuckets(
-        prefill=tuple(sorted(prefill)),
-        num_seqs=tuple(sorted({e["batch"] for e in entries if e["kind"] == "decode"})),
-        cost=cost,
+        prefill=tuple(sorted({e.seq for e in entries if e.kind == "prefill"})),
+        num_seqs=tuple(sorted({e.batch for e in entries if e.kind == "decode"})),
+        cost=fitted,
     )

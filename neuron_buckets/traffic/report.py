@@ -75,6 +75,14 @@ def print_inspect(console: Console, doc: dict) -> None:
         f"largest bucket ({prefill['buckets'][-1]}) ran in chunks"
     )
     _print_decode(console, doc["decode"], doc["graphs"])
+    if packed := doc.get("packed"):
+        table = _table(f"runtime replay: {packed['requests']:,} requests, packed steps", [
+            "bucket", "calls", "real tokens", "padded tokens",
+        ])
+        for b in packed["per_bucket"]:
+            table.add_row(b["bucket"], _num(b["calls"]), _num(b["real_tokens"]), _num(b["padded_tokens"]))
+        console.print(table)
+        console.print(f"runtime padding {_pct(packed['padding_ratio'])} of real tokens")
     if doc["graphs"]:
         total = sum(g["seconds"] for g in doc["graphs"])
         size = sum(g["bytes"] for g in doc["graphs"])

@@ -1,0 +1,162 @@
+"""The compiled pieces of a bucket: embed, one decoder layer, head.
+
+A bucket's step is ``embed`` once, the layer piece once per layer (each call with that layer's
+weights and its slice of the stacked KV cache), then ``head``. The layer is compiled once per
+bucket shape whatever the depth, so compile time does not grow with the number of layers.
+Weights are graph inputs, never constants: one compiled layer serves every layer, and the
+runtime's one weights copy feeds them all. ``embed`` and ``head`` depend only on the token and
+sample counts; on backends with dynamic shapes each is compiled once for every bucket (its
+``PieceShape`` has ``tokens == 0``), elsewhere once per count, shared by buckets of that count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.export import Dim
+
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.model.llama import (
+    LAYER_WEIGHTS,
+    DecoderLayer,
+    LlamaConfig,
+    Step,
+    decoder_layer,
+    embed,
+    head,
+    head_weight_names,
+)
+
+Role = Literal["embed", "layer", "head"]
+ROLES: tuple[Role, ...] = ("embed", "layer", "head")
+
+
+@dataclass(frozen=True, order=True)
+class PieceShape:
+    """What a piece's graph depends on: its role and the step dimensions it sees."""
+
+    role: Role
+    tokens: int  # T, the step's token positions; 0: any (a dynamic-shape embed or head)
+    rows: int = 0  # layer: block-table rows B
+    ctx: int = 0  # layer: context positions (a block multiple)
+    samples: int = 0  # head: sampled tokens N
+
+    @property
+    def dynamic(self) -> bool:
+        return self.tokens == 0
+
+    @property
+    def name(self) -> str:
+        if self.dynamic:
+            return self.role
+        dims = {"embed": f"t{self.tokens}", "head": f"t{self.tokens}_n{self.samples}"}
+        return f"{self.role}_" + dims.get(self.role, f"t{self.tokens}_b{self.rows}_c{self.ctx}")
+
+
+def bucket_pieces(bucket: Bucket, dynamic: bool) -> dict[Role, PieceShape]:
+    """The three pieces of a bucket. A prefill step is one block-table row; a decode step one
+    per request; prefill samples each packed request's last token, decode every token. With
+    ``dynamic``, embed and head are the one shape-polymorphic piece every bucket shares."""
+    tokens = bucket.tokens
+    rows = 1 if bucket.kind == "prefill" else bucket.batch
+    samples = bucket.batch if bucket.kind == "prefill" else tokens
+    layer = PieceShape("layer", tokens, rows=rows, ctx=bucket.ctx)
+    if dynamic:
+        return {"embed": PieceShape("embed", 0), "layer": layer, "head": PieceShape("head", 0)}
+    fixed_head = PieceShape("head", tokens, samples=samples)
+    return {"embed": PieceShape("embed", tokens), "layer": layer, "head": fixed_head}
+
+
+class EmbedPiece(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, input_ids: Tensor, positions: Tensor, embed_weight: Tensor) -> tuple[Tensor, ...]:
+        return embed(self.config, input_ids, positions, embed_weight)
+
+
+class LayerPiece(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_table: Tensor,
+                cache_lens: Tensor, segment_ids: Tensor, k_cache: Tensor, v_cache: Tensor,
+                weights: tuple[Tensor, ...]) -> Tensor:
+        step = Step(slot_mapping, block_table, cache_lens, segment_ids)
+        return decoder_layer(self.config, h, cos, sin, step, k_cache, v_cache, weights)
+
+
+class HeadPiece(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor) -> Tensor:
+        return head(self.config, h, sampling_positions, norm, out)
+
+
+# Counts a dynamic piece is traced with (above 1, so that export does not specialise on them).
+EXAMPLE_TOKENS, EXAMPLE_SAMPLES, MAX_DYNAMIC = 8, 4, 1 << 20
+
+PIECES: dict[Role, type[nn.Module]] = {"embed": EmbedPiece, "layer": LayerPiece, "head": HeadPiece}
+
+
+def example_inputs(
+    shape: PieceShape, config: LlamaConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
+    device: str = "cpu",
+) -> tuple:
+    """Inputs of a piece's exact shapes and dtypes, to trace it with (a dynamic piece: example
+    counts). Weights are zeros: only their shapes matter, so a compile worker never reads the
+    checkpoint."""
+    c, t = config, shape.tokens or EXAMPLE_TOKENS
+    ids = torch.zeros(t, dtype=torch.int64, device=device)
+
+    def zeros(*size: int) -> Tensor:
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    if shape.role == "embed":
+        return (ids, ids.clone(), zeros(c.vocab_size, c.hidden_size))
+    if shape.role == "head":
+        sampling = torch.zeros(shape.samples or EXAMPLE_SAMPLES, dtype=torch.int64, device=device)
+        return (zeros(t, c.hidden_size), sampling, zeros(c.hidden_size), zeros(c.vocab_size, c.hidden_size))
+    table = torch.full((shape.rows, shape.ctx // block_size), -1, dtype=torch.int64, device=device)
+    lens = torch.zeros(shape.rows, dtype=torch.int64, device=device)
+    slots = torch.full((t,), -1, dtype=torch.int64, device=device)
+    cache = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    weights = tuple(zeros(*size) for size in layer_weight_shapes(c))
+    return (zeros(t, c.hidden_size), zeros(t, c.head_dim), zeros(t, c.head_dim), slots, table, lens,
+            ids.clone(), zeros(*cache), zeros(*cache), weights)
+
+
+def dynamic_shapes(shape: PieceShape) -> tuple | None:
+    """torch.export's ``dynamic_shapes`` of a dynamic piece: any token (and sample) count."""
+    if not shape.dynamic:
+        return None
+    tokens = Dim("tokens", min=1, max=MAX_DYNAMIC)
+    if shape.role == "embed":
+        return ({0: tokens}, {0: tokens}, None)
+    return ({0: tokens}, {0: Dim("samples", min=1, max=MAX_DYNAMIC)}, None, None)
+
+
+def layer_weight_shapes(config: LlamaConfig) -> list[torch.Size]:
+    """Shapes of one layer's weights in ``LAYER_WEIGHTS`` order (from a meta-device layer)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(config)
+    params = dict(layer.named_parameters())
+    return [params[n].shape for n in LAYER_WEIGHTS]
+
+
+__all__ = [
+    "PIECES",
+    "ROLES",
+    "PieceShape",
+    "bucket_pieces",
+    "dynamic_shapes",
+    "example_inputs",
+    "head_weight_names",
+]

@@ -1,0 +1,89 @@
+"""What the runtime will do with a trace: its scheduler and packing replayed on lengths alone.
+
+The replay drives the engine's own scheduler (``core/scheduler.py``) and the runtime's own
+packing (``core/packing.py``) with dummy tokens, so its per-bucket calls, real and padded tokens
+are the runtime's counters for the same requests submitted together (``generate`` with every
+prompt at once; arrival times are not replayed here). Unlike the per-request figures beside it,
+this is the padding of packed steps: several prompts share one token bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from neuron_buckets.core.block_pool import BlockPool
+from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill
+from neuron_buckets.core.request import Request
+from neuron_buckets.core.scheduler import Scheduler, run_to_completion
+
+
+@dataclass
+class Counter:
+    calls: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+    def add(self, real: int, padded: int) -> None:
+        self.calls += 1
+        self.real_tokens += real
+        self.padded_tokens += padded
+
+
+def replay_runtime(
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    buckets: Sequence[Bucket],
+    num_blocks: int,
+    block_size: int,
+) -> dict[str, Counter]:
+    """Per-bucket counters, keyed by ``Bucket.name``, of generating every request at once."""
+    prefill_buckets = sorted(b for b in buckets if b.kind == "prefill")
+    decode_buckets = sorted(b for b in buckets if b.kind == "decode")
+    token_buckets = [b.seq for b in prefill_buckets]
+    by_seq = {b.seq: b for b in prefill_buckets}
+    max_rows = max(b.batch for b in prefill_buckets)
+    counters = {b.name: Counter() for b in buckets}
+    prompts = [[0] * n for n in prompt_lens]
+    pool = BlockPool(num_blocks, block_size)
+    sched = Scheduler(pool, prompts, list(output_lens), token_buckets[-1], max_rows)
+
+    def prefill(step: list[tuple[Request, int]]) -> list[int]:
+        shapes = [ChunkShape(n, r.cached) for r, n in step]
+        for call, seq in pack_prefill(shapes, token_buckets, max_rows):
+            counters[by_seq[seq].name].add(sum(shapes[i].tokens for i in call), seq)
+        return [0] * len(step)
+
+    def decode(batch: list[Request]) -> list[int]:
+        for rows, bucket in group_decode([len(r.tokens) for r in batch], decode_buckets):
+            counters[bucket.name].add(len(rows), bucket.tokens)
+        return [0] * len(batch)
+
+    run_to_completion(sched, prefill, decode)
+    return counters
+
+
+def fit_requests(
+    prompt_lens: Sequence[int], output_lens: Sequence[int], max_model_len: int, limit: int
+) -> tuple[list[int], list[int]]:
+    """The first ``limit`` requests, clipped the way a server must: a prompt to max_model_len - 1
+    tokens, its output to at least 1 and what then fits."""
+    prompts = [min(int(p), max_model_len - 1) for p in prompt_lens[:limit]]
+    pairs = zip(prompts, output_lens[:limit], strict=False)
+    outputs = [max(1, min(int(o), max_model_len - p)) for p, o in pairs]
+    return prompts, outputs
+
+
+def packed_report(counters: dict[str, Counter], requests: int) -> dict:
+    """The ``packed`` section of ``nb inspect --json``: the runtime's counters per bucket."""
+    per_bucket = [{"bucket": name, **vars(c)} for name, c in counters.items() if c.calls]
+    real = sum(c.real_tokens for c in counters.values())
+    padded = sum(c.padded_tokens for c in counters.values())
+    return {
+        "requests": requests,
+        "per_bucket": per_bucket,
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_ratio": (padded - real) / max(real, 1),
+    }
