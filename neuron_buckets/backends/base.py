@@ -12,10 +12,12 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from neuron_buckets.core.errors import UserError
+
 GraphFn = Callable[..., Tensor]
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(UserError, RuntimeError):
     """The backend cannot run on this machine; the message says what to install or change."""
 
 

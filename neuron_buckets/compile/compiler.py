@@ -33,7 +33,7 @@ from neuron_buckets.artifact.manifest import (
     sha256_file,
     write_manifest,
 )
-from neuron_buckets.backends import get_backend
+from neuron_buckets.backends import BackendUnavailable, get_backend
 from neuron_buckets.compile.cache_key import graph_key, source_digest
 from neuron_buckets.compile.directory_lock import directory_lock
 from neuron_buckets.compile.store import GraphStore
@@ -91,7 +91,7 @@ class Compiler:
         self.backend = get_backend(config.compile.backend)
         ok, why = self.backend.available()
         if not ok:
-            raise RuntimeError(f"backend {self.backend.name!r} is not usable here: {why}")
+            raise BackendUnavailable(f"backend {self.backend.name!r} is not usable here: {why}")
         self.store = GraphStore(cache_dir)
         self.model_config = model_config_of(config.model.path)
         self.buckets = enumerate_grid(config)

@@ -21,11 +21,12 @@ from torch import Tensor
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
+from neuron_buckets.core.errors import UserError
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.serve.row_packer import group_rows, split_long_chunks
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(UserError, RuntimeError):
     """A graph or weights file that is missing or does not match its manifest entry."""
 
 
