@@ -80,6 +80,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ManifestError(f"{directory} is not an artifact directory: {MANIFEST} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # truncated, or bytes damaged
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a directory, unreadable
+        raise ManifestError(f"{path}: cannot read it ({e.strerror or e})") from None
     return validate(data, str(path))
 
 

@@ -29,13 +29,12 @@ from neuron_buckets.artifact.manifest import (
     SCHEMA_VERSION,
     WEIGHTS,
     atomic_write,
-    read_manifest,
     sha256_file,
     write_manifest,
 )
 from neuron_buckets.backends import BackendUnavailable, get_backend
 from neuron_buckets.compile.cache_key import graph_key, source_digest
-from neuron_buckets.compile.directory_lock import directory_lock
+from neuron_buckets.compile.output_dir import check_owned, owned_directory, prune
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.worker import compile_bucket, init_worker
 from neuron_buckets.config import Config, enumerate_grid
@@ -88,6 +87,7 @@ def cache_geometry(model: LlamaConfig, config: Config) -> dict[str, Any]:
 class Compiler:
     def __init__(self, config: Config, out: Path, cache_dir: Path, fail_fast: bool = False) -> None:
         self.config, self.out, self.fail_fast = config, Path(out), fail_fast
+        check_owned(self.out)  # a directory that is not ours is refused before anything starts
         self.backend = get_backend(config.compile.backend)
         ok, why = self.backend.available()
         if not ok:
@@ -131,12 +131,6 @@ class Compiler:
 
     def graph_file(self, key: str) -> Path:
         return self.out / GRAPHS / f"{key}.{self.backend.graph_ext}"
-
-    def _previous(self) -> dict[str, Any] | None:
-        try:
-            return read_manifest(self.out)
-        except ValueError:
-            return None
 
     def _intact(self, old: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
         """Records of the last run whose graph file is still intact, by key."""
@@ -211,8 +205,8 @@ class Compiler:
         minus done is what is compiling.
         """
         notify = on_event or (lambda *_: None)
-        with directory_lock(self.out):
-            old = self._previous()
+        with owned_directory(self.out) as old:
+            self.store.remove_stale_temps()
             previous = self._intact(old)
             self._write_weights(old)
             done: dict[Bucket, Outcome] = {}
@@ -234,18 +228,9 @@ class Compiler:
                 notify("done", o)
             if todo:
                 self._compile_all(todo, done, jobs, notify)
-            self._prune(done)
+            ok = [self.graph_file(o.key) for o in done.values() if o.status == "ok"]
+            prune(self.out, old, {f.relative_to(self.out).as_posix() for f in ok})
             return CompileReport(self.out, [done[b] for b in self.buckets if b in done])
-
-    def _prune(self, done: dict[Bucket, Outcome]) -> None:
-        """Drop graphs of buckets no longer in the grid and temp files of killed runs.
-
-        They are hard links or copies of cache entries, so nothing compiled is lost.
-        """
-        keep = {self.graph_file(o.key).name for o in done.values() if o.status == "ok"}
-        for f in (self.out / GRAPHS).glob("*"):
-            if f.name not in keep and f.is_file():
-                f.unlink()
 
     def _compile_all(self, todo: list[Outcome], done: dict[Bucket, Outcome], jobs: int, notify) -> None:
         """Compile ``todo``, at most ``jobs`` at a time, so that ``--fail-fast`` starts nothing more.
