@@ -26,6 +26,7 @@ import torch
 
 from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
+from neuron_buckets.serve.request_check import check_token_ids
 from neuron_buckets.serve.runtime import BucketRuntime
 
 
@@ -101,13 +102,12 @@ def check_requests(
             f"pool of {pool.num_blocks} blocks of {pool.block_size} does not fit the runtime's cache "
             f"({runtime.num_blocks} blocks of {runtime.block_size})"
         )
-    vocab = runtime.manifest["model"]["config"]["vocab_size"]
+    vocab = runtime.limits.vocab_size
     usable = pool.num_blocks - 1  # block 0 is the null block
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if bad := [t for t in prompt if not 0 <= t < vocab]:
-            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        check_token_ids(prompt, vocab, f"prompt {i}")
         total = len(prompt) + max_new_tokens
         if total > runtime.max_model_len:
             raise ValueError(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
 from neuron_buckets.core.errors import UserError
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.serve.request_check import StepLimits, check_step
 from neuron_buckets.serve.row_packer import group_rows, split_long_chunks
 
 
@@ -84,6 +84,8 @@ class BucketRuntime:
         if not self.prefill_buckets or not self.decode_buckets:
             raise ArtifactError(f"{directory}: needs at least one working prefill and one decode bucket")
         self.decode_seq = self.decode_buckets[0].seq
+        vocab = manifest["model"]["config"]["vocab_size"]
+        self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, vocab)
         self._graphs: dict[Bucket, GraphFn] = {}
         self.stats = {stats_label(b, self.max_model_len): BucketStats() for b in self.records}
 
@@ -156,37 +158,13 @@ class BucketRuntime:
         )
         return logits[: step.num_samples]
 
-    def _check_requests(self, rows: Sequence[PrefillChunk]) -> None:
-        """Refuse a step that cannot run whole, before any of its calls writes the cache."""
-        if not rows:
-            raise ValueError("a step needs at least one request")
-        used: list[Sequence[int]] = []
-        for i, row in enumerate(rows):
-            if not len(row.token_ids):
-                raise ValueError(f"request {i} has no tokens")
-            end = row.start_pos + len(row.token_ids)
-            if end > self.max_model_len:
-                raise NoBucketFits(
-                    f"request {i} reaching {end} tokens exceeds max_model_len {self.max_model_len}"
-                )
-            used.append(mine := row.block_ids[: -(-end // self.block_size)])
-            if len(mine) * self.block_size < end:
-                raise ValueError(
-                    f"request {i} of {end} tokens has blocks for only {len(mine) * self.block_size}"
-                )
-            if min(mine) < 1 or max(mine) >= self.num_blocks:
-                raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(row.block_ids)}")
-        blocks = torch.as_tensor(list(chain.from_iterable(used)), dtype=torch.int64).sort().values
-        if bool((twice := blocks[1:][blocks[1:] == blocks[:-1]]).numel()):
-            raise ValueError(f"block {int(twice[0])} is listed twice in one step; each block has one owner")
-
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests; (R, vocab) logits of each request's last token.
 
         Prompts longer than the largest prefill bucket run as successive chunks, each attending to
         the cache the earlier ones wrote. Everything is checked before the first cache write.
         """
-        self._check_requests(chunks)
+        check_step(chunks, self.limits)
         max_seq = max(b.seq for b in self.prefill_buckets)
         last: dict[int, Tensor] = {}
         for wave in split_long_chunks(chunks, max_seq):
@@ -198,12 +176,7 @@ class BucketRuntime:
 
     def decode(self, rows: Sequence[DecodeRow]) -> Tensor:
         """One decode step for every row (split over several calls if needed); (R, seq, vocab)."""
-        self._check_requests(rows)
-        for r in rows:
-            if len(r.token_ids) > self.decode_seq:
-                raise NoBucketFits(
-                    f"decode rows carry at most {self.decode_seq} tokens, got {len(r.token_ids)}"
-                )
+        check_step(rows, self.limits, max_tokens=self.decode_seq)
         out: list[Tensor] = [torch.empty(0)] * len(rows)
         for group, bucket in group_rows(list(enumerate(rows)), self.decode_buckets):
             logits = self.run(bucket, pad_decode([r for _, r in group], bucket, self.block_size))
