@@ -39,7 +39,10 @@ def sha256_file(path: Path) -> str:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Let ``write`` fill a temp file beside ``path``, fsync it, then rename it into place."""
+    """Let ``write`` fill a temp file beside ``path``, fsync it, then rename it into place.
+
+    A failure (a full disk) is an OSError naming ``path``, not the temp file, which is removed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -50,6 +53,8 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
+    except OSError as e:
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from e
     finally:
         tmp_path.unlink(missing_ok=True)
 

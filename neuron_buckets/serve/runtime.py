@@ -22,6 +22,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
 from neuron_buckets.core.errors import UserError
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.serve.artifact_check import check_servable
 from neuron_buckets.serve.request_check import StepLimits, check_step
 from neuron_buckets.serve.row_packer import group_rows, split_long_chunks
 
@@ -59,6 +60,7 @@ class BucketRuntime:
     def __init__(self, directory: Path, manifest: dict[str, Any], device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
         self.backend = get_backend(manifest["backend"]["name"])
+        model = check_servable(manifest, self.directory, device)
         self._check_versions()
         self.weights = self._load_weights()
         geo = manifest["cache"]
@@ -84,8 +86,7 @@ class BucketRuntime:
         if not self.prefill_buckets or not self.decode_buckets:
             raise ArtifactError(f"{directory}: needs at least one working prefill and one decode bucket")
         self.decode_seq = self.decode_buckets[0].seq
-        vocab = manifest["model"]["config"]["vocab_size"]
-        self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, vocab)
+        self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, model.vocab_size)
         self._graphs: dict[Bucket, GraphFn] = {}
         self.stats = {stats_label(b, self.max_model_len): BucketStats() for b in self.records}
 
