@@ -136,6 +136,7 @@ REFUSED_AT_OPEN = {
     "impossible-geometry": (lambda m: m["cache"].update(head_dim=7), "does not match the model config"),
     "too-few-blocks": (lambda m: m["cache"].update(num_blocks=3), "cannot hold one sequence"),
     "model-config-lacks-a-key": (lambda m: m["model"]["config"].pop("hidden_size"), "lacks 'hidden_size'"),
+    "cache-beyond-memory": (lambda m: m["cache"].update(num_blocks=10**13), "needs at least 41.0 PB"),
 }
 
 

@@ -38,6 +38,7 @@ from neuron_buckets.compile.output_dir import check_owned, owned_directory, prun
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.worker import compile_bucket, init_worker
 from neuron_buckets.config import Config, enumerate_grid
+from neuron_buckets.config.memory import check_compile_memory
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
 from neuron_buckets.model.llama import LlamaConfig
@@ -95,6 +96,7 @@ class Compiler:
         self.store = GraphStore(cache_dir)
         self.model_config = model_config_of(config.model.path)
         self.buckets = enumerate_grid(config)
+        check_compile_memory(config, self.model_config)
         backend_info = {
             "name": self.backend.name,
             "device": config.compile.device,

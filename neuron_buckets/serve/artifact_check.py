@@ -2,8 +2,9 @@
 
 The schema says each value has the right type; this says they fit together and fit this
 machine: the model config is a complete Llama config, the cache geometry is the model's and can
-hold one sequence, every bucket lies within it, and the device exists here. Each failure is a
-ManifestError naming the manifest and the value, not a KeyError or an allocator's traceback.
+hold one sequence, every bucket lies within it, the device exists here, and the cache with the
+largest step fits in memory. Each failure names the manifest and the value, not a KeyError or
+an allocator's traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from neuron_buckets.artifact.manifest import MANIFEST, ManifestError
+from neuron_buckets.config.memory import check_memory, serving_needs
+from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.hf_config import parse_hf_config
 from neuron_buckets.model.llama import LlamaConfig
 
@@ -57,4 +60,9 @@ def check_servable(manifest: dict[str, Any], directory: Path, device: str) -> Ll
         raise ManifestError(f"{where}: {problem}")
     if problem := _device_problem(device):
         raise ManifestError(f"{where}: cannot serve on device {device!r}: {problem}")
+    if device.split(":")[0] == "cpu":
+        geo = manifest["cache"]
+        buckets = [Bucket(r["kind"], r["batch"], r["seq"], r["ctx"]) for r in manifest["buckets"]]
+        needs = serving_needs(model, buckets, geo["num_blocks"], geo["block_size"], geo["dtype"])
+        check_memory(needs, f"serving {directory}")
     return model
