@@ -147,3 +147,36 @@ def test_an_artifact_the_runtime_refuses_is_one_error_line(compiled_dir, tmp_pat
     copy = edited_copy(compiled_dir, tmp_path, edit)
     args = ["--prompt", "1,2"] if command == "generate" else []
     assert message in error_line(nb(command, copy, *args))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("1,,2", "field 2 '' is not an integer"),
+        ("\uff11,\uff12", "field 1 '\uff11' is not an integer"),
+        ("1.5", "field 1 '1.5' is not an integer"),
+        ("1_0", "field 1 '1_0' is not an integer"),
+        ("9" * 30, f"field 1 '{'9' * 30}' is beyond int64"),
+    ],
+    ids=["empty-field", "full-width", "float", "underscore", "beyond-int64"],
+)
+def test_a_prompt_is_ascii_integers_or_one_error_line(tmp_path, prompt, message):
+    line = error_line(nb("generate", tmp_path, "--prompt", prompt))
+    assert f"--prompt: expected comma-separated integers; {message}" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("input_length,output_length\n5,99999999999999999999\n", "is beyond 4,294,967,296, the largest"),
+        ("input_length,output_length\n5," + "1" * 140_000 + "\n", "line 2: field larger than field limit"),
+        ('{"input_length": 5, "output_length": 1}\n{"input_length": 6, "output_length": true}\n', "True is"),
+        ('{"input_length": 5, "output_length": 1e30}\n', "1e+30 is not an integer token count"),
+    ],
+    ids=["beyond-int64", "line-over-128KiB", "jsonl-true", "jsonl-1e30"],
+)
+def test_a_bad_trace_is_one_error_line_naming_the_file(tmp_path, text, message):
+    trace = tmp_path / "t.csv"
+    trace.write_text(text)
+    line = error_line(nb("inspect", "--trace", trace, "--prefill-buckets", "128"))
+    assert line.startswith(f"error: {trace}: ") and message in line

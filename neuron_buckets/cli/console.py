@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.core.ascii_int import in_int64, parse_ascii_int
+from neuron_buckets.core.errors import UserError, brief
 
 out = Console(markup=False)
 err = Console(stderr=True, markup=False)
@@ -50,8 +51,16 @@ class ErrorHandlingGroup(TyperGroup):
 
 
 def int_list(option: str, text: str) -> list[int]:
-    """'128,256,512' -> [128, 256, 512], or a ValueError naming the option and the text."""
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{option}: expected comma-separated integers, got {text!r}") from None
+    """'128,256,512' -> [128, 256, 512], or a ValueError naming the option and the bad field.
+
+    Strict: every field is one ASCII integer within int64, so '1,,2', '１,２' or '1.5' are
+    refused instead of being read as something else.
+    """
+    values = []
+    for i, field in enumerate(text.split(","), 1):
+        value = parse_ascii_int(field)
+        if value is None or not in_int64(value):
+            what = "is not an integer" if value is None else "is beyond int64"
+            raise ValueError(f"{option}: expected comma-separated integers; field {i} {brief(field)} {what}")
+        values.append(value)
+    return values

@@ -9,3 +9,9 @@ class UserError(Exception):
     ``ValueError`` (bad config, checkpoint, manifest, trace, request) and ``OSError`` (disk,
     permissions) count as such too; error classes that are neither inherit this.
     """
+
+
+def brief(value: object, most: int = 40) -> str:
+    """A value for a one-line message: its repr, cut short (one trace field can be 128 KiB)."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
