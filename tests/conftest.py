@@ -98,3 +98,11 @@ def compiled_dir(
         report = Compiler(load_config(tiny_config_file), out, graph_cache_dir).run(jobs=2)
     assert not report.failed, [o.error for o in report.failed]
     return out
+
+
+def error_line(result) -> str:
+    """The one ``error:`` line of a refused ``nb`` command (exit 2, nothing else said)."""
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]

@@ -9,20 +9,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import typer
 from test_traces import CODE, CONV, needs_traces
 from typer.testing import CliRunner
 
 from neuron_buckets.artifact.manifest import validate
-from neuron_buckets.cli.traffic import register
+from neuron_buckets.cli import app
 from neuron_buckets.config import parse_config
 
 runner = CliRunner()
 
 
 def nb(*args: str):
-    app = typer.Typer()
-    register(app)
     return runner.invoke(app, [str(a) for a in args])
 
 

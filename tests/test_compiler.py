@@ -38,6 +38,7 @@ from neuron_buckets.artifact.manifest import (
 from neuron_buckets.compile import compiler
 from neuron_buckets.compile.compiler import Compiler, CompileReport, Outcome
 from neuron_buckets.compile.directory_lock import DirectoryLocked, directory_lock
+from neuron_buckets.compile.output_dir import OutputDirError
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
@@ -407,12 +408,18 @@ def test_a_graph_edited_in_place_is_caught_and_rebuilt_by_the_next_compile(eager
     ids=["truncated", "not-utf8"],
 )
 def test_a_damaged_manifest_is_refused_on_load_and_rebuilt_from_the_cache(eager, tmp_path, damage):
+    """Not recognisably ours, so compile refuses to overwrite it; once the user removes it, the
+    directory (still holding nb's lock file) is rebuilt from the cache."""
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
     manifest = out / "manifest.json"
-    manifest.write_bytes(damage(manifest.read_bytes()))
+    manifest.write_bytes(damaged := damage(manifest.read_bytes()))
     with pytest.raises(ManifestError, match="not valid JSON"):
         BucketRuntime.open(out)
+    with pytest.raises(OutputDirError, match="not valid JSON.*choose another --out"):
+        compile_(eager, out, cache)
+    assert manifest.read_bytes() == damaged
+    manifest.unlink()
     report = compile_(eager, out, cache)
     assert report.compiled == [] and len(report.outcomes) == 6
     assert len(BucketRuntime.open(out).records) == 4

@@ -4,6 +4,7 @@ kind of bad file."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 from pathlib import Path
@@ -99,6 +100,8 @@ def test_split_needs_arrivals(tmp_path: Path) -> None:
 
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+LENGTHS = "num_prefill_tokens,num_decode_tokens\n"
+MOONCAKE = '{{"input_length": {}, "output_length": {}}}\n'
 ROW = "2023-11-16 18:17:03.9799600,"
 
 
@@ -122,6 +125,18 @@ ROW = "2023-11-16 18:17:03.9799600,"
         ('{"input_length": 5.5, "output_length": 1}\n', "'input_length' row 1: 5.5 is not an integer"),
         ('{"input_length": 5, "output_length": 1}\n{"input_length": \n', "record 2 is not valid JSON"),
         ('{"input_length": -2, "output_length": 1}\n', "'input_length' row 1: -2 is below 1"),
+        # nothing silently reinterpreted: bools, floats, full-width digits, counts past int64
+        (LENGTHS + "5,1\n6,99999999999999999999\n", r"row 2: '9+' is beyond .* takes \(line 3\)"),
+        (LENGTHS + "9223372036854775807,1\n", r"row 1: 9223372036854775807 is beyond 4,294,967,296"),
+        (LENGTHS + "1" * 5000 + ",1\n", r"row 1: '1111.*\(5002 characters\) is beyond"),
+        (LENGTHS + "\uff11\uff12,1\n", "row 1: '\uff11\uff12' is not an integer token count"),
+        (LENGTHS + "5,1\n\n7,1\n8,1_0\n", r"row 3: '1_0' is not an integer token count \(line 5\)"),
+        (MOONCAKE.format(5, 1) + MOONCAKE.format(6, "true"), r"row 2: True is not an integer"),
+        (MOONCAKE.format(5, "1e30"), r"'output_length' row 1: 1e\+30 is not an integer token count"),
+        (MOONCAKE.format(5, "5.0"), r"'output_length' row 1: 5.0 is not an integer token count"),
+        (MOONCAKE.format(2**64, 1), r"'input_length' row 1: 18446744073709551616 is beyond"),
+        (MOONCAKE.format("1" * 5000, 1), r"record 1 is not valid JSON: Exceeds the limit \(4300 digits\)"),
+        (LENGTHS + "5," + "1" * 140_000 + "\n", r"line 2: field larger than field limit \(131072\)"),
     ],
 )
 def test_bad_traces_get_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
@@ -135,3 +150,31 @@ def test_bad_traces_get_one_clear_error(tmp_path: Path, text: str, message: str)
 def test_missing_file_is_a_trace_error(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read trace"):
         load_trace(tmp_path / "nope.csv")
+
+
+def test_gzip_traces_load_like_plain_ones(tmp_path: Path) -> None:
+    text = "timestamp,input_length,output_length\n0,12,3\n1000,4000,0\n"
+    plain, packed = tmp_path / "t.csv", tmp_path / "t.csv.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    a, b = load_trace(plain), load_trace(packed)
+    assert a.prompt_lens.tolist() == b.prompt_lens.tolist() == [12, 4000]
+    assert a.arrivals.tolist() == b.arrivals.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (gzip.compress(b"input_length,output_length\n5,1\n")[:-6], "a damaged gzip file"),
+        (b"PK\x03\x04" + bytes(40), "is a zip archive; nb reads CSV or JSONL traces, plain or gzip"),
+        (b"\x28\xb5\x2f\xfd" + bytes(40), "is a zstd archive"),
+        (b"input_length,output_length\n\xff\xfe5,1\n", r"not UTF-8 text \(at byte 27\); nb reads CSV"),
+    ],
+    ids=["damaged-gzip", "zip", "zstd", "binary"],
+)
+def test_other_formats_are_refused_by_name(tmp_path: Path, data: bytes, message: str) -> None:
+    f = tmp_path / "trace.gz"
+    f.write_bytes(data)
+    with pytest.raises(TraceError, match=message) as info:
+        load_trace(f)
+    assert str(info.value).startswith(str(f))

@@ -41,7 +41,10 @@ def sha256_file(path: Path) -> str:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Let ``write`` fill a temp file beside ``path``, fsync it, then rename it into place."""
+    """Let ``write`` fill a temp file beside ``path``, fsync it, then rename it into place.
+
+    A failure (a full disk) is an OSError naming ``path``, not the temp file, which is removed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -52,6 +55,8 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
+    except OSError as e:
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from e
     finally:
         tmp_path.unlink(missing_ok=True)
 
@@ -169,9 +174,10 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = MANIFEST) -> Manifest:
-        """A manifest dict that ``validate`` accepted, typed; every piece a bucket names exists."""
+        """A manifest dict that ``validate`` accepted, typed; every piece a working bucket names
+        exists (a failed bucket may name pieces a stopped run never reached)."""
         for i, b in enumerate(d["buckets"]):
-            if missing := sorted(set(b["pieces"].values()) - set(d["pieces"])):
+            if b["status"] == "ok" and (missing := sorted(set(b["pieces"].values()) - set(d["pieces"]))):
                 raise ManifestError(f"{where}: invalid at buckets/{i}/pieces: no piece {missing[0]}")
         return cls(
             toolchain=d["toolchain"],
@@ -210,6 +216,8 @@ def read_manifest_dict(directory: Path) -> dict[str, Any]:
         raise ManifestError(f"{directory} is not an artifact directory: {MANIFEST} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # truncated, or bytes damaged
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a directory, unreadable
+        raise ManifestError(f"{path}: cannot read it ({e.strerror or e})") from None
     return validate(data, str(path))
 
 

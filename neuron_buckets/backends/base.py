@@ -13,10 +13,12 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from neuron_buckets.core.errors import UserError
+
 GraphFn = Callable[..., Any]
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(UserError, RuntimeError):
     """The backend cannot run on this machine; the message says what to install or change."""
 
 

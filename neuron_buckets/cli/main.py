@@ -7,16 +7,18 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from neuron_buckets import __version__
-from neuron_buckets.artifact.manifest import Manifest, ManifestError, read_manifest
-from neuron_buckets.cli.console import err, fail, int_list
+from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.cli.console import ErrorHandlingGroup, err, int_list
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.traffic import register as register_traffic
-from neuron_buckets.config import Config, ConfigError, enumerate_grid, load_config
+from neuron_buckets.config import enumerate_grid, load_config
 from neuron_buckets.core.bucket import Bucket
 
 app = typer.Typer(
+    cls=ErrorHandlingGroup,
     help="Compile fixed-shape LLM graphs, one set per bucket, over a paged block-KV cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -40,17 +42,10 @@ def _root(
     """A callback keeps ``nb`` a command group even while it has a single command."""
 
 
-def load_or_fail(config: Path | None) -> Config:
-    try:
-        return load_config(config)
-    except ConfigError as e:
-        raise fail(str(e)) from None
-
-
 @app.command()
 def grid(config: ConfigArg = None) -> None:
     """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head pieces)."""
-    cfg = load_or_fail(config)
+    cfg = load_config(config)
     table = Table(title=f"bucket grid ({config or 'embedded default'})")
     for col in ("kind", "batch", "seq", "ctx", "tokens per step"):
         table.add_column(col, justify="left" if col == "kind" else "right")
@@ -78,23 +73,18 @@ def compile_(
 
     from neuron_buckets.cli.progress import CompileProgress
     from neuron_buckets.compile.compiler import Compiler
-    from neuron_buckets.compile.directory_lock import DirectoryLocked
     from neuron_buckets.core.cache_dir import default_cache_dir
 
-    cfg = load_or_fail(config)
+    cfg = load_config(config)
     overrides = {k: v for k, v in (("jobs", jobs), ("backend", backend), ("device", device)) if v is not None}
     cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
-    try:
-        compiler = Compiler(cfg, out, cache_dir or default_cache_dir(), fail_fast=fail_fast)
-        err.print(
-            f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend "
-            f"{cfg.compile.backend} on {cfg.compile.device}, "
-            f"{cfg.compile.jobs} jobs -> {out}"
-        )
-        with CompileProgress(len(compiler.shapes), cfg.compile.jobs, err) as progress:
-            report = compiler.run(cfg.compile.jobs, progress)
-    except (DirectoryLocked, RuntimeError, ValueError, OSError) as e:
-        raise fail(str(e)) from None
+    compiler = Compiler(cfg, out, cache_dir or default_cache_dir(), fail_fast=fail_fast)
+    err.print(
+        f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend "
+        f"{cfg.compile.backend} on {cfg.compile.device}, {cfg.compile.jobs} jobs -> {out}"
+    )
+    with CompileProgress(len(compiler.shapes), cfg.compile.jobs, err) as progress:
+        report = compiler.run(cfg.compile.jobs, progress)
     reused = len(report.outcomes) - len(report.compiled) - len(report.failed)
     err.print(
         f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
@@ -104,25 +94,19 @@ def compile_(
         raise typer.Exit(1)
 
 
-def read_or_fail(directory: Path) -> Manifest:
-    try:
-        return read_manifest(directory)
-    except ManifestError as e:
-        raise fail(str(e)) from None
-
-
 @app.command("ls")
 def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -> None:
     """List an artifact directory's buckets and the pieces that run them: status, size, compile time."""
-    m = read_or_fail(directory)
+    m = read_manifest(directory)
     b = m.backend
     table = Table(title=f"{directory}: {b.name} on {b.device}, torch {b.versions['torch']}")
     for col in ("bucket", "status", "pieces", "size", "compile s"):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
     for r in m.buckets:
         bucket = Bucket(r.kind, r.batch, r.seq, r.ctx)
-        pieces = [m.pieces[k] for k in r.pieces.values()]
-        status = "[green]ok[/]" if r.status == "ok" else f"[red]failed[/] {r.error}"
+        pieces = [m.pieces[k] for k in r.pieces.values() if k in m.pieces]
+        ok = r.status == "ok"
+        status = Text("ok", "green") if ok else Text.assemble(("failed", "red"), f" {r.error}")
         size = sum(p.bytes for p in pieces) / 1e6
         secs = sum(p.compile_seconds for p in pieces)
         table.add_row(bucket.name, status, " ".join(p.name for p in pieces), f"{size:.1f} MB", f"{secs:.1f}")
@@ -145,12 +129,9 @@ def verify(
     """Check every file's sha256 and the schema, then run each bucket against the eager model."""
     from neuron_buckets.serve.verify import file_problems, verify_graphs
 
-    try:
-        problems = file_problems(directory)
-    except ManifestError as e:
-        raise fail(str(e)) from None
+    problems = file_problems(directory)
     for p in problems:
-        err.print(f"[red]problem:[/] {p}")
+        err.print(Text.assemble(("problem:", "red"), f" {p}"))
     if problems:
         raise typer.Exit(1)
     table = Table(title=f"{directory}: buckets against the eager model")
@@ -159,7 +140,8 @@ def verify(
     checks = verify_graphs(directory, trials=trials)
     for c in checks:
         diff = "-" if c.max_diff is None else f"{c.max_diff:.2e}"
-        table.add_row(c.name, "[green]ok[/]" if c.ok else f"[red]FAIL[/] {c.detail}", diff)
+        result = Text("ok", "green") if c.ok else Text.assemble(("FAIL", "red"), f" {c.detail}")
+        table.add_row(c.name, result, diff)
     console.print(table)
     if not all(c.ok for c in checks):
         raise typer.Exit(1)
@@ -174,14 +156,11 @@ def generate(
 ) -> None:
     """Greedy generation through the runtime; prints one line of token ids per prompt."""
     from neuron_buckets.serve.engine import generate as run_generate
-    from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+    from neuron_buckets.serve.runtime import BucketRuntime
 
-    try:
-        prompts = [int_list("--prompt", p) for p in prompt]
-        runtime = BucketRuntime.open(directory)
-        outputs = run_generate(runtime, prompts, max_new_tokens)
-    except (ArtifactError, ManifestError, ValueError, RuntimeError) as e:
-        raise fail(str(e)) from None
+    prompts = [int_list("--prompt", p) for p in prompt]
+    runtime = BucketRuntime.open(directory)
+    outputs = run_generate(runtime, prompts, max_new_tokens)
     for out in outputs:
         console.print(",".join(map(str, out)))
     if stats:
@@ -210,7 +189,7 @@ def doctor() -> None:
     for col in ("component", "usable", "detail"):
         table.add_column(col)
     for name, ok, why in doctor_report():
-        table.add_row(name, "[green]yes[/]" if ok else "[yellow]no[/]", why)
+        table.add_row(name, Text("yes", "green") if ok else Text("no", "yellow"), why)
     console.print(table)
 
 

@@ -14,6 +14,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 from neuron_buckets.compile.compiler import Outcome
 
@@ -53,12 +54,12 @@ class CompileProgress:
                 return
             self.queued -= 1
             if outcome.status == "ok":
-                self.progress.print(f"[green]ok[/] {outcome.name} in {outcome.compile_seconds:.1f} s")
+                took = f" {outcome.name} in {outcome.compile_seconds:.1f} s"
+                self.progress.print(Text.assemble(("ok", "green"), took))
             else:
                 self.failed += 1
-                self.progress.log(
-                    f"[red]failed[/] {outcome.name}: {outcome.error} (see {outcome.log})"
-                )
+                why = f" {outcome.name}: {outcome.error} (see {outcome.log})"
+                self.progress.log(Text.assemble(("failed", "red"), why))
             self.progress.update(self.task, advance=1)
         running = min(self.queued, self.jobs)
         self.progress.update(self.task, running=running, failed=self.failed)

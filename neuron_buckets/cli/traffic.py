@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from neuron_buckets.cli.console import err, fail, int_list, out
+from neuron_buckets.cli.console import err, int_list, out
 from neuron_buckets.config import Config, enumerate_grid, load_config
 from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
@@ -89,16 +89,13 @@ def inspect(
 ) -> None:
     """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
     what the runtime does: the trace replayed through its scheduler and packing (``packed``)."""
-    try:
-        built = load_manifest_buckets(manifest) if manifest else None
-        prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
-        slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
-        data = _load(trace)
-        doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
-        if built is None and prefill_buckets is None and num_seqs_buckets is None:
-            doc["packed"] = _packed(load_config(config), data, replay_requests)
-    except ValueError as e:
-        raise fail(e) from None
+    built = load_manifest_buckets(manifest) if manifest else None
+    prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
+    slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
+    data = _load(trace)
+    doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
+    if built is None and prefill_buckets is None and num_seqs_buckets is None:
+        doc["packed"] = _packed(load_config(config), data, replay_requests)
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 
@@ -170,13 +167,10 @@ def plan_cmd(
         max_compile_seconds=max_compile_seconds,
         holdout_split=holdout_split,
     )
-    try:
-        cost = load_manifest_buckets(manifest).cost if manifest else None
-        data = _load(trace)
-        start = time.perf_counter()
-        doc = plan(data, opts, cost)
-    except ValueError as e:
-        raise fail(e) from None
+    cost = load_manifest_buckets(manifest).cost if manifest else None
+    data = _load(trace)
+    start = time.perf_counter()
+    doc = plan(data, opts, cost)
     err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
     doc["toml"] = toml_snippet(doc, trace.name)
     _emit(doc, as_json, print_plan)

@@ -37,16 +37,16 @@ from neuron_buckets.artifact.manifest import (
     PieceRecord,
     WeightsInfo,
     atomic_write,
-    read_manifest,
     sha256_file,
     write_manifest,
 )
-from neuron_buckets.backends import get_backend
+from neuron_buckets.backends import BackendUnavailable, get_backend
 from neuron_buckets.compile.cache_key import graph_key, source_digest
-from neuron_buckets.compile.directory_lock import directory_lock
+from neuron_buckets.compile.output_dir import check_owned, owned_directory, prune
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.worker import compile_piece, init_worker
 from neuron_buckets.config import Config, enumerate_grid
+from neuron_buckets.config.memory import check_compile_memory
 from neuron_buckets.model.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
 from neuron_buckets.model.llama import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
@@ -101,13 +101,15 @@ def cache_geometry(model: LlamaConfig, config: Config) -> CacheGeometry:
 class Compiler:
     def __init__(self, config: Config, out: Path, cache_dir: Path, fail_fast: bool = False) -> None:
         self.config, self.out, self.fail_fast = config, Path(out), fail_fast
+        check_owned(self.out)  # a directory that is not ours is refused before anything starts
         self.backend = get_backend(config.compile.backend)
         ok, why = self.backend.available()
         if not ok:
-            raise RuntimeError(f"backend {self.backend.name!r} is not usable here: {why}")
+            raise BackendUnavailable(f"backend {self.backend.name!r} is not usable here: {why}")
         self.store = GraphStore(cache_dir)
         self.model_config = model_config_of(config.model.path)
         self.buckets = enumerate_grid(config)
+        check_compile_memory(config, self.model_config)
         self.bucket_pieces = {b: bucket_pieces(b, self.backend.dynamic_shapes) for b in self.buckets}
         self.shapes = sorted({s for pieces in self.bucket_pieces.values() for s in pieces.values()})
         backend_info = BackendInfo(
@@ -145,12 +147,6 @@ class Compiler:
 
     def graph_file(self, key: str) -> Path:
         return self.out / GRAPHS / f"{key}.{self.backend.graph_ext}"
-
-    def _previous(self) -> Manifest | None:
-        try:
-            return read_manifest(self.out)
-        except ValueError:
-            return None
 
     def _intact(self, old: Manifest | None) -> dict[str, PieceRecord]:
         """Pieces of the last run whose graph file is still intact, by key."""
@@ -240,8 +236,8 @@ class Compiler:
         minus done is what is compiling.
         """
         notify = on_event or (lambda *_: None)
-        with directory_lock(self.out):
-            old = self._previous()
+        with owned_directory(self.out) as old:
+            self.store.remove_stale_temps()
             previous = self._intact(old)
             self._write_weights(old)
             done: dict[PieceShape, Outcome] = {}
@@ -262,18 +258,9 @@ class Compiler:
                 notify("done", o)
             if todo:
                 self._compile_all(todo, done, jobs, notify)
-            self._prune(done)
+            ok = [self.graph_file(o.key) for o in done.values() if o.status == "ok"]
+            prune(self.out, old, {f.relative_to(self.out).as_posix() for f in ok})
             return CompileReport(self.out, [done[s] for s in self.shapes if s in done], self.manifest.buckets)
-
-    def _prune(self, done: dict[PieceShape, Outcome]) -> None:
-        """Drop graphs of pieces no longer in the grid and temp files of killed runs.
-
-        They are hard links or copies of cache entries, so nothing compiled is lost.
-        """
-        keep = {self.graph_file(o.key).name for o in done.values() if o.status == "ok"}
-        for f in (self.out / GRAPHS).glob("*"):
-            if f.name not in keep and f.is_file():
-                f.unlink()
 
     def _compile_all(self, todo: list[Outcome], done: dict[PieceShape, Outcome], jobs: int, notify) -> None:
         """Compile ``todo``, at most ``jobs`` at a time, so that ``--fail-fast`` starts nothing more.

@@ -13,11 +13,13 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from neuron_buckets.core.errors import UserError
+
 LOCK_FILE = ".nb-lock"
 HOLDER_FILE = ".nb-lock.pid"  # beside the lock: filelock truncates the lock file on every try
 
 
-class DirectoryLocked(RuntimeError):
+class DirectoryLocked(UserError, RuntimeError):
     """Another process is writing this artifact directory."""
 
 

@@ -10,10 +10,19 @@ sha256 taken when it was committed and is reused only while its bytes still matc
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 from neuron_buckets.artifact.manifest import atomic_write, sha256_file
+
+# A worker's graph before ``commit`` (".<key>.<pid>.tmp.<ext>") and a digest being written by
+# atomic_write (".<key>.<ext>.sha256.<random>.tmp").
+TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.(\d+\.tmp\.\w+|\w+\.sha256\.\w+\.tmp)")
+# Other compiles share the cache, so a temp file is stale only once no compile could still be
+# writing it: far longer than any one bucket's compile.
+STALE_AFTER_S = 24 * 3600
 
 
 class GraphStore:
@@ -44,6 +53,18 @@ class GraphStore:
     def temp_path(self, key: str, ext: str) -> Path:
         """Where a worker writes before ``commit``; unique per process, ignored by ``get``."""
         return self.root / f".{key}.{os.getpid()}.tmp.{ext}"
+
+    def remove_stale_temps(self, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+        """Delete temp files that killed workers left (a graph's size each), by name and age."""
+        cutoff = time.time() - older_than_s
+        stale = [
+            p
+            for p in self.root.iterdir()
+            if TEMP_NAME.fullmatch(p.name) and p.is_file() and p.lstat().st_mtime < cutoff
+        ]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return stale
 
     def commit(self, temp: Path, key: str, ext: str, seconds: float = 0.0) -> Path:
         """Publish a finished graph: its sha256 (and compile seconds) first, then the graph, each by

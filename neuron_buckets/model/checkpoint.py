@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from neuron_buckets.model.hf_config import parse_hf_config
 from neuron_buckets.model.llama import Llama, LlamaConfig
 
 DEFAULT_CONFIG = LlamaConfig(
@@ -37,30 +41,65 @@ LOADABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DERIVED = ".rotary_emb.inv_freq"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as what it claims to be; the message names it."""
+
+
+def _read_json(file: Path) -> object:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
 def read_config(path: str | Path) -> LlamaConfig:
     """The model config of a checkpoint directory's ``config.json``."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: a model directory needs config.json")
-    return LlamaConfig.from_hf(json.loads(file.read_text()))
+    return parse_hf_config(_read_json(file), str(file))
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a directory's single or sharded checkpoint."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map object")
+        return [path / shard for shard in sorted(set(map(str, weight_map.values())))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    raise FileNotFoundError(
+        f"{path} has neither model.safetensors nor model.safetensors.index.json (found {found})"
+    )
+
+
+@contextmanager
+def _reading(shard: Path) -> Iterator[None]:
+    """safetensors' own errors name no file; this one does."""
+    try:
+        yield
+    except SafetensorError as e:
+        raise CheckpointError(f"{shard}: not a complete safetensors file ({e})") from None
+
+
+def check_shards(path: str | Path) -> None:
+    """Read every shard's header (cheap), so a truncated or corrupt file fails before any work."""
+    for shard in shard_files(path):
+        with _reading(shard), safe_open(shard, "pt"):
+            pass
 
 
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     """All tensors of a directory's single or sharded safetensors checkpoint."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-        raise FileNotFoundError(
-            f"{path} has neither model.safetensors nor model.safetensors.index.json (found {found})"
-        )
     tensors: dict[str, Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(path / shard))
+    for shard in shard_files(path):
+        with _reading(shard):
+            tensors.update(load_file(shard))
     return tensors
 
 
@@ -94,8 +133,14 @@ def load_weights(model: Llama, weights: str | Path | dict[str, Tensor], share: b
 
 
 def save_weights(model: Llama, file: str | Path) -> None:
-    """Write every parameter once, by its transformers name, into one safetensors file."""
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(file))
+    """Write every parameter once, by its transformers name, into one safetensors file.
+
+    A failed write (a full disk) is an OSError, like every other write nb makes.
+    """
+    try:
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(file))
+    except SafetensorError as e:
+        raise OSError(str(e)) from None
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama:
@@ -118,8 +163,13 @@ def default_model(dtype: torch.dtype = torch.float32) -> Llama:
 
 
 def model_config_of(source: Path | None) -> LlamaConfig:
-    """The config alone (cheap: no tensors read) of a checkpoint directory or the default."""
-    return DEFAULT_CONFIG if source is None else read_config(source)
+    """The config of a checkpoint directory or the default, after a look at every shard's header
+    (cheap: no tensors read), so a bad checkpoint fails before anything is written or started."""
+    if source is None:
+        return DEFAULT_CONFIG
+    config = read_config(source)
+    check_shards(source)
+    return config
 
 
 def build_model(source: Path | None, dtype: torch.dtype) -> Llama:

@@ -24,6 +24,7 @@ from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
 from neuron_buckets.core.request import Request
 from neuron_buckets.core.scheduler import Scheduler, run_to_completion
+from neuron_buckets.serve.request_check import check_token_ids
 from neuron_buckets.serve.runtime import BucketRuntime
 
 
@@ -36,15 +37,14 @@ def check_requests(
             f"pool of {pool.num_blocks} blocks of {pool.block_size} does not fit the runtime's cache "
             f"({runtime.num_blocks} blocks of {runtime.block_size})"
         )
-    vocab = runtime.config.vocab_size
+    vocab = runtime.limits.vocab_size
     usable = pool.num_blocks - 1  # block 0 is the null block
     for i, (prompt, new) in enumerate(zip(prompts, max_new_tokens, strict=True)):
         if new < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {new}")
         if not prompt:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if bad := [t for t in prompt if not 0 <= t < vocab]:
-            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        check_token_ids(prompt, vocab, f"prompt {i}")
         total = len(prompt) + new
         if total > runtime.max_model_len:
             raise ValueError(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -22,12 +21,15 @@ from torch import Tensor
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest, sha256_file
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
+from neuron_buckets.core.errors import UserError
 from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
-from neuron_buckets.model.llama import LlamaConfig, head_weight_names, layer_weight_names
+from neuron_buckets.model.llama import head_weight_names, layer_weight_names
+from neuron_buckets.serve.artifact_check import check_servable
+from neuron_buckets.serve.request_check import StepLimits, check_step
 
 
-class ArtifactError(RuntimeError):
+class ArtifactError(UserError, RuntimeError):
     """A graph or weights file that is missing or does not match its manifest entry."""
 
 
@@ -52,12 +54,12 @@ class BucketRuntime:
     def __init__(self, directory: Path, manifest: Manifest, device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
         self.backend = get_backend(manifest.backend.name)
+        self.config = check_servable(manifest, self.directory, device)
         self._check_versions()
         weights = self._load_weights()
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
-        self.config = LlamaConfig.from_hf(manifest.model.config)
         dtype = getattr(torch, geo.dtype)
         self.k_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
@@ -76,6 +78,7 @@ class BucketRuntime:
             raise ArtifactError(f"{directory}: needs at least one working prefill and one decode bucket")
         self.decode_seq = self.decode_buckets[0].seq
         self.max_rows = max(b.batch for b in self.prefill_buckets)
+        self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
         self._graphs: dict[str, GraphFn] = {}
         self.stats = {b.name: BucketStats() for b in self.records}
 
@@ -155,30 +158,6 @@ class BucketRuntime:
         s.padded_tokens += bucket.tokens
         return logits[: step.num_samples]
 
-    def _check_requests(self, rows: Sequence[PrefillChunk]) -> None:
-        """Refuse a step that cannot run whole, before any of its calls writes the cache."""
-        if not rows:
-            raise ValueError("a step needs at least one request")
-        used: list[Sequence[int]] = []
-        for i, row in enumerate(rows):
-            if not len(row.token_ids):
-                raise ValueError(f"request {i} has no tokens")
-            end = row.start_pos + len(row.token_ids)
-            if end > self.max_model_len:
-                raise NoBucketFits(
-                    f"request {i} reaching {end} tokens exceeds max_model_len {self.max_model_len}"
-                )
-            used.append(mine := row.block_ids[: -(-end // self.block_size)])
-            if len(mine) * self.block_size < end:
-                raise ValueError(
-                    f"request {i} of {end} tokens has blocks for only {len(mine) * self.block_size}"
-                )
-            if min(mine) < 1 or max(mine) >= self.num_blocks:
-                raise ValueError(f"block ids must lie in [1, {self.num_blocks}), got {list(row.block_ids)}")
-        blocks = torch.as_tensor(list(chain.from_iterable(used)), dtype=torch.int64).sort().values
-        if bool((twice := blocks[1:][blocks[1:] == blocks[:-1]]).numel()):
-            raise ValueError(f"block {int(twice[0])} is listed twice in one step; each block has one owner")
-
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests; (R, vocab) logits of each request's last token.
 
@@ -186,7 +165,7 @@ class BucketRuntime:
         the largest bucket run as successive pieces, each attending to the cache the earlier ones
         wrote. Everything is checked before the first cache write.
         """
-        self._check_requests(chunks)
+        check_step(chunks, self.limits)
         token_buckets = [b.seq for b in self.prefill_buckets]
         shapes = [ChunkShape(len(c.token_ids), c.start_pos) for c in chunks]
         by_seq = {b.seq: b for b in self.prefill_buckets}
@@ -206,12 +185,7 @@ class BucketRuntime:
 
     def decode(self, rows: Sequence[DecodeRow]) -> Tensor:
         """One decode step for every row (split over several calls if needed); (R, seq, vocab)."""
-        self._check_requests(rows)
-        for r in rows:
-            if len(r.token_ids) > self.decode_seq:
-                raise NoBucketFits(
-                    f"decode rows carry at most {self.decode_seq} tokens, got {len(r.token_ids)}"
-                )
+        check_step(rows, self.limits, max_tokens=self.decode_seq)
         out: list[Tensor] = [torch.empty(0)] * len(rows)
         contexts = [r.start_pos + len(r.token_ids) for r in rows]
         for group, bucket in group_decode(contexts, self.decode_buckets):

@@ -9,12 +9,19 @@ is columnar (``np.loadtxt`` / one ``json.loads``), so a million rows load in abo
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
 import warnings
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from neuron_buckets.core.ascii_int import parse_ascii_int
+from neuron_buckets.core.errors import brief
 
 # (prompt column, output column, format name); the first pair present in the header wins.
 LENGTH_COLUMNS = (
@@ -23,6 +30,18 @@ LENGTH_COLUMNS = (
     ("num_prefill_tokens", "num_decode_tokens", "lengths"),
 )
 TIME_COLUMNS = ("TIMESTAMP", "timestamp")
+# Far beyond any context length, and small enough that the float64 padding counters stay exact
+# over a million requests: a count near int64's max overflowed them into "0.0% padding".
+MAX_TOKEN_COUNT = 2**32
+GZIP_MAGIC = b"\x1f\x8b"
+OTHER_ARCHIVES = (
+    (b"PK\x03\x04", "zip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"7z\xbc\xaf\x27\x1c", "7z"),
+)
+FORMATS = "nb reads CSV or JSONL traces, plain or gzip-compressed"
 
 
 class TraceError(ValueError):
@@ -60,20 +79,37 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a CSV or JSONL trace (chosen by content: JSONL lines start with ``{``)."""
+    """Read a CSV or JSONL trace, plain or gzip-compressed (chosen by content: JSONL lines start
+    with ``{``, gzip files with its magic bytes)."""
     path = Path(path)
-    try:
-        with path.open(encoding="utf-8-sig") as f:
-            head = f.readline()
-    except OSError as e:
-        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+    text = _read_text(path)
+    head = text.split("\n", 1)[0]
     if not head.strip():
         raise TraceError(f"{path}: empty file (expected a CSV header or JSONL records)")
     loader = _load_jsonl if head.lstrip().startswith("{") else _load_csv
     try:
-        return loader(path, head)
+        return loader(text)
     except TraceError as e:
         raise TraceError(f"{path}: {e}") from None
+
+
+def _read_text(path: Path) -> str:
+    """The file as text: gzip is decompressed; other archives and binary files are named."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+    if data.startswith(GZIP_MAGIC):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{path}: a damaged gzip file ({e})") from None
+    elif kind := next((name for magic, name in OTHER_ARCHIVES if data.startswith(magic)), None):
+        raise TraceError(f"{path} is a {kind} archive; {FORMATS}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text (at byte {e.start}); {FORMATS}") from None
 
 
 def _pick_columns(found: list[str]) -> tuple[str, str, str, str | None]:
@@ -85,88 +121,117 @@ def _pick_columns(found: list[str]) -> tuple[str, str, str, str | None]:
     raise TraceError(f"no recognised length columns; found {found}; expected one of: {expected}")
 
 
-def _load_csv(path: Path, head: str) -> Trace:
-    header = [c.strip() for c in next(csv.reader([head]))]
+def _csv_rows(lines: list[str]) -> list[list[str]]:
+    """csv.reader over ``lines``, its errors (a field over 128 KiB) naming the line."""
+    reader = csv.reader(lines)
+    try:
+        return list(reader)
+    except csv.Error as e:
+        raise TraceError(f"line {reader.line_num}: {e}") from None
+
+
+def _data_lines(text: str, skip: int) -> Callable[[int], int]:
+    """Data row (0-based) -> its line in the file, blank lines being no rows; for messages only,
+    so the lines are counted only when one is needed."""
+    return lambda row: [n for n, ln in enumerate(text.splitlines(), 1) if ln.strip()][skip + row]
+
+
+def _load_csv(text: str) -> Trace:
+    header = [c.strip() for c in _csv_rows([text.split("\n", 1)[0]])[0]]
     prompt, output, name, time_col = _pick_columns(header)
+    line_of = _data_lines(text, skip=1)
 
     def column(col: str, dtype: type) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "input contained no data"
             return np.loadtxt(
-                path,
+                io.StringIO(text),
                 usecols=header.index(col),
                 dtype=dtype,
                 delimiter=",",
                 skiprows=1,
                 quotechar='"',
                 ndmin=1,
-                encoding="utf-8-sig",
             )
 
     try:
-        lengths = [column(c, np.int64) for c in (prompt, output)]
+        raw = [column(c, np.int64) for c in (prompt, output)]
     except ValueError as fast_error:  # a ragged row or a value that is not an integer: name it
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            for row, fields in enumerate(csv.reader(f)):
-                if fields and len(fields) != len(header):
-                    raise TraceError(
-                        f"row {row} has {len(fields)} fields, the header has {len(header)}"
-                    ) from None
+        for row, fields in enumerate(_csv_rows(text.splitlines())):
+            if fields and len(fields) != len(header):
+                raise TraceError(
+                    f"row {row} has {len(fields)} fields, the header has {len(header)}"
+                ) from None
         for c in (prompt, output):
-            _parse_ints(c, column(c, str))
+            _parse_ints(c, column(c, str), line_of)
         raise TraceError(str(fast_error).splitlines()[0]) from None
+    lengths = [_parse_ints(c, values, line_of) for c, values in zip((prompt, output), raw, strict=True)]
     if len(lengths[0]) == 0:
         raise TraceError("the trace holds no requests (header only)")
     arrivals = _parse_times(time_col, column(time_col, str)) if time_col else None
     return _build(prompt, output, lengths[0], lengths[1], arrivals, name)
 
 
-def _load_jsonl(path: Path, head: str) -> Trace:
-    lines = [ln for ln in path.read_text(encoding="utf-8-sig").splitlines() if ln.strip()]
+def _load_jsonl(text: str) -> Trace:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     try:
         records = json.loads("[" + ",".join(lines) + "]")
-    except json.JSONDecodeError:
+    except ValueError:  # JSONDecodeError, or an integer of more digits than Python converts
         for i, ln in enumerate(lines, 1):
             try:
                 json.loads(ln)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"record {i} is not valid JSON: {e.msg}") from None
+            except ValueError as e:
+                raise TraceError(f"record {i} is not valid JSON: {getattr(e, 'msg', e)}") from None
         raise
     if not all(isinstance(r, dict) for r in records):
         raise TraceError("every JSONL line must be an object")
     prompt, output, name, time_col = _pick_columns(list(records[0]))
     missing = object()
 
-    def column(col: str) -> np.ndarray:
-        values = np.array([r.get(col, missing) for r in records])
-        if values.dtype == object and any(v is missing for v in values):
-            row = next(i for i, v in enumerate(values, 1) if v is missing)
+    def column(col: str) -> list[object]:
+        values = [r.get(col, missing) for r in records]
+        if row := next((i for i, v in enumerate(values, 1) if v is missing), None):
             raise TraceError(f"record {row} has no {col!r}")
         return values
 
-    p, o = (_parse_ints(c, column(c)) for c in (prompt, output))
-    arrivals = _parse_times(time_col, column(time_col)) if time_col else None
+    line_of = _data_lines(text, skip=0)
+    p, o = (_parse_ints(c, column(c), line_of) for c in (prompt, output))
+    arrivals = _parse_times(time_col, np.array(column(time_col))) if time_col else None
     return _build(prompt, output, p, o, arrivals, name)
 
 
-def _parse_ints(col: str, values: np.ndarray) -> np.ndarray:
-    """Token counts as int64, or a TraceError naming the first value that is not one."""
-    if values.dtype.kind in "iu":
-        return values.astype(np.int64)
-    if values.dtype.kind == "f":
-        ok = np.isfinite(values) & (values == np.round(values))
-    elif values.dtype.kind == "U":
-        values = np.strings.strip(values)
-        ok = np.strings.isdigit(values) | (
-            np.strings.startswith(values, "-") & np.strings.isdigit(np.strings.lstrip(values, "-"))
-        )
+def _token_count(value: object) -> int | None:
+    """A JSON integer (never a bool or a float) or an ASCII integer string, else None."""
+    if type(value) is int:
+        return value
+    return parse_ascii_int(value) if isinstance(value, str) else None
+
+
+def _parse_ints(col: str, values: np.ndarray | list[object], line_of: Callable[[int], int]) -> np.ndarray:
+    """Token counts as int64, or a TraceError naming the first value that is not one, its row
+    and its line. Counts beyond MAX_TOKEN_COUNT (int64 overflow included) are refused."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":  # parsed by np.loadtxt
+        counts = values.astype(np.int64)
     else:
-        ok = np.array([isinstance(v, int) and not isinstance(v, bool) for v in values])
-    if ok.all():
-        return values.astype(np.int64)
-    row = int(np.argmin(ok))
-    raise TraceError(
-        f"column {col!r} row {row + 1}: {values[row : row + 1].tolist()[0]!r} is not an integer token count"
+        given = values.tolist() if isinstance(values, np.ndarray) else values
+        parsed = [_token_count(v) for v in given]
+        if (row := next((i for i, v in enumerate(parsed) if v is None), None)) is not None:
+            raise TraceError(
+                f"column {col!r} row {row + 1}: {brief(given[row])} is not an integer token count "
+                f"(line {line_of(row)})"
+            )
+        if (row := next((i for i, v in enumerate(parsed) if abs(v) > MAX_TOKEN_COUNT), None)) is not None:
+            raise _too_large(col, row, given[row], line_of)
+        counts = np.array(parsed, dtype=np.int64)
+    if (big := np.flatnonzero(np.abs(counts) > MAX_TOKEN_COUNT)).size:
+        raise _too_large(col, int(big[0]), int(counts[big[0]]), line_of)
+    return counts
+
+
+def _too_large(col: str, row: int, value: object, line_of: Callable[[int], int]) -> TraceError:
+    return TraceError(
+        f"column {col!r} row {row + 1}: {brief(value)} is beyond {MAX_TOKEN_COUNT:,}, the largest "
+        f"token count nb takes (line {line_of(row)})"
     )
 
 
@@ -184,7 +249,7 @@ def _parse_times(col: str, values: np.ndarray) -> np.ndarray:
             if stamps is None or np.isnat(stamps).any():
                 row = next(i for i, v in enumerate(values) if not _is_datetime(v))
                 raise TraceError(
-                    f"column {col!r} row {row + 1}: {str(values[row])!r} is not a date-time or a "
+                    f"column {col!r} row {row + 1}: {brief(str(values[row]))} is not a date-time or a "
                     "number of milliseconds"
                 ) from None
             ns = stamps.astype(np.int64)

@@ -1,0 +1,100 @@
+"""The runtime's check of a whole step, before the first graph call of it writes the cache.
+
+A step may take several graph calls (chunks, split batches), and every call writes K/V; a value
+that only a later call, or the graph itself, would reject leaves the cache half-written. Compiled
+graphs do not bounds-check (inductor reads out of range or fails mid-graph), so this check is
+the runtime's, not the graph's, and every backend refuses the same steps. It covers every id the
+graphs will see: token ids against the vocabulary, positions, and every entry of each block-table
+row (the spare entries beyond the blocks a request needs too). Only integers pass: a float
+would be truncated and a bool read as 0 or 1.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
+
+import torch
+from torch import Tensor
+
+from neuron_buckets.core.block_table import NULL_BLOCK_ID
+from neuron_buckets.core.bucket import NoBucketFits
+from neuron_buckets.core.padding import PrefillChunk
+
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What the artifact can hold: the cache geometry and the vocabulary."""
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _int_list(values: Sequence[int] | Tensor, what: str) -> list[int]:
+    """``values`` as plain ints, or a ValueError: floats, bools and other types are not ids."""
+    if isinstance(values, Tensor):
+        if values.dim() != 1 or values.dtype not in INT_DTYPES:
+            raise ValueError(f"{what} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
+        return values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{what} must be a sequence of integers, got {type(values).__name__}")
+    if all(type(v) is int for v in values):  # the common case, without the ABC check per value
+        return list(values)
+    if bad := [v for v in values if not is_int(v)]:
+        raise ValueError(f"{what} must be integers, got {bad[:5]}")
+    return [int(v) for v in values]
+
+
+def check_token_ids(values: Sequence[int] | Tensor, vocab_size: int, what: str) -> list[int]:
+    """The ids as ints, each in [0, vocab_size), or a ValueError naming ``what`` and the bad ids."""
+    ids = _int_list(values, f"{what} token ids")
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
+        raise ValueError(f"{what} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_step(rows: Sequence[PrefillChunk], limits: StepLimits, max_tokens: int | None = None) -> None:
+    """Refuse a step that cannot run whole; ``max_tokens`` bounds each row (decode rows)."""
+    if not rows:
+        raise ValueError("a step needs at least one request")
+    needed: list[int] = []
+    for i, row in enumerate(rows):
+        n = len(check_token_ids(row.token_ids, limits.vocab_size, f"request {i}"))
+        if not n:
+            raise ValueError(f"request {i} has no tokens")
+        if max_tokens is not None and n > max_tokens:
+            raise NoBucketFits(f"decode rows carry at most {max_tokens} tokens, got {n}")
+        if not is_int(row.start_pos) or row.start_pos < 0:
+            raise ValueError(f"request {i}: start_pos must be a non-negative integer, got {row.start_pos!r}")
+        end = row.start_pos + n
+        if end > limits.max_model_len:
+            raise NoBucketFits(
+                f"request {i} reaching {end} tokens exceeds max_model_len {limits.max_model_len}"
+            )
+        blocks = _int_list(row.block_ids, f"request {i} block_ids")
+        need = -(-end // limits.block_size)
+        if len(blocks) < need:
+            raise ValueError(
+                f"request {i} of {end} tokens has blocks for only {len(blocks) * limits.block_size}"
+            )
+        mine, spare = blocks[:need], blocks[need:]
+        if any(not NULL_BLOCK_ID < b < limits.num_blocks for b in mine) or any(
+            not NULL_BLOCK_ID <= b < limits.num_blocks for b in spare
+        ):
+            raise ValueError(
+                f"block ids must lie in [1, {limits.num_blocks}), got {blocks} (request {i}; "
+                f"entries after the {need} it needs may also be {NULL_BLOCK_ID}, unused)"
+            )
+        needed.extend(mine)
+    if twice := [b for b, count in Counter(needed).items() if count > 1]:
+        raise ValueError(f"block {min(twice)} is listed twice in one step; each block has one owner")

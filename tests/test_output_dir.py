@@ -1,0 +1,209 @@
+"""What ``nb compile`` may touch: only directories and files it wrote, never through a symlink.
+
+Refusals happen before anything is written (not even the lock file), so each repro compares the
+whole tree, links included, before and after. The compiles use the eager backend and one graph
+cache per module, so only the first of them starts worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from neuron_buckets.artifact.manifest import PieceRecord, read_manifest
+from neuron_buckets.cli import app
+from neuron_buckets.compile.compiler import Compiler
+from neuron_buckets.compile.output_dir import OutputDirError, prune
+from neuron_buckets.compile.store import STALE_AFTER_S, GraphStore
+from neuron_buckets.config import load_config
+from tests.conftest import TINY_CONFIG, error_line, write_config
+
+EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
+runner = CliRunner()
+
+
+def nb_compile(out: Path, cache: Path):
+    return runner.invoke(app, ["compile", "--backend", "eager", "--out", str(out), "--cache-dir", str(cache)])
+
+
+def tree(root: Path) -> dict[str, object]:
+    """Every entry under ``root`` without following links: file bytes, link targets, dirs."""
+    found: dict[str, object] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                found[rel] = ("link", os.readlink(path))
+            elif path.is_dir():
+                found[rel] = "dir"
+            else:
+                found[rel] = path.read_bytes()
+    return found
+
+
+def foreign_manifest(tmp: Path) -> Path:
+    (tmp / "p" / "graphs").mkdir(parents=True)
+    (tmp / "p" / "graphs" / "notes.txt").write_text("x\n")
+    (tmp / "p" / "manifest.json").write_text('{"name":"app"}\n')
+    return tmp / "p"
+
+
+def graphs_link(tmp: Path) -> Path:
+    (tmp / "d").mkdir()
+    (tmp / "d" / "train.bin").write_text("data\n")
+    (tmp / "p2").mkdir()
+    (tmp / "p2" / "graphs").symlink_to(tmp / "d")
+    return tmp / "p2"
+
+
+def user_files(tmp: Path) -> Path:
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "thesis.tex").write_text("chapter 1\n")
+    return tmp / "mine"
+
+
+def manifest_directory(tmp: Path) -> Path:
+    (tmp / "art" / "manifest.json").mkdir(parents=True)
+    return tmp / "art"
+
+
+def weights_link(tmp: Path) -> Path:
+    (tmp / "w").mkdir()
+    (tmp / "w" / "weights.safetensors").symlink_to(tmp / "elsewhere.bin")
+    (tmp / "elsewhere.bin").write_bytes(b"\x00" * 64)
+    return tmp / "w"
+
+
+def a_file(tmp: Path) -> Path:
+    (tmp / "out").write_text("not a directory\n")
+    return tmp / "out"
+
+
+@pytest.mark.parametrize(
+    ("setup", "named"),
+    [
+        (foreign_manifest, "manifest.json: no integer schema_version"),
+        (graphs_link, "graphs is a symbolic link"),
+        (user_files, "holds thesis.tex and no nb manifest"),
+        (manifest_directory, "manifest.json"),
+        (weights_link, "weights.safetensors is a symbolic link"),
+        (a_file, "is not a directory"),
+    ],
+    ids=["foreign-manifest", "graphs-symlink", "user-files", "manifest-dir", "weights-symlink", "a-file"],
+)
+def test_compile_refuses_what_it_did_not_write_and_touches_nothing(tmp_path, setup, named):
+    out = setup(tmp_path)
+    before = tree(tmp_path)
+    line = error_line(nb_compile(out, tmp_path / "cache"))
+    assert named in line and "choose another --out" in line
+    assert tree(tmp_path) == before  # not even a lock file or the cache directory
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("eager-cache")
+
+
+def eager(tmp: Path, model: Path, text: str = EAGER):
+    tmp.mkdir(exist_ok=True)
+    return load_config(write_config(tmp, model, text))
+
+
+def test_pruning_removes_only_graphs_its_previous_manifest_listed(hf_model_dir, cache, tmp_path):
+    out = tmp_path / "out"
+    Compiler(eager(tmp_path, hf_model_dir), out, cache).run(jobs=2)
+    listed = {r.file for r in read_manifest(out).pieces.values()}
+    stray = out / "graphs" / f"{'0' * 64}.json"  # named like a graph, but no manifest listed it
+    for path in (stray, out / "graphs" / "notes.txt", out / "logs" / "mine.log"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("the user's\n")
+
+    shrunk = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [32]")
+    report = Compiler(eager(tmp_path / "shrunk", hf_model_dir, shrunk), out, cache).run(jobs=2)
+    assert report.compiled == [] and len(report.outcomes) == 5  # embed, head, 3 layers
+    kept = {r.file for r in read_manifest(out).pieces.values()}
+    (dropped,) = listed - kept
+    assert not (out / dropped).exists()
+    assert all((out / f).is_file() for f in kept)
+    assert stray.read_text() == (out / "graphs" / "notes.txt").read_text() == "the user's\n"
+    assert (out / "logs" / "mine.log").is_file()
+
+
+def test_an_edited_manifest_cannot_point_pruning_at_other_files(tmp_path):
+    for name in ("weights.safetensors", "graphs/failed.json", "graphs/sub/x.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("keep\n")
+    claims = SimpleNamespace(pieces={
+        str(i): PieceRecord("layer", f"p{i}", file, None, status=status)
+        for i, (file, status) in enumerate([
+            ("weights.safetensors", "ok"),
+            ("graphs/failed.json", "failed"),  # never written by a run
+            ("graphs/sub/x.json", "ok"),
+        ])
+    })
+    prune(tmp_path, claims, keep=set())
+    assert all((tmp_path / n).read_text() == "keep\n" for n in ("weights.safetensors", "graphs/sub/x.json"))
+    assert (tmp_path / "graphs/failed.json").is_file()
+
+
+KILLED_WHILE_WRITING_WEIGHTS = """
+import os, signal, sys
+from pathlib import Path
+from neuron_buckets.artifact.manifest import atomic_write
+from neuron_buckets.compile.output_dir import owned_directory
+
+def write_then_die(tmp: Path) -> None:
+    tmp.write_bytes(bytes(1 << 20))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+with owned_directory(Path(sys.argv[1])):
+    atomic_write(Path(sys.argv[1]) / "weights.safetensors", write_then_die)
+"""
+
+
+def test_temp_files_of_a_killed_run_are_removed_by_the_next_run(hf_model_dir, cache, tmp_path):
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_WRITING_WEIGHTS, str(out)], check=False)
+    assert killed.returncode == -signal.SIGKILL
+    (leak,) = out.glob(".weights.safetensors.*.tmp")
+    assert leak.stat().st_size == 1 << 20
+    (out / "graphs").mkdir()
+    placing = out / "graphs" / f".{'a' * 64}.json.4242.tmp"  # GraphStore.place, killed
+    placing.write_text("{}")
+    users = out / "graphs" / ".draft.tmp"  # a dot file of the user's: not our pattern
+    users.write_text("draft\n")
+
+    report = Compiler(eager(tmp_path, hf_model_dir), out, cache).run(jobs=2)
+    assert not report.failed and len(report.buckets) == 4 and len(report.outcomes) == 6
+    assert not leak.exists() and not placing.exists()
+    assert users.read_text() == "draft\n"
+
+
+def test_stale_temp_files_in_the_shared_cache_are_removed_by_name_and_age(tmp_path):
+    store = GraphStore(tmp_path)
+    key = "f" * 64
+    old = [tmp_path / f".{key}.123.tmp.pt2", tmp_path / f".{key}.pt2.sha256.abcd_123.tmp"]
+    fresh = tmp_path / f".{key}.456.tmp.pt2"  # another compile may be writing it right now
+    other = tmp_path / "notes.tmp"
+    for path in (*old, fresh, other):
+        path.write_bytes(b"x")
+    long_ago = time.time() - STALE_AFTER_S - 60
+    for path in (*old, other):
+        os.utime(path, (long_ago, long_ago))
+    assert sorted(store.remove_stale_temps()) == sorted(old)
+    assert fresh.exists() and other.exists()
+
+
+def test_the_library_refuses_a_foreign_directory_too(hf_model_dir, tmp_path):
+    out = user_files(tmp_path)
+    with pytest.raises(OutputDirError, match="holds thesis.tex"):
+        Compiler(eager(tmp_path, hf_model_dir), out, tmp_path / "cache")
