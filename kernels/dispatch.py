@@ -1,9 +1,12 @@
-"""Which implementation of the two block-KV ops the model runs: the torch goldens, or a swap-in.
+"""Which implementation of the two block-KV ops the model runs: the torch paths, or a swap-in.
 
-The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default they forward to
-the goldens of ``block_kv_torch``; a backend with its own kernels (Neuron: the NKI kernels of
-``block_kv_nki``) installs them with ``use(kernels)`` for the duration of a trace, so the model
-code is identical on every backend and the swap is visible in one place. The choice is a plain
+The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default (``DEFAULT``)
+the cache write is the golden of ``block_kv_torch`` and the attention the fused path of
+``block_kv_sdpa``, which agrees with the golden within float tolerance and compiles to far less
+work; ``GOLDEN`` is the readable reference every other implementation is tested against. A
+backend with its own kernels (Neuron: the NKI kernels of ``block_kv_nki``) installs them with
+``use(kernels)`` for the duration of a trace, so the model code is identical on every backend and
+the swap is visible in one place. The choice is a plain
 module global, which torch.compile and torch.export trace as a constant; compiles run one per
 process, so no two traces ever share it.
 """
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from neuron_buckets.kernels import block_kv_torch
+from neuron_buckets.kernels import block_kv_sdpa, block_kv_torch
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class KernelSet:
 
 
 GOLDEN = KernelSet("torch", block_kv_torch.write_kv_cache, block_kv_torch.block_kv_attention)
-_active = GOLDEN
+DEFAULT = KernelSet("torch-sdpa", block_kv_torch.write_kv_cache, block_kv_sdpa.block_kv_attention)
+_active = DEFAULT
 
 
 def active() -> KernelSet:

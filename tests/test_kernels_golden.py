@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
+from neuron_buckets.kernels import block_kv_sdpa
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
 KVH, D = 2, 8
@@ -207,3 +208,30 @@ def test_layer_write_through_a_view_touches_only_that_layer():
     for other in (0, 2):
         assert torch.equal(bits(stacked_k[other]), bits(before_k[other]))
         assert torch.equal(bits(stacked_v[other]), bits(before_v[other]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+    seq=st.integers(1, 6),
+    packed=st.booleans(),
+    fill=st.sampled_from([float("nan"), 1e30]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_fused_attention_path_agrees_with_the_golden(lens, seq, packed, fill, seed):
+    """The default CPU path (one fused SDPA call) against the readable golden: same masking
+    (segments, context, garbage outside it), outputs within float tolerance."""
+    bs, max_blocks = 8, 5
+    q, k_act, v_act, k_cache, v_cache, table, _, _ = paged_case(lens, seq, bs, max_blocks, KVH * 3, seed)
+    k_cache[0], v_cache[0] = fill, fill  # the null block, read through -1 entries and masked
+    gen = torch.Generator().manual_seed(seed)
+    segments = torch.zeros(len(lens), seq, dtype=torch.int64)
+    if packed:  # requests end to end in each row: sorted segment ids, segment 0 first
+        segments = torch.randint(0, 3, (len(lens), seq), generator=gen).sort(dim=1).values
+        segments -= segments[:, :1].clone()
+    args = (q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table), torch.tensor(lens),
+            segments, 0.3)
+    want = block_kv_attention(*args)
+    got = block_kv_sdpa.block_kv_attention(*args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

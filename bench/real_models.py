@@ -1,0 +1,66 @@
+"""Random-weight Hugging Face checkpoints of real model shapes, for benchmarks against peer engines.
+
+The weights are random (no download, no licence question) but the shapes, dtype and config keys are
+those of the real model, so every engine does the real amount of work and loads the directory through
+its ordinary Hugging Face path. Both peers read the same directory, so their greedy outputs can be
+compared token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+MARKER = "nb-bench-model.json"
+
+SMOLLM2_135M: dict[str, object] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def build_smollm(out_dir: Path, num_layers: int = 30, seed: int = 0) -> Path:
+    """Write (or reuse) a random-weight SmolLM2-135M-shaped Llama checkpoint in float32.
+
+    A marker file records the shape and seed and is written last, so a directory left half-written by
+    an interrupted run is rebuilt instead of silently reused. ``num_layers`` makes a shallow twin of the
+    same width (e.g. 2 layers) for quick runs.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    spec = {"shape": "SmolLM2-135M", "num_layers": num_layers, "seed": seed, "dtype": "float32"}
+    marker = out_dir / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return out_dir
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+
+    params = dict(SMOLLM2_135M)
+    rope_theta = params.pop("rope_theta")
+    config = LlamaConfig(
+        **params,
+        num_hidden_layers=num_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    marker.write_text(json.dumps(spec))
+    return out_dir
