@@ -27,7 +27,6 @@ from neuron_buckets.model.llama import (
     decoder_layer,
     embed,
     head,
-    head_weight_names,
 )
 
 Role = Literal["embed", "layer", "head"]
@@ -158,5 +157,4 @@ __all__ = [
     "bucket_pieces",
     "dynamic_shapes",
     "example_inputs",
-    "head_weight_names",
 ]
