@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
+from neuron_buckets.core.masks import gen_segment_masks
+from neuron_buckets.kernels.block_kv_torch import gather_context
 
 
 def block_kv_attention(
@@ -44,14 +45,7 @@ def block_kv_attention(
 
     def with_context(q: Tensor, k_active: Tensor, v_active: Tensor, k_cache: Tensor, v_cache: Tensor,
                      block_table: Tensor, cache_lens: Tensor) -> Tensor:
-        batch, _, _, head_dim = q.shape
-        num_kv_heads = k_active.shape[2]
-        s_ctx = block_table.shape[1] * k_cache.shape[1]
-        blocks = block_table.clamp(min=0)
-        cached = gen_cache_mask(cache_lens, 1, 1, s_ctx)[:, 0, 0]  # (B, s_ctx)
-        valid = cached[:, :, None, None]
-        k_ctx = torch.where(valid, k_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim), 0)
-        v_ctx = torch.where(valid, v_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim), 0)
+        k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, block_table, cache_lens)
         ctx_mask, active_mask = gen_segment_masks(cached, segment_ids)
         keys = torch.cat([k_ctx.to(q.dtype), k_active], dim=1)
         values = torch.cat([v_ctx.to(q.dtype), v_active], dim=1)

@@ -49,6 +49,25 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         cache.index_put_(index, values)
 
 
+def gather_context(
+    k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_lens: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's cached K/V, (B, M * BS, KVH, D), zero beyond ``cache_lens``, and that mask (B, M * BS).
+
+    -1 table entries read the null block and are masked. 0 * NaN is NaN, so masking scores alone
+    is not enough: whatever the cache holds past a row's length is zeroed before any matmul.
+    """
+    batch, cols = block_table.shape
+    s_ctx = cols * k_cache.shape[1]
+    blocks = block_table.clamp(min=0)
+    cached = gen_cache_mask(cache_lens, 1, 1, s_ctx)[:, 0, 0]
+    valid = cached[:, :, None, None]
+    shape = (batch, s_ctx, *k_cache.shape[2:])
+    k_ctx = torch.where(valid, k_cache[blocks].reshape(shape), 0)
+    v_ctx = torch.where(valid, v_cache[blocks].reshape(shape), 0)
+    return k_ctx, v_ctx, cached
+
+
 def block_kv_attention(
     q: Tensor,
     k_active: Tensor,
@@ -71,15 +90,8 @@ def block_kv_attention(
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_active.shape[2]
     group = num_heads // num_kv_heads
-    block_size = k_cache.shape[1]
-    s_ctx = block_table.shape[1] * block_size
-
-    blocks = block_table.clamp(min=0)  # -1 sentinels read the null block, masked below
-    cached = gen_cache_mask(cache_lens, 1, 1, s_ctx)[:, 0, 0]  # (B, s_ctx)
-    # 0 * NaN is NaN, so masking scores alone is not enough: zero masked K/V before the matmuls.
-    valid = cached[:, :, None, None]
-    k_ctx = torch.where(valid, k_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim), 0)
-    v_ctx = torch.where(valid, v_cache[blocks].reshape(batch, s_ctx, num_kv_heads, head_dim), 0)
+    k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, block_table, cache_lens)
+    s_ctx = cached.shape[1]
     ctx_mask, active_mask = gen_segment_masks(cached, segment_ids)  # (B, S, s_ctx), (B, S, S)
 
     # (B, KVH, group, S, D) x (B, KVH, 1, D, L): GQA by broadcasting, no repeated K/V.
