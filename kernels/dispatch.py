@@ -1,9 +1,10 @@
 """Which implementation of the two block-KV ops the model runs: the torch paths, or a swap-in.
 
 The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default (``DEFAULT``)
-the cache write is the golden of ``block_kv_torch`` and the attention the fused path of
-``block_kv_sdpa``, which agrees with the golden within float tolerance and compiles to far less
-work; ``GOLDEN`` is the readable reference every other implementation is tested against. A
+the cache write is the golden of ``block_kv_torch`` and the attention the fast path of
+``block_kv_flex`` (block-sparse flex attention for long rows, the fused SDPA call of
+``block_kv_sdpa`` for short ones), which agrees with the golden within float tolerance and
+compiles to far less work; ``GOLDEN`` is the readable reference every other implementation is tested against. A
 backend with its own kernels (Neuron: the NKI kernels of ``block_kv_nki``) installs them with
 ``use(kernels)`` for the duration of a trace, so the model code is identical on every backend and
 the swap is visible in one place. The choice is a plain
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from neuron_buckets.kernels import block_kv_sdpa, block_kv_torch
+from neuron_buckets.kernels import block_kv_flex, block_kv_torch
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class KernelSet:
 
 
 GOLDEN = KernelSet("torch", block_kv_torch.write_kv_cache, block_kv_torch.block_kv_attention)
-DEFAULT = KernelSet("torch-sdpa", block_kv_torch.write_kv_cache, block_kv_sdpa.block_kv_attention)
+DEFAULT = KernelSet("torch-flex", block_kv_torch.write_kv_cache, block_kv_flex.block_kv_attention)
 _active = DEFAULT
 
 

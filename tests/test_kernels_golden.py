@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
-from neuron_buckets.kernels import block_kv_sdpa
+from neuron_buckets.kernels import block_kv_flex, block_kv_sdpa
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
 KVH, D = 2, 8
@@ -210,17 +211,22 @@ def test_layer_write_through_a_view_touches_only_that_layer():
         assert torch.equal(bits(stacked_v[other]), bits(before_v[other]))
 
 
+# Eager flex attention (a reference implementation) warns that it is not the compiled kernel;
+# the compiled one runs in every artifact test.
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kernel", [block_kv_sdpa, block_kv_flex], ids=["sdpa", "flex"])
 @settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
-    seq=st.integers(1, 6),
+    # rows longer than a flex tile take the block-sparse path, shorter ones the dense one
+    seq=st.integers(1, 6) | st.integers(block_kv_flex.TILE + 1, block_kv_flex.TILE + 40),
     packed=st.booleans(),
     fill=st.sampled_from([float("nan"), 1e30]),
     seed=st.integers(0, 2**16),
 )
-def test_the_fused_attention_path_agrees_with_the_golden(lens, seq, packed, fill, seed):
-    """The default CPU path (one fused SDPA call) against the readable golden: same masking
-    (segments, context, garbage outside it), outputs within float tolerance."""
+def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packed, fill, seed):
+    """The fast CPU paths (dense fused SDPA; block-sparse flex attention) against the readable
+    golden: same masking (segments, context, garbage outside it), outputs within float tolerance."""
     bs, max_blocks = 8, 5
     q, k_act, v_act, k_cache, v_cache, table, _, _ = paged_case(lens, seq, bs, max_blocks, KVH * 3, seed)
     k_cache[0], v_cache[0] = fill, fill  # the null block, read through -1 entries and masked
@@ -232,6 +238,6 @@ def test_the_fused_attention_path_agrees_with_the_golden(lens, seq, packed, fill
     args = (q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table), torch.tensor(lens),
             segments, 0.3)
     want = block_kv_attention(*args)
-    got = block_kv_sdpa.block_kv_attention(*args)
+    got = kernel.block_kv_attention(*args)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

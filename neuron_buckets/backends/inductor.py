@@ -4,6 +4,14 @@ A piece has no parameters of its own (``model/pieces.py``), so its package holds
 runtime passes each call the weights it needs, from its one copy, and the KV cache slice the
 compiled code mutates in place. ``package_constants_in_so=False`` stays fixed so that no user
 flag can bake tensors into a package.
+
+Threads: inductor writes the compiling process's thread count into its C++ (``omp parallel
+num_threads(N)``, and no parallel loop at all when N is 1), and a compile worker runs with a
+share of the cores. Graphs compiled that way would serve single-threaded. ``cpp.dynamic_threads``
+makes the loops take the serving process's thread count instead. Templates that keep per-thread
+scratch buffers (the CPU flex attention kernel) size them by ``cpp.threads`` at compile time and
+index them by the running thread, so that is fixed at an upper bound, ``MAX_THREADS``, not the
+compiling machine's count; a runtime never uses more threads than that.
 """
 
 from __future__ import annotations
@@ -24,7 +32,12 @@ from torch.utils import _pytree as pytree
 from neuron_buckets.backends.base import GraphFn
 from neuron_buckets.core.cache_dir import default_cache_dir
 
-FIXED_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+MAX_THREADS = 256
+FIXED_CONFIGS = {
+    "aot_inductor.package_constants_in_so": False,
+    "cpp.dynamic_threads": True,
+    "cpp.threads": MAX_THREADS,
+}
 
 
 @functools.cache
@@ -96,7 +109,10 @@ class InductorBackend:
                 f"compile.flags {unknown} are not torch._inductor.config options (torch {torch.__version__})"
             )
         if clash := {k: v for k, v in flags.items() if k in FIXED_CONFIGS and FIXED_CONFIGS[k] != v}:
-            raise ValueError(f"compile.flags {clash} conflict with the weights-outside-graph design")
+            raise ValueError(
+                f"compile.flags {clash} conflict with what nb fixes (weights outside the package, "
+                "thread counts taken at serving time)"
+            )
         return {**flags, **FIXED_CONFIGS}
 
     def compile(
@@ -109,6 +125,8 @@ class InductorBackend:
             )
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
+        if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
+            torch.set_num_threads(MAX_THREADS)
         index = torch.device(device).index
         compiled = torch._inductor.aoti_load_package(str(path), device_index=-1 if index is None else index)
         return PackageCall(compiled.loader)

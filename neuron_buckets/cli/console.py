@@ -40,7 +40,7 @@ class ErrorHandlingGroup(TyperGroup):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+        except (typer.Exit, click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except EXPECTED as e:
             raise fail(e) from None

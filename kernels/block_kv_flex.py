@@ -1,0 +1,70 @@
+"""The fast torch path of block-KV attention: the golden's contract through ``flex_attention``.
+
+Which (query, key) pairs may meet is sparse in every step nb runs: a packed prefill row holds
+several requests that must not see each other, only its first request sees the cached context,
+and a context bucket is usually longer than a row's real context. A dense fused kernel
+(``scaled_dot_product_attention`` with a mask) still computes every pair and masks afterwards.
+``flex_attention`` takes the mask as a ``BlockMask``: tiles where no pair may meet are never
+computed, so attention costs what the requests' real lengths cost. Inductor compiles it to a CPU
+template (and to a Triton kernel on GPU). The block mask is built inside the graph from
+``segment_ids`` and ``cache_lens``, so one compiled piece serves fresh and continuing prompts.
+
+Masked context K/V are zeroed first, as in the golden (a masked score still multiplies its value
+inside a computed tile, and 0 * NaN is NaN), so NaN or garbage in unused blocks never reaches an
+output. It agrees with the golden within float tolerance (tested); the cache write is the golden's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from neuron_buckets.kernels import block_kv_sdpa
+from neuron_buckets.kernels.block_kv_torch import gather_context
+
+TILE = 64  # query and key tile of the block mask: a tile pair is skipped when no pair in it may meet
+
+
+def block_kv_attention(
+    q: Tensor,
+    k_active: Tensor,
+    v_active: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    segment_ids: Tensor,
+    scale: float,
+) -> Tensor:
+    """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
+
+    Rows of at most one tile (decode rows, small prefill buckets) have no tile to skip, so they
+    take the dense fused path, which is faster there (measured); inductor's CPU flex template
+    also fails to compile one-token query rows. The choice is made on static shapes at trace time.
+    """
+    batch, seq = q.shape[:2]
+    if seq <= TILE:
+        return block_kv_sdpa.block_kv_attention(
+            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale
+        )
+    k_ctx, v_ctx, _ = gather_context(k_cache, v_cache, block_table, cache_lens)
+    s_ctx = k_ctx.shape[1]
+
+    def may_attend(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        # Keys are the row's context (ki < s_ctx) followed by the step's own tokens.
+        step = (ki - s_ctx).clamp(min=0)
+        own = (ki >= s_ctx) & (step <= qi) & (segment_ids[b, step] == segment_ids[b, qi])
+        context = (ki < cache_lens[b]) & (segment_ids[b, qi] == 0)
+        return own | context
+
+    mask = create_block_mask(
+        may_attend, batch, None, seq, s_ctx + seq, device=q.device, BLOCK_SIZE=TILE, _compile=False
+    )
+    # (B, heads, tokens, D) buffers of their own: inductor's CPU template reads its operands'
+    # layouts directly and cannot take views of the projections' (tokens, heads * D) outputs.
+    keys = torch.cat([k_ctx.to(q.dtype), k_active], dim=1).transpose(1, 2).contiguous()
+    values = torch.cat([v_ctx.to(q.dtype), v_active], dim=1).transpose(1, 2).contiguous()
+    queries = q.transpose(1, 2).contiguous()
+    out = flex_attention(queries, keys, values, block_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
