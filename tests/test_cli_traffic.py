@@ -192,9 +192,13 @@ def test_plan_under_a_compile_budget(tmp_path: Path) -> None:
 
 @needs_traces
 def test_plan_toml_snippet_is_a_valid_config() -> None:
-    doc = nb_json("plan", "--trace", CONV, "--graphs", 6, "--align", 16, "--max-num-batched-tokens", 8192)
+    doc = nb_json(
+        "plan", "--trace", CONV, "--graphs", 6, "--align", 16, "--max-num-batched-tokens", 8192,
+        "--max-model-len", 4096,
+    )
     snippet = tomllib.loads(doc["toml"])
-    buckets = parse_config(snippet).buckets
+    buckets = parse_config({**snippet, "cache": {"max_model_len": 4096, "num_blocks": 4096}}).buckets
+    assert list(buckets.decode_context_length_buckets) == doc["context"]["buckets"]
     assert list(buckets.num_batched_tokens_buckets) == doc["prefill"]["buckets"]
     assert list(buckets.num_seqs_buckets) == doc["decode"]["buckets"]
     assert buckets.max_num_batched_tokens == 8192 and doc["prefill"]["chunked_requests"] > 0

@@ -19,9 +19,11 @@ from neuron_buckets.traffic.padding_stats import _fifo_starts, padding_stats, re
 from neuron_buckets.traffic.planner import (
     PlanError,
     PlanOptions,
+    decode_contexts,
     largest_bucket,
     optimal_sets,
     plan,
+    plan_contexts,
     powers_of_two_baseline,
 )
 from neuron_buckets.traffic.traces import Trace, load_trace
@@ -227,3 +229,35 @@ def test_replay_decodes_every_output_token() -> None:
         rows = float(np.arange(len(conc.steps)) @ conc.steps)
         assert rows == pytest.approx(trace.output_lens.sum(), rel=1e-9)
         assert conc.peak <= slots
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 40)), min_size=1, max_size=12),
+    max_model_len=st.integers(2, 100),
+)
+def test_decode_contexts_count_every_decoded_token(requests, max_model_len) -> None:
+    """Against one loop per token: request (p, o) decodes tokens 2..o at contexts p+1..p+o-1,
+    and a request longer than max_model_len is left out."""
+    prompts, outputs = (np.array(x, dtype=np.int64) for x in zip(*requests, strict=True))
+    contexts, rows = decode_contexts(Trace(prompts, outputs, None, "t"), max_model_len)
+    want: dict[int, int] = {}
+    for p, o in requests:
+        if p + o <= max_model_len:
+            for ctx in range(p + 1, p + o):
+                want[ctx] = want.get(ctx, 0) + 1
+    assert dict(zip(contexts.tolist(), rows.tolist(), strict=True)) == want
+
+
+@needs_traces
+def test_context_plan_attends_fewer_positions_than_the_default_set() -> None:
+    trace = load_trace(CONV)
+    doc = plan_contexts(trace, PlanOptions(graphs=1, align=64, max_model_len=4096))
+    assert doc["buckets"][-1] == 4096 and all(b % 64 == 0 for b in doc["buckets"])
+    assert doc["baseline"]["buckets"] == [256, 512, 1024, 2048, 4096]
+    assert len(doc["buckets"]) <= len(doc["baseline"]["buckets"])
+    assert doc["padding_ratio"] < 0.5 * doc["baseline"]["padding_ratio"]
+    contexts, rows = decode_contexts(trace, 4096)
+    assert doc["real_positions"] == pytest.approx(float((contexts * rows).sum()))
+    with pytest.raises(PlanError, match="not a multiple of align"):
+        plan_contexts(trace, PlanOptions(graphs=1, align=64, max_model_len=4000))

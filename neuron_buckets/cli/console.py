@@ -34,17 +34,26 @@ def fail(message: object, code: int = 2) -> typer.Exit:
 EXPECTED = (UserError, ValueError, OSError)
 
 
+def is_click_flow(e: BaseException) -> bool:
+    """click's own control flow (exit, usage error, abort), raised by click itself, by typer, or
+    by the copy of click that newer typer releases carry: click prints and exits for those."""
+    return any(
+        c.__name__ in ("Exit", "ClickException", "Abort") and c.__module__.endswith(".exceptions")
+        for c in type(e).__mro__
+    )
+
+
 class ErrorHandlingGroup(TyperGroup):
     """The CLI's one error path: expected failures become one line, anything else is a bug."""
 
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
-        except (typer.Exit, click.exceptions.Exit, click.ClickException, click.Abort):
-            raise
         except EXPECTED as e:
             raise fail(e) from None
         except Exception as e:
+            if is_click_flow(e):
+                raise
             err.print(traceback.format_exc(), highlight=False, soft_wrap=True, end="")
             raise fail(f"unexpected {type(e).__name__}: this is a bug in nb; please report it with the "
                        "traceback above", code=1) from None

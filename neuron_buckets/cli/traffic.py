@@ -154,9 +154,18 @@ def plan_cmd(
         float | None,
         typer.Option("--holdout-split", help="Fit on this first fraction by arrival, report the rest"),
     ] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option("--max-model-len", min=1, help="Largest decode context; default: the longest request"),
+    ] = None,
+    context_graphs: Annotated[
+        int | None,
+        typer.Option("--context-graphs", min=1, help="Decode context buckets; default: as the grid"),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Choose the prefill buckets (and num_seqs buckets) that minimise padding on a trace."""
+    """Choose the prefill buckets, num_seqs buckets and decode context buckets that minimise
+    padding on a trace."""
     opts = PlanOptions(
         graphs=graphs,
         align=align,
@@ -166,6 +175,8 @@ def plan_cmd(
         tokens_per_s=decode_rate,
         max_compile_seconds=max_compile_seconds,
         holdout_split=holdout_split,
+        max_model_len=max_model_len,
+        context_graphs=context_graphs,
     )
     cost = load_manifest_buckets(manifest).cost if manifest else None
     data = _load(trace)

@@ -10,6 +10,13 @@ ceil(n / align) * align, so only the distinct aligned sizes matter. With c_j tho
 the items at or below c_j, the best exactly-k set whose largest bucket is c_j costs
     g_k[j] = min_{i<j} g_{k-1}[i] + c_j (S_j - S_i),   g_1[j] = c_j S_j,
 evaluated for all i, j at once per k: O(K m^2) for m distinct sizes (m <= cap / align).
+
+Decode context buckets are the same programme over a different item: every generated token after
+the first is one decode row that attends over its request's context so far, and on the smallest
+context bucket holding it that costs the bucket's positions. Weighting each context by the
+tokens decoded there, the optimum minimises the context positions attended. It is exact for that
+per-row cost; the runtime puts rows of similar context in one call, which reads the call's
+deepest row's bucket, so calls that mix contexts cost more than the plan counts.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from neuron_buckets.config import CacheConfig
+from neuron_buckets.config.loader import default_contexts
 from neuron_buckets.core.bucket import powers_of_two
 from neuron_buckets.traffic.compile_cost import CompileCost
 from neuron_buckets.traffic.padding_stats import Concurrency, padding_stats, replay_decode
@@ -40,6 +49,8 @@ class PlanOptions:
     tokens_per_s: float = 30.0  # per-request decode rate in the replay
     max_compile_seconds: float | None = None  # budget for all graphs (needs a CompileCost)
     holdout_split: float | None = None  # fit on this first fraction by arrival, report the rest
+    max_model_len: int | None = None  # largest decode context; None: the longest request, aligned
+    context_graphs: int | None = None  # decode context buckets; None: as many as the default set
 
 
 def powers_of_two_baseline(longest: int, start: int = 128) -> tuple[int, ...]:
@@ -128,7 +139,7 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
         "max_num_batched_tokens": buckets[-1],
         "baseline": padding_stats(fit.prompt_lens, baseline).to_json("requests", "tokens"),
     }
-    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto}
+    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto, "context": plan_contexts(fit, opts)}
     out["compile_seconds"] = chosen["total_compile_seconds"]
     if held is not None:
         out["holdout"] = _holdout(held, opts, buckets, baseline, decode)
@@ -148,6 +159,42 @@ def _plan_decode(fit: Trace, opts: PlanOptions) -> dict | None:
     batch = np.arange(1, conc.peak + 1)
     buckets = optimal_sets(batch, k, 1, opts.max_num_seqs, conc.steps[1 : conc.peak + 1])[-1]
     return _decode_json(conc, buckets, baseline)
+
+
+def decode_contexts(trace: Trace, max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct contexts of the trace's decode rows and how many rows reach each. Request i
+    decodes its tokens 2..o at contexts p+1 .. p+o-1 (the first comes from prefill); requests
+    longer than ``max_model_len`` are refused by the runtime and left out. A difference array
+    counts every context at once, without a row per token."""
+    p, o = trace.prompt_lens.astype(np.int64), trace.output_lens.astype(np.int64)
+    keep = (o >= 2) & (p + o <= max_model_len)
+    first, last = p[keep] + 1, p[keep] + o[keep] - 1
+    size = max_model_len + 2
+    diff = np.bincount(first, minlength=size) - np.bincount(last + 1, minlength=size)
+    counts = np.cumsum(diff)[: max_model_len + 1]
+    contexts = np.flatnonzero(counts)
+    return contexts, counts[contexts]
+
+
+def plan_contexts(fit: Trace, opts: PlanOptions) -> dict | None:
+    """``decode_context_length_buckets`` minimising the context positions decode rows attend,
+    against the grid's default (powers of two from 256); None when no request decodes."""
+    longest = int((fit.prompt_lens + fit.output_lens).max())
+    top = opts.max_model_len or -(-longest // opts.align) * opts.align
+    if top % opts.align:
+        raise PlanError(f"max_model_len {top} is not a multiple of align={opts.align}")
+    contexts, rows = decode_contexts(fit, top)
+    if not len(contexts):
+        return None
+    # the largest bucket must be max_model_len itself (a grid rule): a zero-weight item there
+    contexts, rows = np.append(contexts, top), np.append(rows, 0)
+    baseline = default_contexts(CacheConfig(block_size=opts.align, max_model_len=top))
+    chosen = optimal_sets(contexts, opts.context_graphs or len(baseline), opts.align, top, rows)[-1]
+    stats = padding_stats(contexts, chosen, rows).to_json("rows", "positions")
+    return stats | {
+        "max_model_len": top,
+        "baseline": padding_stats(contexts, baseline, rows).to_json("rows", "positions"),
+    }
 
 
 def _decode_json(conc: Concurrency, buckets: tuple[int, ...], baseline: tuple[int, ...]) -> dict:

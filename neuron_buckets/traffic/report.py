@@ -132,6 +132,8 @@ def print_plan(console: Console, doc: dict) -> None:
     _compare_rows(compare, "prefill", prefill)
     if doc["decode"]:
         _compare_rows(compare, "decode", doc["decode"])
+    if doc.get("context"):
+        _compare_rows(compare, "decode context", doc["context"])
     console.print(compare)
     console.print(f"* = chosen: {chosen} prefill graph(s)")
     if doc.get("holdout"):
@@ -173,5 +175,12 @@ def toml_snippet(doc: dict, trace_name: str) -> str:
         lines += [
             f"max_num_seqs = {doc['decode']['buckets'][-1]}",
             f"num_seqs_buckets = {doc['decode']['buckets']}",
+        ]
+    if context := doc.get("context"):
+        lines += [
+            f"# decode context positions attended: {_pct(context['padding_ratio'])} over the real "
+            f"context (powers of two from 256: {_pct(context['baseline']['padding_ratio'])}); "
+            f"needs cache.max_model_len = {context['max_model_len']}",
+            f"decode_context_length_buckets = {context['buckets']}",
         ]
     return "\n".join(lines) + "\n"
