@@ -33,7 +33,11 @@ _PUBLIC = {
     "read_manifest": "neuron_buckets.artifact.manifest",
     "BucketRuntime": "neuron_buckets.serve.runtime",
     "ArtifactError": "neuron_buckets.serve.runtime",
-    "generate": "neuron_buckets.serve.engine",
+    "LLMEngine": "neuron_buckets.serve.llm_engine",
+    "generate": "neuron_buckets.serve.llm_engine",
+    "SamplingParams": "neuron_buckets.serve.sampling_params",
+    "RequestOutput": "neuron_buckets.serve.request_output",
+    "Tokenizer": "neuron_buckets.serve.tokenizer",
     "Compiler": "neuron_buckets.compile.compiler",
 }
 
@@ -60,7 +64,11 @@ __all__ = [
     "read_manifest",
     "BucketRuntime",
     "ArtifactError",
+    "LLMEngine",
     "generate",
+    "SamplingParams",
+    "RequestOutput",
+    "Tokenizer",
     "Compiler",
 ]
 
@@ -78,8 +86,11 @@ if TYPE_CHECKING:
     from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
     from neuron_buckets.core.masks import gen_cache_mask
     from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs
-    from neuron_buckets.serve.engine import generate
+    from neuron_buckets.serve.llm_engine import LLMEngine, generate
+    from neuron_buckets.serve.request_output import RequestOutput
     from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+    from neuron_buckets.serve.sampling_params import SamplingParams
+    from neuron_buckets.serve.tokenizer import Tokenizer
 
 
 def __getattr__(name: str) -> Any:

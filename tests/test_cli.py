@@ -88,7 +88,8 @@ def test_ls_of_a_directory_without_manifest_is_one_clear_error(tmp_path):
 
 def test_generate_prints_tokens_and_stats(eager_dir):
     result = nb(
-        "generate", eager_dir, "--prompt", "1,2,3", "--prompt", "4,5", "--max-new-tokens", "3", "--stats"
+        "generate", eager_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "3", "--stats",
+        "--ignore-eos",
     )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line and line[0].isdigit()]
@@ -103,9 +104,9 @@ def test_generate_prints_tokens_and_stats(eager_dir):
 
 
 def test_generate_refuses_bad_prompts(eager_dir):
-    assert nb("generate", eager_dir, "--prompt", "1,x").exit_code == 2
+    assert nb("generate", eager_dir, "--prompt-ids", "1,x").exit_code == 2
     too_long = ",".join(["1"] * 200)  # max_model_len is 128
-    result = nb("generate", eager_dir, "--prompt", too_long, "--max-new-tokens", "2")
+    result = nb("generate", eager_dir, "--prompt-ids", too_long, "--max-new-tokens", "2")
     assert result.exit_code == 2 and "max_model_len" in said(result)
 
 

@@ -26,7 +26,7 @@ def nb(*args: object):
 
 
 def test_brackets_in_a_message_are_printed_as_is_not_parsed_as_markup(tmp_path: Path):
-    line = error_line(nb("generate", tmp_path, "--prompt", "[/a]"))
+    line = error_line(nb("generate", tmp_path, "--prompt-ids", "[/a]"))
     assert "'[/a]'" in line
 
 
@@ -115,7 +115,7 @@ def test_a_fresh_compile_onto_a_full_disk_is_one_error_line(tmp_path):
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # the weights' temp is gone
 
 
-@pytest.mark.parametrize("command", [["ls"], ["verify"], ["generate", "--prompt", "1"]])
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["generate", "--prompt-ids", "1"]])
 def test_a_manifest_that_is_a_directory_is_one_error_line(tmp_path, command):
     (tmp_path / "manifest.json").mkdir()
     line = error_line(nb(command[0], tmp_path, *command[1:]))
@@ -145,7 +145,7 @@ REFUSED_AT_OPEN = {
 @pytest.mark.parametrize(("edit", "message"), REFUSED_AT_OPEN.values(), ids=REFUSED_AT_OPEN.keys())
 def test_an_artifact_the_runtime_refuses_is_one_error_line(compiled_dir, tmp_path, command, edit, message):
     copy = edited_copy(compiled_dir, tmp_path, edit)
-    args = ["--prompt", "1,2"] if command == "generate" else []
+    args = ["--prompt-ids", "1,2"] if command == "generate" else []
     assert message in error_line(nb(command, copy, *args))
 
 
@@ -161,8 +161,8 @@ def test_an_artifact_the_runtime_refuses_is_one_error_line(compiled_dir, tmp_pat
     ids=["empty-field", "full-width", "float", "underscore", "beyond-int64"],
 )
 def test_a_prompt_is_ascii_integers_or_one_error_line(tmp_path, prompt, message):
-    line = error_line(nb("generate", tmp_path, "--prompt", prompt))
-    assert f"--prompt: expected comma-separated integers; {message}" in line
+    line = error_line(nb("generate", tmp_path, "--prompt-ids", prompt))
+    assert f"--prompt-ids: expected comma-separated integers; {message}" in line
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from neuron_buckets.core.block_pool import BlockPool
-from neuron_buckets.serve.engine import generate
+from neuron_buckets.serve.llm_engine import LLMEngine, generate
+from neuron_buckets.serve.request_check import RequestError
 from neuron_buckets.serve.runtime import BucketRuntime
+from neuron_buckets.serve.sampling_params import SamplingParams
 from tests.conftest import write_config
 from tests.test_traces import CONV, needs_traces
 
@@ -27,6 +29,15 @@ MAX_NEW = 10
 def make_prompts(lens: tuple[int, ...], vocab: int = 256, seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def greedy(
+    runtime: BucketRuntime, prompts: list[list[int]], max_new: int | list[int], pool: BlockPool | None = None
+) -> list[list[int]]:
+    """The engine's greedy tokens, every request running to its length as transformers' does here."""
+    news = [max_new] * len(prompts) if isinstance(max_new, int) else max_new
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in news]
+    return [o.token_ids for o in generate(LLMEngine(runtime, pool=pool), prompts, params)]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +72,7 @@ def test_compiled_buckets_generate_exactly_what_transformers_does(compiled_dir, 
     prompts = make_prompts(PROMPT_LENS)
     pool = BlockPool(runtime.num_blocks, runtime.block_size)
 
-    got = generate(runtime, prompts, MAX_NEW, pool=pool)
+    got = greedy(runtime, prompts, MAX_NEW, pool=pool)
 
     assert got == hf_greedy(prompts, MAX_NEW)
     assert pool.num_free == runtime.num_blocks - 1  # every block back, the null block never lent
@@ -81,7 +92,7 @@ def test_a_small_pool_makes_requests_wait_without_changing_tokens(compiled_dir, 
     # 8 usable blocks of 8 tokens: the 45-token prompt needs 7 blocks, so it runs nearly alone
     pool = BlockPool(9, runtime.block_size)
 
-    got = generate(runtime, prompts, MAX_NEW, pool=pool)
+    got = greedy(runtime, prompts, MAX_NEW, pool=pool)
 
     assert got == hf_greedy(prompts, MAX_NEW)
     assert pool.num_free == 8
@@ -98,7 +109,7 @@ def test_one_max_new_tokens_per_prompt(compiled_dir, hf_greedy):
     news = [3, 12, 1, 7]
     pool = BlockPool(runtime.num_blocks, runtime.block_size)
 
-    got = generate(runtime, prompts, news, pool=pool)
+    got = greedy(runtime, prompts, news, pool=pool)
 
     assert [len(g) for g in got] == news
     assert got == [hf_greedy([p], n)[0] for p, n in zip(prompts, news, strict=True)]
@@ -109,16 +120,15 @@ def test_one_max_new_tokens_per_prompt(compiled_dir, hf_greedy):
 @pytest.mark.parametrize(
     ("prompts", "max_new", "message"),
     [
-        ([[1] * 120], 9, r"prompt 0: 120 prompt tokens \+ max_new_tokens 9 = 129 exceeds max_model_len 128"),
+        ([[1] * 120], 9, r"prompt 0: 120 prompt tokens \+ max_tokens 9 = 129 exceeds max_model_len 128"),
         ([[1, 2], []], 4, "prompt 1 is empty"),
         ([[1, 256, 3]], 4, r"prompt 0 has token ids \[256\] outside the vocabulary \[0, 256\)"),
-        ([[1]], 0, "max_new_tokens must be at least 1"),
     ],
 )
 def test_impossible_requests_fail_before_anything_runs(compiled_dir, prompts, max_new, message):
     runtime = BucketRuntime.open(compiled_dir)
-    with pytest.raises(ValueError, match=message):
-        generate(runtime, prompts, max_new)
+    with pytest.raises(RequestError, match=message):
+        generate(runtime, prompts, SamplingParams(max_tokens=max_new))
     assert runtime.loaded == [] and not any(s.calls for s in runtime.stats.values())
 
 
@@ -126,8 +136,8 @@ def test_impossible_requests_fail_before_anything_runs(compiled_dir, prompts, ma
 def test_a_request_larger_than_the_pool_fails_before_anything_runs(compiled_dir):
     runtime = BucketRuntime.open(compiled_dir)
     pool = BlockPool(4, runtime.block_size)  # 3 usable blocks = 24 tokens
-    with pytest.raises(ValueError, match="prompt 1 needs 4 blocks of 8 tokens, the pool has 3"):
-        generate(runtime, [[1] * 10, [2] * 20], 8, pool=pool)
+    with pytest.raises(RequestError, match="prompt 1 needs 4 blocks of 8 tokens, the pool has 3"):
+        greedy(runtime, [[1] * 10, [2] * 20], 8, pool=pool)
     assert runtime.loaded == [] and pool.num_free == 3
 
 
@@ -167,7 +177,7 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
     assert runtime.decode_seq == 3
     prompts = make_prompts((7, 40, 3))
 
-    assert generate(runtime, prompts, 6) == hf_greedy(prompts, 6)
+    assert greedy(runtime, prompts, 6) == hf_greedy(prompts, 6)
     assert [b.name for b in runtime.decode_buckets] == ["decode_b2_s3_c96"]
     decode = runtime.stats["decode_b2_s3_c96"]
     assert decode.padded_tokens >= 3 * decode.real_tokens  # at least two of every three positions are pads
@@ -188,7 +198,7 @@ def test_decode_context_buckets_serve_short_contexts_with_short_graphs(hf_model_
     runtime = BucketRuntime.open(out)
     prompts = make_prompts((20,))  # contexts 20..35 over 16 new tokens: crosses 32
 
-    assert generate(runtime, prompts, 16) == hf_greedy(prompts, 16)
+    assert greedy(runtime, prompts, 16) == hf_greedy(prompts, 16)
     short, long = runtime.stats["decode_b1_c32"], runtime.stats["decode_b1_c128"]
     assert (short.calls, long.calls) == (12, 3)  # decode context 21..32 in c32, then 33..35
 
@@ -215,7 +225,7 @@ def test_runtime_counters_equal_what_nb_inspect_predicts(compiled_dir, tiny_conf
 
     runtime = BucketRuntime.open(compiled_dir)
     gen = torch.Generator().manual_seed(0)
-    generate(runtime, [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompts], outputs)
+    greedy(runtime, [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompts], outputs)
     measured = {name: vars(s) for name, s in runtime.stats.items() if s.calls}
     assert measured == predicted
     assert any(s["real_tokens"] > s["calls"] * 8 for name, s in measured.items() if "prefill" in name)

@@ -8,6 +8,7 @@ import pytest
 from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill, split_long
+from neuron_buckets.core.request import Request
 from neuron_buckets.core.scheduler import Scheduler
 
 DECODE = [Bucket("decode", b, 1, c) for c in (64, 256) for b in (1, 4)]
@@ -48,7 +49,9 @@ def test_decode_rows_of_similar_context_share_the_smallest_context_bucket():
 
 def test_the_scheduler_fills_the_budget_and_cuts_only_the_last_prompt():
     pool = BlockPool(64, 16)
-    sched = Scheduler(pool, [[1] * 50, [2] * 30, [3] * 40], [4, 4, 4], budget=64, max_rows=8)
+    sched = Scheduler(pool, budget=64, max_rows=8)
+    for i, n in enumerate((50, 30, 40)):
+        sched.add(Request(i, [i + 1] * n, n, 4))
     first = sched.schedule_prefill()
     assert [(r.index, n) for r, n in first] == [(0, 50), (1, 14)]
     for r, n in first:

@@ -12,7 +12,7 @@ import torch
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import load_config
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.serve.engine import generate
+from neuron_buckets.serve.llm_engine import generate
 from neuron_buckets.serve.runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, write_config
 
@@ -72,4 +72,4 @@ def test_unused_spare_entries_may_be_the_null_block(compiled_dir):
 
 def test_generate_refuses_float_token_ids_instead_of_truncating_them(compiled_dir):
     with pytest.raises(ValueError, match=r"prompt 0 token ids must be integers, got \[1.7\]"):
-        generate(BucketRuntime.open(compiled_dir), [[1.7, 2]], 4)
+        generate(BucketRuntime.open(compiled_dir), [[1.7, 2]])

@@ -24,6 +24,9 @@ SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPHS = "graphs"
+TOKENIZER = "tokenizer"
+# Files that make a tokenizer (as opposed to generation_config.json, copied beside them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 class ManifestError(ValueError):
@@ -130,6 +133,20 @@ class DecodeInfo:
     max_num_batched_tokens: int
 
 
+@dataclass(frozen=True)
+class TextInfo:
+    """What turns the model's ids into text and ends a generation: the tokenizer files copied into
+    ``tokenizer/`` (relative path -> sha256) and the end-of-sequence ids of the model directory's
+    ``generation_config.json``, else its ``config.json`` (none: every request runs to its length)."""
+
+    eos_token_ids: list[int]
+    files: dict[str, str]
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return any(Path(f).name in TOKENIZER_FILES for f in self.files)
+
+
 @dataclass
 class PieceRecord:
     """One compiled graph file: an embed, layer or head piece, shared by the buckets that use it."""
@@ -167,6 +184,7 @@ class Manifest:
     cache: CacheGeometry
     decode: DecodeInfo
     weights: WeightsInfo | None = None
+    text: TextInfo | None = None  # None in manifests written before nb copied tokenizers
     pieces: dict[str, PieceRecord] = field(default_factory=dict)
     buckets: list[BucketRecord] = field(default_factory=list)
     created: str = ""
@@ -186,6 +204,7 @@ class Manifest:
             cache=CacheGeometry(**d["cache"]),
             decode=DecodeInfo(**d["decode"]),
             weights=WeightsInfo(**d["weights"]),
+            text=TextInfo(**d["text"]) if "text" in d else None,
             pieces={k: PieceRecord(**v) for k, v in d["pieces"].items()},
             buckets=[BucketRecord(**b) for b in d["buckets"]],
             created=d["created"],
@@ -193,12 +212,17 @@ class Manifest:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["text"] is None:
+            del d["text"]
+        return d
 
     def files(self) -> list[tuple[str, str, str]]:
         """(relative path, sha256, what) of every file the manifest vouches for."""
         assert self.weights is not None
         entries = [(self.weights.file, self.weights.sha256, "weights")]
+        if self.text:
+            entries += [(rel, digest, "tokenizer") for rel, digest in self.text.files.items()]
         ok = [p for p in self.pieces.values() if p.status == "ok" and p.sha256]
         return entries + [(p.file, p.sha256, p.name) for p in ok]
 

@@ -11,8 +11,9 @@ from rich.text import Text
 
 from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import read_manifest
-from neuron_buckets.cli.console import ErrorHandlingGroup, err, int_list
+from neuron_buckets.cli.console import ErrorHandlingGroup, err
 from neuron_buckets.cli.console import out as console
+from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
 from neuron_buckets.core.bucket import Bucket
@@ -148,39 +149,6 @@ def verify(
 
 
 @app.command()
-def generate(
-    directory: Annotated[Path, typer.Argument(help="Artifact directory")],
-    prompt: Annotated[list[str], typer.Option(help="Token ids, comma separated; repeat for more")],
-    max_new_tokens: Annotated[int, typer.Option(min=1)] = 16,
-    stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket counters")] = False,
-) -> None:
-    """Greedy generation through the runtime; prints one line of token ids per prompt."""
-    from neuron_buckets.serve.engine import generate as run_generate
-    from neuron_buckets.serve.runtime import BucketRuntime
-
-    prompts = [int_list("--prompt", p) for p in prompt]
-    runtime = BucketRuntime.open(directory)
-    outputs = run_generate(runtime, prompts, max_new_tokens)
-    for out in outputs:
-        console.print(",".join(map(str, out)))
-    if stats:
-        table = Table(title="bucket counters")
-        for col in ("bucket", "calls", "real tokens", "padded tokens", "padding"):
-            table.add_column(col)
-        for label, s in runtime.stats.items():
-            if s.calls:
-                row = (
-                    label,
-                    str(s.calls),
-                    str(s.real_tokens),
-                    str(s.padded_tokens),
-                    f"{s.padding_ratio:.0%}",
-                )
-                table.add_row(*row)
-        err.print(table)
-
-
-@app.command()
 def doctor() -> None:
     """Which backends and devices are usable on this machine, and why not."""
     from neuron_buckets.cli.doctor import doctor_report
@@ -193,4 +161,5 @@ def doctor() -> None:
     console.print(table)
 
 
+register_generate(app)
 register_traffic(app)

@@ -44,6 +44,7 @@ from neuron_buckets.backends import BackendUnavailable, get_backend
 from neuron_buckets.compile.cache_key import graph_key, source_digest
 from neuron_buckets.compile.output_dir import check_owned, owned_directory, prune
 from neuron_buckets.compile.store import GraphStore
+from neuron_buckets.compile.text_files import eos_token_ids, text_sources, write_text_files
 from neuron_buckets.compile.worker import compile_piece, init_worker
 from neuron_buckets.config import Config, enumerate_grid
 from neuron_buckets.config.memory import check_compile_memory
@@ -108,6 +109,8 @@ class Compiler:
             raise BackendUnavailable(f"backend {self.backend.name!r} is not usable here: {why}")
         self.store = GraphStore(cache_dir)
         self.model_config = model_config_of(config.model.path)
+        self.text_sources = text_sources(config.model.path)
+        self.eos_token_ids = eos_token_ids(config.model.path, self.model_config.vocab_size)
         self.buckets = enumerate_grid(config)
         check_compile_memory(config, self.model_config)
         self.bucket_pieces = {b: bucket_pieces(b, self.backend.dynamic_shapes) for b in self.buckets}
@@ -240,6 +243,7 @@ class Compiler:
             self.store.remove_stale_temps()
             previous = self._intact(old)
             self._write_weights(old)
+            self.manifest.text = write_text_files(self.text_sources, self.out, self.eos_token_ids)
             done: dict[PieceShape, Outcome] = {}
             todo: list[Outcome] = []
             for s in self.shapes:
@@ -259,7 +263,8 @@ class Compiler:
             if todo:
                 self._compile_all(todo, done, jobs, notify)
             ok = [self.graph_file(o.key) for o in done.values() if o.status == "ok"]
-            prune(self.out, old, {f.relative_to(self.out).as_posix() for f in ok})
+            keep = {f.relative_to(self.out).as_posix() for f in ok} | set(self.manifest.text.files)
+            prune(self.out, old, keep)
             return CompileReport(self.out, [done[s] for s in self.shapes if s in done], self.manifest.buckets)
 
     def _compile_all(self, todo: list[Outcome], done: dict[PieceShape, Outcome], jobs: int, notify) -> None:

@@ -17,17 +17,28 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from neuron_buckets.artifact.manifest import GRAPHS, MANIFEST, WEIGHTS, Manifest, ManifestError, read_manifest
+from neuron_buckets.artifact.manifest import (
+    GRAPHS,
+    MANIFEST,
+    TOKENIZER,
+    WEIGHTS,
+    Manifest,
+    ManifestError,
+    read_manifest,
+)
 from neuron_buckets.compile.directory_lock import HOLDER_FILE, LOCK_FILE, directory_lock
+from neuron_buckets.compile.text_files import TEXT_FILES
 
 LOGS = "logs"
-OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, LOGS, LOCK_FILE, HOLDER_FILE)
+OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, LOGS, TOKENIZER, LOCK_FILE, HOLDER_FILE)
+OWN_FOLDERS = (GRAPHS, LOGS, TOKENIZER)
 # Temp files of atomic_write (".<name>.<mkstemp random>.tmp") and GraphStore.place
 # (".<key>.<ext>.<pid>.tmp"), by the directory they are written in.
 TEMP_PATTERNS = {
     ".": re.compile(rf"\.({re.escape(MANIFEST)}|{re.escape(WEIGHTS)})\.\w+\.tmp"),
     GRAPHS: re.compile(r"\.[0-9a-f]{64}\.\w+\.\d+\.tmp"),
     LOGS: re.compile(r"\.[\w.-]+\.log\.\w+\.tmp"),
+    TOKENIZER: re.compile(rf"\.({'|'.join(map(re.escape, TEXT_FILES))})\.\w+\.tmp"),
 }
 REFUSAL_HINT = (
     "nb compile writes only into an empty directory or one it compiled before; "
@@ -57,7 +68,7 @@ def check_owned(out: Path) -> Manifest | None:
                 f"{path} is a symbolic link (to {os.readlink(path)}); nb compile never writes or "
                 f"deletes through links; {REFUSAL_HINT}"
             )
-    for name in (GRAPHS, LOGS):
+    for name in OWN_FOLDERS:
         if (path := out / name).exists() and not path.is_dir():
             raise OutputDirError(f"{path} is not a directory; {REFUSAL_HINT}")
     if (out / MANIFEST).exists():
@@ -98,12 +109,14 @@ def owned_directory(out: Path) -> Iterator[Manifest | None]:
 
 
 def prune(out: Path, previous: Manifest | None, keep: set[str]) -> None:
-    """Remove the graphs the previous manifest listed as built and this run no longer lists.
+    """Remove the graphs and tokenizer files the previous manifest listed as written and this run
+    no longer lists.
 
-    Only files directly in ``graphs/`` count, whatever an edited manifest claims, and a listed
-    name that is now a symlink loses the link, never its target.
+    Only files directly in ``graphs/`` or ``tokenizer/`` count, whatever an edited manifest
+    claims, and a listed name that is now a symlink loses the link, never its target.
     """
-    for rec in previous.pieces.values() if previous else ():
-        rel = Path(rec.file)
-        if rec.status == "ok" and rel.parent == Path(GRAPHS) and rec.file not in keep:
+    listed = [rec.file for rec in previous.pieces.values() if rec.status == "ok"] if previous else []
+    listed += list(previous.text.files) if previous and previous.text else []
+    for rel in listed:
+        if Path(rel).parent in (Path(GRAPHS), Path(TOKENIZER)) and rel not in keep:
             (out / rel).unlink(missing_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself, not its fields: two may hold equal tokens
 class Request:
     index: int
     tokens: list[int]  # the prompt, then every generated token
@@ -13,11 +13,16 @@ class Request:
     max_new_tokens: int
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V the cache holds
+    finish_reason: str | None = None  # "stop", "length" or "abort" once it needs no more steps
 
     @property
     def final_cached(self) -> int:
-        """Tokens whose K/V is written by the end: the last generated token is never fed back."""
+        """Tokens whose K/V is written at most: the last generated token is never fed back."""
         return self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
     @property
     def prefilled(self) -> bool:
@@ -25,4 +30,4 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) - self.prompt_len >= self.max_new_tokens
+        return self.finish_reason is not None

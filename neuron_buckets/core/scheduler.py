@@ -10,42 +10,62 @@ sized to the rows' real contexts, which a mixed step on the prefill graph would 
 
 Admission is conservative: a request enters only if the pool can cover its whole final length on
 top of what the running requests may still need, so nothing is ever preempted and each
-request's tokens are exactly what it would get running alone. The engine drives this with a
-runtime; ``nb inspect`` drives the same code with lengths alone, to predict the runtime's calls.
+request's tokens are exactly what it would get running alone. A request that ends early (a stop
+token, a stop string, an abort) gives its blocks and its reservation back at once, so waiting
+requests enter the next step. Requests may be added between steps. The engine drives this with
+a runtime and a sampler; ``nb inspect`` drives the same code with lengths alone, to predict the
+runtime's calls.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.request import Request
+
+Chunks = list[tuple[Request, int]]
+
+
+def never_stop(_: Request) -> str | None:
+    return None
 
 
 class Scheduler:
     def __init__(
         self,
         pool: BlockPool,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: Sequence[int],
         budget: int,
         max_rows: int,
+        stop: Callable[[Request], str | None] = never_stop,
     ) -> None:
-        self.pool, self.budget, self.max_rows = pool, budget, max_rows
-        pairs = enumerate(zip(prompts, max_new_tokens, strict=True))
-        self.waiting = deque(Request(i, list(p), len(p), n) for i, (p, n) in pairs)
+        """``stop`` sees a request right after each token it gets and returns a finish reason to
+        end it early (None: go on); a request that reaches ``max_new_tokens`` ends as "length"."""
+        self.pool, self.budget, self.max_rows, self.stop = pool, budget, max_rows, stop
+        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule_prefill(self) -> list[tuple[Request, int]]:
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """End ``req`` now, wherever it is, and return its blocks to the pool at once."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+            self.pool.free(req.blocks)
+        req.finish_reason = "abort"
+
+    def schedule_prefill(self) -> Chunks:
         """This step's prefill: (request, tokens to write) pairs, continuing prompt first."""
         budget = self.budget
-        step: list[tuple[Request, int]] = []
+        step: Chunks = []
         for req in self.running:
             if not req.prefilled:  # at most one: only the last request of a step is ever cut
                 step.append((req, min(req.prompt_len - req.cached, budget)))
@@ -64,7 +84,7 @@ class Scheduler:
         if not step and not self.running and self.waiting:  # a caller's pool already in use
             head = self.waiting[0]
             raise RuntimeError(
-                f"prompt {head.index} needs {self.pool.blocks_for(head.final_cached)} blocks, only "
+                f"request {head.index} needs {self.pool.blocks_for(head.final_cached)} blocks, only "
                 f"{self.pool.num_free} of the pool are free"
             )
         for req, n in step:
@@ -79,34 +99,40 @@ class Scheduler:
             self.pool.grow(req.blocks, len(req.tokens))
         return batch
 
-    def retire(self) -> None:
-        """Return the blocks of every request that has all its tokens."""
+    def step(
+        self,
+        prefill: Callable[[Chunks], list[int]],
+        decode: Callable[[list[Request]], list[int]],
+    ) -> list[Request]:
+        """One step: at most one packed prefill call, then one decode batch.
+
+        ``prefill`` runs the step's chunks and returns a next token per chunk (used only where
+        the chunk completes its prompt); ``decode`` runs one token per request and returns the
+        next ones. Returns every request that got a token this step, once each, in order; those
+        that ended have already given their blocks back.
+        """
+        touched: dict[int, Request] = {}
+        if chunks := self.schedule_prefill():
+            for (req, n), token in zip(chunks, prefill(chunks), strict=True):
+                req.cached += n
+                if req.prefilled:
+                    self._append(req, token)
+                    touched[req.index] = req
+            self._retire()
+        if batch := self.decode_batch():
+            for req, token in zip(batch, decode(batch), strict=True):
+                req.cached = len(req.tokens)
+                self._append(req, token)
+                touched[req.index] = req
+            self._retire()
+        return list(touched.values())
+
+    def _append(self, req: Request, token: int) -> None:
+        req.tokens.append(token)
+        req.finish_reason = self.stop(req) or ("length" if req.num_generated >= req.max_new_tokens else None)
+
+    def _retire(self) -> None:
+        """Return the blocks of every request that has ended."""
         for req in [r for r in self.running if r.done]:
             self.pool.free(req.blocks)
             self.running.remove(req)
-            self.finished.append(req)
-
-
-def run_to_completion(
-    sched: Scheduler,
-    prefill: Callable[[list[tuple[Request, int]]], list[int]],
-    decode: Callable[[list[Request]], list[int]],
-) -> list[Request]:
-    """Drive ``sched`` until every request has its tokens; finished requests in prompt order.
-
-    ``prefill`` runs one step's chunks and returns a next token per chunk (used where the chunk
-    completes its prompt); ``decode`` runs one token per request and returns the next ones.
-    """
-    while sched.busy:
-        if step := sched.schedule_prefill():
-            for (req, n), token in zip(step, prefill(step), strict=True):
-                req.cached += n
-                if req.prefilled:
-                    req.tokens.append(token)
-            sched.retire()
-        if batch := sched.decode_batch():
-            for req, token in zip(batch, decode(batch), strict=True):
-                req.cached = len(req.tokens)
-                req.tokens.append(token)
-            sched.retire()
-    return sorted(sched.finished, key=lambda r: r.index)

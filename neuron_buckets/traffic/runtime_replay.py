@@ -3,8 +3,9 @@
 The replay drives the engine's own scheduler (``core/scheduler.py``) and the runtime's own
 packing (``core/packing.py``) with dummy tokens, so its per-bucket calls, real and padded tokens
 are the runtime's counters for the same requests submitted together (``generate`` with every
-prompt at once; arrival times are not replayed here). Unlike the per-request figures beside it,
-this is the padding of packed steps: several prompts share one token bucket.
+prompt at once, each running to its output length, as with ``ignore_eos``; arrival times are not
+replayed here). Unlike the per-request figures beside it, this is the padding of packed steps:
+several prompts share one token bucket.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill
 from neuron_buckets.core.request import Request
-from neuron_buckets.core.scheduler import Scheduler, run_to_completion
+from neuron_buckets.core.scheduler import Chunks, Scheduler
 
 
 @dataclass
@@ -45,11 +46,11 @@ def replay_runtime(
     by_seq = {b.seq: b for b in prefill_buckets}
     max_rows = max(b.batch for b in prefill_buckets)
     counters = {b.name: Counter() for b in buckets}
-    prompts = [[0] * n for n in prompt_lens]
-    pool = BlockPool(num_blocks, block_size)
-    sched = Scheduler(pool, prompts, list(output_lens), token_buckets[-1], max_rows)
+    sched = Scheduler(BlockPool(num_blocks, block_size), token_buckets[-1], max_rows)
+    for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
+        sched.add(Request(i, [0] * p, p, o))
 
-    def prefill(step: list[tuple[Request, int]]) -> list[int]:
+    def prefill(step: Chunks) -> list[int]:
         shapes = [ChunkShape(n, r.cached) for r, n in step]
         for call, seq in pack_prefill(shapes, token_buckets, max_rows):
             counters[by_seq[seq].name].add(sum(shapes[i].tokens for i in call), seq)
@@ -60,7 +61,8 @@ def replay_runtime(
             counters[bucket.name].add(len(rows), bucket.tokens)
         return [0] * len(batch)
 
-    run_to_completion(sched, prefill, decode)
+    while sched.busy:
+        sched.step(prefill, decode)
     return counters
 
 

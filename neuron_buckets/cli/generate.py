@@ -1,0 +1,133 @@
+"""``nb generate``: prompts in, text (or token ids) out, streamed as the tokens arrive.
+
+Outputs are printed in prompt order: the first unfinished request streams its text as each step
+adds to it, the ones behind it are held and printed when their turn comes, so several prompts
+never interleave. Generated text goes to stdout exactly as decoded (model output is data, never
+markup); why each request finished goes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from neuron_buckets.cli.console import err, int_list
+from neuron_buckets.core.errors import UserError
+
+if TYPE_CHECKING:  # the serve stage loads on first use, keeping every other `nb` command cheap
+    from neuron_buckets.serve.llm_engine import LLMEngine
+    from neuron_buckets.serve.request_output import RequestOutput
+
+
+def finish_detail(o: RequestOutput, eos: frozenset[int], max_tokens: int) -> str:
+    """Why a request ended, in words."""
+    if o.finish_reason == "stop" and isinstance(o.stop_reason, str):
+        return f"stop string {o.stop_reason!r}"
+    if o.finish_reason == "stop":
+        return f"{'end-of-sequence' if o.stop_reason in eos else 'stop'} token {o.stop_reason}"
+    if o.finish_reason == "length":
+        return f"max-new-tokens {max_tokens} reached"
+    return str(o.finish_reason)
+
+
+def stream(engine: LLMEngine, order: list[int], as_text: bool, max_tokens: int) -> None:
+    """Step ``engine`` until the requests in ``order`` finish, printing them in that order."""
+    held = dict.fromkeys(order, "")
+    final: dict[int, RequestOutput] = {}
+    shown = 0
+    while shown < len(order):
+        for o in engine.step():
+            held[o.request_id] += o.new_text
+            if o.finished:
+                final[o.request_id] = o
+        while shown < len(order):
+            rid = order[shown]
+            if as_text:
+                sys.stdout.write(held[rid])
+                sys.stdout.flush()
+                held[rid] = ""
+            if rid not in final:
+                break
+            o = final[rid]
+            sys.stdout.write("\n" if as_text else ",".join(map(str, o.token_ids)) + "\n")
+            sys.stdout.flush()
+            detail = finish_detail(o, engine.eos_token_ids, max_tokens)
+            err.print(f"[request {shown}: {len(o.token_ids)} tokens, {o.finish_reason}: {detail}]")
+            shown += 1
+
+
+def print_stats(engine: LLMEngine) -> None:
+    table = Table(title="bucket counters")
+    for col in ("bucket", "calls", "real tokens", "padded tokens", "padding"):
+        table.add_column(col)
+    for label, s in engine.stats.items():
+        if s.calls:
+            cells = (s.calls, s.real_tokens, s.padded_tokens, f"{s.padding_ratio:.0%}")
+            table.add_row(label, *map(str, cells))
+    err.print(table)
+
+
+IDS = "comma separated; repeat for more"
+
+
+def generate(
+    directory: Annotated[Path, typer.Argument(help="Artifact directory")],
+    prompt: Annotated[list[str] | None, typer.Option(help="Prompt text; repeat for more")] = None,
+    prompt_ids: Annotated[list[str] | None, typer.Option(help=f"Prompt token ids, {IDS}")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template to each --prompt")] = False,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 16,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 = off")] = 0,
+    top_p: Annotated[float, typer.Option(help="Keep the fewest most likely tokens of this mass")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Keep tokens of at least this fraction of the top one")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already seen")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed of each request's sampling")] = None,
+    stop_token_id: Annotated[
+        list[str] | None, typer.Option("--stop-token-id", help=f"Ids that end a request, {IDS}")
+    ] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="A string that ends a request; repeatable")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Run past end-of-sequence tokens")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket counters")] = False,
+) -> None:
+    """Generate through the runtime (continuous batching, packed and chunked prefill): text for
+    --prompt, token ids for --prompt-ids; says why each request finished."""
+    from neuron_buckets.serve.llm_engine import LLMEngine
+    from neuron_buckets.serve.runtime import BucketRuntime
+    from neuron_buckets.serve.sampling_params import SamplingParams
+    from neuron_buckets.serve.tokenizer import Tokenizer
+
+    if bool(prompt) == bool(prompt_ids):
+        raise UserError("give the prompts as text (--prompt) or as token ids (--prompt-ids): one of the two")
+    if chat and not prompt:
+        raise UserError("--chat applies the chat template to text: use it with --prompt")
+    ids = [int_list("--prompt-ids", p) for p in prompt_ids or ()]
+    stop_ids = [t for text in stop_token_id or () for t in int_list("--stop-token-id", text)]
+    params = SamplingParams(
+        max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop_token_ids=tuple(stop_ids),
+        stop=tuple(stop or ()), ignore_eos=ignore_eos,
+    )
+    runtime = BucketRuntime.open(directory)
+    tokenizer = Tokenizer.open(directory) if prompt or stop else None
+    if prompt:
+        if tokenizer is None:
+            raise UserError(f"{directory} has no tokenizer (its model directory had none): use --prompt-ids")
+        if chat:
+            ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompt]
+        else:
+            ids = [tokenizer.encode(p) for p in prompt]
+    engine = LLMEngine(runtime, tokenizer)
+    checked = [engine.check_request(p, params, f"prompt {i}") for i, p in enumerate(ids)]
+    stream(engine, [engine.add_request(p, params) for p in checked], bool(prompt), max_new_tokens)
+    if stats:
+        print_stats(engine)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``generate`` to the ``nb`` app."""
+    app.command()(generate)
+

@@ -1,0 +1,18 @@
+"""What the engine reports for one request after a step: everything so far and what is new."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every token generated so far (a stop token included)
+    new_token_ids: list[int]  # the tokens this step added
+    text: str  # detokenized generated text so far ('' without a tokenizer); no stop token or string
+    new_text: str  # the text this step added (for streaming)
+    finished: bool
+    finish_reason: str | None  # "stop" (eos, stop token, stop string), "length", "abort"
+    stop_reason: int | str | None = None  # the eos or stop token id, or the stop string, that ended it

@@ -1,0 +1,113 @@
+"""Host sampling: one token per row of a step's logits, each row with its own parameters and seed.
+
+The head piece returns every row's vocabulary-wide logits and the host picks the tokens (why the
+host and not the graph: README, "Sampling"). Rows are processed together: the repetition
+penalty, temperature, top-k, top-p and min-p are tensor operations over the whole batch. Only
+the random draw is per row: each sampled row takes exactly one uniform number from its own
+request's generator and inverts its distribution's CDF with it, so a seeded request draws the
+same numbers, and therefore the same tokens, whatever else is in the batch. Greedy rows
+(temperature 0) take the argmax and draw nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from neuron_buckets.serve.sampling_params import SamplingParams
+
+
+def repetition_penalty(logits: Tensor, penalty: Tensor, histories: Sequence[Sequence[int]]) -> Tensor:
+    """transformers' (CTRL) penalty: a token already in the row's history has its logit divided by
+    the penalty when positive, multiplied when negative."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    rows = torch.cat([torch.full((len(h),), i) for i, h in enumerate(histories)])
+    seen[rows, torch.cat([torch.as_tensor(h, dtype=torch.int64) for h in histories])] = True
+    pen = penalty[:, None]
+    return torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+
+
+# Tokens taken, in sorted order, for a top-p row without top-k before falling back to sorting the
+# whole vocabulary: when they hold mass p, they hold every token top-p keeps.
+CANDIDATES = 1024
+KNOBS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def candidates(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The logits each row may keep, with their ids and each row's log-normaliser.
+
+    Sorting a 150k vocabulary costs milliseconds per row, so only as much is sorted as a row's
+    filters can keep: its top-k, or for top-p alone the ``CANDIDATES`` largest when their mass
+    reaches p. Rows without top-k or top-p keep vocabulary order (ids None) and sort nothing.
+    Top-k and top-p are defined on the distribution over the row's top-k tokens (all of them
+    without top-k), so the normaliser is that of the top k, or of the whole vocabulary.
+    """
+    vocab = scaled.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    full = scaled.logsumexp(dim=-1)
+    if bool(((k == vocab) & (top_p >= 1)).all()):
+        return scaled, None, full
+    width = int(k.max())
+    if width > CANDIDATES:
+        head = scaled.topk(CANDIDATES, dim=-1).values
+        reached = (head - full[:, None]).exp().sum(dim=-1) >= top_p
+        if bool(((k <= CANDIDATES) | ((k == vocab) & (top_p < 1) & reached)).all()):
+            width = CANDIDATES
+    values, ids = scaled.topk(width, dim=-1)  # sorted, descending
+    values = values.masked_fill(torch.arange(width) >= k[:, None], float("-inf"))
+    return values, ids, torch.where(k <= width, values.logsumexp(dim=-1), full)
+
+
+def filtered_probs(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Each row's distribution after temperature, top-k, top-p and min-p, in transformers' order,
+    renormalised: (probabilities, their token ids, None meaning the whole vocabulary in order).
+
+    top-k keeps exactly k tokens; top-p the fewest leading tokens whose mass reaches p (the
+    token that crosses p included); min-p the tokens of at least min_p times the top probability.
+    """
+    values, ids, log_norm = candidates(logits / temperature[:, None], top_k, top_p)
+    probs = (values - log_norm[:, None]).exp()
+    if ids is not None:
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), ids
+
+
+def draw(probs: Tensor, ids: Tensor | None, uniform: Tensor) -> Tensor:
+    """Invert each row's CDF at its uniform number; a token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    pos = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True)
+    pos = pos.clamp_(max=probs.shape[-1] - 1)
+    return (pos if ids is None else ids.gather(-1, pos)).squeeze(-1)
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[Sequence[int]],
+) -> list[int]:
+    """One token per row of ``logits`` (rows, vocab). ``generators[i]`` serves row i when it
+    samples (None for greedy rows); ``histories[i]`` is its prompt and output so far, read only
+    when it has a repetition penalty."""
+    logits = logits.float()
+    if rows := [i for i, p in enumerate(params) if p.repetition_penalty != 1]:
+        index, penalty = torch.tensor(rows), torch.tensor([params[i].repetition_penalty for i in rows])
+        penalised = repetition_penalty(logits[index], penalty, [histories[i] for i in rows])
+        logits = logits.index_copy(0, index, penalised)
+    tokens = logits.argmax(dim=-1)
+    hot = [i for i, p in enumerate(params) if not p.greedy]
+    ordered = [i for i in hot if params[i].top_k or params[i].top_p < 1]  # sorts its candidates
+    for rows in (ordered, [i for i in hot if i not in ordered]):
+        if rows:
+            index = torch.tensor(rows)
+            knobs = (torch.tensor([getattr(params[i], f) for i in rows]) for f in KNOBS)
+            probs, ids = filtered_probs(logits[index], *knobs)
+            uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in rows])
+            tokens[index] = draw(probs, ids, uniform)
+    return tokens.tolist()

@@ -1,0 +1,58 @@
+"""How one request picks its tokens and when it stops: vLLM's ``SamplingParams``, the fields nb runs.
+
+Frozen and checked on construction, so a server can build one from a client's JSON and get one
+clear line for any value out of range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from neuron_buckets.serve.request_check import is_int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # same seed -> same tokens whatever else is in the batch
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # a client's JSON gives lists; keep the dataclass hashable and immutable
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
+        checks = (
+            ("temperature", self.temperature, lambda v: v >= 0, "at least 0"),
+            ("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "above 0"),
+        )
+        for name, value, ok, rule in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not ok(value):
+                raise ValueError(f"{name} must be {rule}, got {value!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer of at least 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if bad := [t for t in self.stop_token_ids if not is_int(t) or t < 0]:
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {bad[:5]}")
+        if bad := [s for s in self.stop if not isinstance(s, str) or not s]:
+            raise ValueError(f"stop strings must be non-empty strings, got {bad[:5]}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,65 @@
+"""Text to ids and back, with the tokenizer ``nb compile`` copied into the artifact.
+
+The files are the model directory's own (``tokenizer.json``, ``tokenizer_config.json``, a chat
+template, ...), read by transformers' ``AutoTokenizer`` from the artifact's ``tokenizer/``
+folder only, never from a hub, after their sha256 is checked against the manifest: the
+tokenizer is what the model was trained with, so encoding, special tokens and the chat template
+behave as they do in transformers. transformers is imported only here, on first use (it is the
+``text`` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest, sha256_file
+from neuron_buckets.core.errors import UserError
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def open(cls, directory: str | Path) -> Tokenizer | None:
+        """The artifact's tokenizer, or None when its model directory had none."""
+        directory = Path(directory)
+        text = read_manifest(directory).text
+        if text is None or not text.has_tokenizer:
+            return None
+        for rel, digest in text.files.items():
+            path = directory / rel
+            if not path.is_file() or sha256_file(path) != digest:
+                raise ManifestError(f"tokenizer file {path} is missing or does not match its sha256")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserError(
+                "reading text needs transformers: pip install 'neuron-buckets[text]' (or pass token ids)"
+            ) from None
+        return cls(AutoTokenizer.from_pretrained(directory / TOKENIZER, local_files_only=True))
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, with the special tokens (a BOS) the tokenizer adds to a prompt."""
+        return self.hf.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; special tokens (BOS, EOS, padding) are not text and are skipped."""
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of a conversation, ready for the assistant's turn.
+
+        The template writes its own special tokens (a BOS among them), so the rendered text is
+        encoded without adding more.
+        """
+        if not self.has_chat_template:
+            raise UserError("this model's tokenizer has no chat template; send plain prompts instead")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.hf.encode(text, add_special_tokens=False)
