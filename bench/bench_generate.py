@@ -33,7 +33,7 @@ from bench_peers import run_vllm  # noqa: E402
 from real_models import build_smollm  # noqa: E402
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
 
-from neuron_buckets import BucketRuntime, DecodeRow, PrefillChunk, generate  # noqa: E402
+from neuron_buckets import BucketRuntime, DecodeRow, PrefillChunk, SamplingParams, generate  # noqa: E402
 
 CONFIG = """
 [model]
@@ -84,11 +84,12 @@ def nb_generate(artifact: Path, wl: Workload, repeats: int) -> tuple[list[list[i
     start = time.perf_counter()
     runtime = BucketRuntime.open(artifact, preload=True)
     startup = time.perf_counter() - start
-    generate(runtime, [wl.prompts[0][:8]], 2)  # warm-up: first calls pay one-time allocations
+    generate(runtime, [wl.prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up: one-time allocations
+    params = SamplingParams(max_tokens=wl.max_new_tokens, ignore_eos=True)  # as long as the peers run
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
-        tokens = generate(runtime, wl.prompts, wl.max_new_tokens)
+        tokens = [o.token_ids for o in generate(runtime, wl.prompts, params)]
         runs.append(time.perf_counter() - start)
     return tokens, statistics.median(runs), startup
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: a small random Llama in transformers format, and one compiled artifact of it.
+"""Shared fixtures: a small random Llama in transformers format, one compiled artifact of it, and
+a small BPE tokenizer.
 
 Compiling costs seconds per graph, so the suite compiles one tiny grid once per session; xdist
 workers share the graph cache (under a file lock), so the second worker only links graphs.
@@ -60,6 +61,32 @@ def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (any bytes round-trip) trained on a few sentences, with a BOS
+    added to every prompt and a chat template: a transformers tokenizer, not yet saved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<s>", "</s>", "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, initial_alphabet=alphabet)
+    corpus = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo wörld 日本語"]
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
 
 
 @pytest.fixture(scope="session")

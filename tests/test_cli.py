@@ -88,8 +88,8 @@ def test_ls_of_a_directory_without_manifest_is_one_clear_error(tmp_path):
 
 def test_generate_prints_tokens_and_stats(eager_dir):
     result = nb(
-        "generate", eager_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "3", "--stats",
-        "--ignore-eos",
+        "generate", eager_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "3",
+        "--stats", "--ignore-eos",
     )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stdout.splitlines() if line and line[0].isdigit()]

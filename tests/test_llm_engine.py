@@ -1,0 +1,128 @@
+"""The step-wise engine: requests that stop early, abort, join between steps, and seeded sampling.
+
+One eager-backend artifact of the tiny model serves the module (no graph compile). Reference
+tokens are the engine's own greedy run of a request alone, to its full length; that this equals
+transformers' generate is shown in test_engine.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.core.block_pool import BlockPool
+from neuron_buckets.serve.llm_engine import LLMEngine, generate
+from neuron_buckets.serve.runtime import BucketRuntime
+from neuron_buckets.serve.sampling_params import SamplingParams
+from tests.conftest import TINY_CONFIG, write_config
+from tests.test_engine import make_prompts
+
+PROMPTS = make_prompts((6, 40, 11), seed=3)  # the 40-token prompt is prefilled in two chunks
+FULL = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def artifact(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    tmp = tmp_path_factory.mktemp("eager")
+    config = load_config(write_config(tmp, hf_model_dir, TINY_CONFIG.replace('"inductor"', '"eager"')))
+    assert not Compiler(config, tmp / "artifact", tmp / "cache").run(jobs=1).failed
+    return tmp / "artifact"
+
+
+@pytest.fixture(scope="module")
+def alone(artifact: Path) -> list[list[int]]:
+    """Each prompt's 10 greedy tokens, run alone."""
+    runtime = BucketRuntime.open(artifact)
+    return [generate(runtime, [p], FULL)[0].token_ids for p in PROMPTS]
+
+
+def engine_of(artifact: Path, **kwargs) -> LLMEngine:
+    runtime = BucketRuntime.open(artifact)
+    return LLMEngine(runtime, pool=BlockPool(runtime.num_blocks, runtime.block_size), **kwargs)
+
+
+def first_new(tokens: list[int], start: int = 2) -> int:
+    """The first position from ``start`` whose token did not occur before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_the_artifact_carries_the_model_directorys_eos_id(artifact):
+    assert read_manifest(artifact).text.eos_token_ids == [2]  # generation_config.json of save_pretrained
+    assert engine_of(artifact).eos_token_ids == {2}
+
+
+@pytest.mark.parametrize("how", ["eos", "stop token"])
+def test_a_stop_token_ends_a_request_and_frees_its_blocks_at_once(artifact, alone, how):
+    k = first_new(alone[0])
+    stop = alone[0][k]
+    engine = engine_of(artifact, eos_token_ids=[stop] if how == "eos" else [])
+    first = SamplingParams(max_tokens=10, stop_token_ids=() if how == "eos" else (stop,))
+    a = engine.add_request(PROMPTS[0], first)
+    engine.add_request(PROMPTS[2], FULL)
+    usable = engine.pool.num_blocks - 1
+    ended = []
+    while not ended:
+        ended = [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.token_ids, o.finish_reason, o.stop_reason) for o in ended] == [
+        (a, alone[0][: k + 1], "stop", stop)
+    ]
+    assert engine.num_running == 1  # the other request goes on, holding only its own blocks
+    assert engine.pool.num_free == usable - len(engine.scheduler.running[0].blocks)
+    rest = [o for _ in range(20) for o in engine.step() if o.finished]
+    assert [o.token_ids for o in rest] == [alone[2]] and engine.pool.num_free == usable
+
+
+def test_abort_frees_the_blocks_at_once_and_is_reported_next_step(artifact, alone):
+    engine = engine_of(artifact)
+    a, b, _ = (engine.add_request(p, FULL) for p in PROMPTS)
+    waiting = engine.add_request([5, 6, 7], FULL)  # two prefill steps of two rows each leave it waiting
+    engine.step()
+    engine.step()
+    assert engine.num_waiting == 1
+    held = next(len(r.blocks) for r in engine.scheduler.running if r.index == a)
+    free = engine.pool.num_free
+    assert held > 0
+
+    engine.abort(a)
+    engine.abort(waiting)
+    engine.abort(12345)  # unknown: ignored
+    assert engine.pool.num_free == free + held and engine.num_waiting == 0
+
+    reported = {o.request_id: o for o in engine.step()}
+    assert (reported[a].finish_reason, reported[waiting].finish_reason) == ("abort", "abort")
+    assert reported[a].token_ids == alone[0][: len(reported[a].token_ids)]
+    while engine.has_unfinished:
+        reported.update((o.request_id, o) for o in engine.step())
+    assert reported[b].token_ids == alone[1] and engine.pool.num_free == engine.pool.num_blocks - 1
+
+
+def test_a_request_added_between_steps_gets_what_it_gets_alone(artifact, alone):
+    engine = engine_of(artifact)
+    a = engine.add_request(PROMPTS[0], FULL)
+    outputs = [o for _ in range(3) for o in engine.step()]
+    b = engine.add_request(PROMPTS[2], FULL)
+    assert engine.num_waiting == 1
+    while engine.has_unfinished:
+        outputs += engine.step()
+    final = {o.request_id: o.token_ids for o in outputs if o.finished}
+    assert final == {a: alone[0], b: alone[2]}
+    streamed = [t for o in outputs if o.request_id == a for t in o.new_token_ids]
+    assert streamed == alone[0]  # each token reported exactly once, in order
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(artifact):
+    mine = SamplingParams(max_tokens=8, temperature=1.0, top_k=40, seed=5, ignore_eos=True)
+    others = [FULL, SamplingParams(max_tokens=6, temperature=0.7, seed=9)]
+    runtime = BucketRuntime.open(artifact)
+
+    solo = generate(runtime, [PROMPTS[2]], mine)[0].token_ids
+    batch = generate(runtime, [PROMPTS[0], PROMPTS[2], PROMPTS[1]], [others[0], mine, others[1]])
+    reseeded = generate(runtime, [PROMPTS[2]], SamplingParams(**{**vars(mine), "seed": 6}))[0].token_ids
+
+    assert batch[1].token_ids == solo
+    assert reseeded != solo  # the seed, not the prompt alone, decides (8 draws over 40 tokens)

@@ -1,0 +1,129 @@
+"""Host sampling: the filtered distributions are transformers' and the draws follow them.
+
+The chi-square tests draw 20,000 tokens from one fixed logits vector with one seeded generator
+and compare the counts with the target distribution written out here from the definitions
+(temperature, then top-k, top-p on the renormalised top k, min-p), renormalised. The test
+fails when the chi-square p-value is below 0.001 (seeded, so the outcome is fixed), or when any
+token outside the kept set is ever drawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuron_buckets.serve.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
+from neuron_buckets.serve.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([3.0, 2.5, 2.2, 1.9, 1.5, 1.2, 0.8, 0.5, 0.1, -0.3, -1.0, -2.0])[torch.randperm(12)]
+DRAWS = 20_000
+P_VALUE = 1e-3
+
+
+def target(logits: torch.Tensor, t: float, k: int, p: float, m: float) -> list[float]:
+    """The distribution by its definition, one token at a time."""
+    probs = (logits.double() / t).softmax(-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    order = order[:k] if k else order
+    mass = sum(probs[i] for i in order)
+    kept, before = [], 0.0
+    for i in order:
+        if p < 1 and before >= p:
+            break
+        kept.append(i)
+        before += probs[i] / mass
+    top = max(probs[i] for i in kept)
+    kept = [i for i in kept if probs[i] >= m * top]
+    total = sum(probs[i] for i in kept)
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+@pytest.mark.parametrize(
+    ("t", "k", "p", "m"),
+    [(0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (0.9, 8, 0.9, 0.05)],
+    ids=["temperature", "top-k", "top-p", "min-p", "all"],
+)
+def test_draws_follow_the_renormalised_target(t, k, p, m):
+    params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+    gen = torch.Generator().manual_seed(0)
+    tokens = sample(LOGITS.expand(DRAWS, -1), [params] * DRAWS, [gen] * DRAWS, [[]] * DRAWS)
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).double()
+    expected = torch.tensor(target(LOGITS, t, k, p, m), dtype=torch.float64) * DRAWS
+    kept = expected > 0
+    assert counts[~kept].sum() == 0  # a filtered-out token is never drawn
+    stat = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum()
+    dof = int(kept.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+    assert p_value > P_VALUE, (stat, dof)
+
+
+TOP_P = [(0.8, 0, 0.9, 0.0), (0.6, 50, 0.7, 0.02), (0.5, 0, 0.5, 0.0), (1.3, 0, 0.95, 0.01)]
+
+
+@pytest.mark.parametrize(
+    ("scale", "settings", "width"),
+    [
+        (8.0, TOP_P, CANDIDATES),  # peaked: the largest CANDIDATES hold every top-p set
+        (0.5, TOP_P, 3 * CANDIDATES),  # flat: they do not, the whole vocabulary is sorted
+        (8.0, [*TOP_P, (1.3, 2000, 0.95, 0.0)], 2000),  # a top-k beyond the candidates
+        (1.0, [(1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.0)], None),  # no top-k or top-p: nothing sorted
+    ],
+    ids=["peaked", "flat", "wide-top-k", "unsorted"],
+)
+def test_filtered_probs_equal_transformers_warpers(scale, settings, width):
+    """Oracle: transformers' warpers, in generate's order, on rows wider than the candidates."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(settings), 3 * CANDIDATES, generator=gen) * scale
+    got, ids = filtered_probs(logits, *(torch.tensor(col) for col in zip(*settings, strict=True)))
+    assert (ids if ids is None else ids.shape[1]) == width
+    dense = got if ids is None else torch.zeros_like(logits).scatter_(1, ids, got)
+    for row, (t, k, p, m) in enumerate(settings):
+        warpers = [TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else [])
+        warpers += [TopPLogitsWarper(p)] if p < 1 else []
+        warpers += [MinPLogitsWarper(m)] if m else []
+        scores = logits[row : row + 1]
+        for w in warpers:
+            scores = w(None, scores)
+        torch.testing.assert_close(dense[row : row + 1], scores.softmax(-1), atol=1e-6, rtol=1e-4)
+
+
+def test_repetition_penalty_equals_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 50, generator=gen)
+    histories = [[3, 7, 7, 49], [0, 1]]
+    got = repetition_penalty(logits, torch.tensor([1.3, 0.7]), histories)
+    for row, (penalty, history) in enumerate(zip([1.3, 0.7], histories, strict=True)):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), logits[row : row + 1])
+        torch.testing.assert_close(got[row : row + 1], want)
+
+
+def test_greedy_rows_take_the_argmax_and_draw_nothing():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen)
+    state = gen.get_state()
+    assert sample(logits, [SamplingParams()] * 3, [gen] * 3, [[]] * 3) == logits.argmax(-1).tolist()
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 64, generator=gen)
+    mine = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    others = [SamplingParams(), SamplingParams(temperature=0.5, top_k=3), SamplingParams(temperature=2.0)]
+
+    def draw(rows: list[int], params: list[SamplingParams]) -> list[int]:
+        gens = [torch.Generator().manual_seed(p.seed or i) for i, p in enumerate(params)]
+        return sample(logits[rows], params, gens, [[]] * len(rows))
+
+    alone = [draw([0], [mine])[0] for _ in range(3)]
+    batched = draw([1, 0, 2, 3], [others[0], mine, others[1], others[2]])[1]
+    assert alone == [alone[0]] * 3 and batched == alone[0]
