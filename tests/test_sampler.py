@@ -66,9 +66,10 @@ TOP_P = [(0.8, 0, 0.9, 0.0), (0.6, 50, 0.7, 0.02), (0.5, 0, 0.5, 0.0), (1.3, 0, 
         (8.0, TOP_P, CANDIDATES),  # peaked: the largest CANDIDATES hold every top-p set
         (0.5, TOP_P, 3 * CANDIDATES),  # flat: they do not, the whole vocabulary is sorted
         (8.0, [*TOP_P, (1.3, 2000, 0.95, 0.0)], 2000),  # a top-k beyond the candidates
+        (0.5, [(1.0, CANDIDATES, 0.9, 0.0), (1.0, 7, 1.0, 0.0)], CANDIDATES),  # top-k alone: no more
         (1.0, [(1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.0)], None),  # no top-k or top-p: nothing sorted
     ],
-    ids=["peaked", "flat", "wide-top-k", "unsorted"],
+    ids=["peaked", "flat", "wide-top-k", "top-k", "unsorted"],
 )
 def test_filtered_probs_equal_transformers_warpers(scale, settings, width):
     """Oracle: transformers' warpers, in generate's order, on rows wider than the candidates."""

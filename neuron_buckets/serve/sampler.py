@@ -1,12 +1,13 @@
 """Host sampling: one token per row of a step's logits, each row with its own parameters and seed.
 
 The head piece returns every row's vocabulary-wide logits and the host picks the tokens (why the
-host and not the graph: README, "Sampling"). Rows are processed together: the repetition
-penalty, temperature, top-k, top-p and min-p are tensor operations over the whole batch. Only
-the random draw is per row: each sampled row takes exactly one uniform number from its own
-request's generator and inverts its distribution's CDF with it, so a seeded request draws the
-same numbers, and therefore the same tokens, whatever else is in the batch. Greedy rows
-(temperature 0) take the argmax and draw nothing.
+host and not the graph: README, "Sampling"). The repetition penalty, temperature, top-k, top-p
+and min-p are tensor operations over all rows of a kind at once (greedy; with top-k or top-p,
+which sort candidates; without, which sort nothing). Only the random draw is per row: each
+sampled row takes exactly one uniform number from its own request's generator and inverts its
+distribution's CDF with it, so a seeded request draws the same numbers, and therefore the same
+tokens, whatever else is in the batch. Greedy rows (temperature 0) take the argmax and draw
+nothing.
 """
 
 from __future__ import annotations
@@ -35,46 +36,49 @@ CANDIDATES = 1024
 KNOBS = ("temperature", "top_k", "top_p", "min_p")
 
 
-def candidates(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The logits each row may keep, with their ids and each row's log-normaliser.
+def sorted_candidates(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """The probabilities each row may keep, largest first, with their ids.
 
     Sorting a 150k vocabulary costs milliseconds per row, so only as much is sorted as a row's
     filters can keep: its top-k, or for top-p alone the ``CANDIDATES`` largest when their mass
-    reaches p. Rows without top-k or top-p keep vocabulary order (ids None) and sort nothing.
-    Top-k and top-p are defined on the distribution over the row's top-k tokens (all of them
-    without top-k), so the normaliser is that of the top k, or of the whole vocabulary.
+    reaches p, else everything. Top-k and top-p are defined on the distribution over the row's
+    top-k tokens (all of them without top-k), so the probabilities are normalised over the top k,
+    or over the whole vocabulary.
     """
     vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     full = scaled.logsumexp(dim=-1)
-    if bool(((k == vocab) & (top_p >= 1)).all()):
-        return scaled, None, full
     width = int(k.max())
+    values, ids = scaled.topk(min(width, CANDIDATES), dim=-1)  # sorted, descending
     if width > CANDIDATES:
-        head = scaled.topk(CANDIDATES, dim=-1).values
-        reached = (head - full[:, None]).exp().sum(dim=-1) >= top_p
-        if bool(((k <= CANDIDATES) | ((k == vocab) & (top_p < 1) & reached)).all()):
-            width = CANDIDATES
-    values, ids = scaled.topk(width, dim=-1)  # sorted, descending
+        reached = (values - full[:, None]).exp().sum(dim=-1) >= top_p
+        width = int(torch.where((k == vocab) & (top_p < 1) & reached, CANDIDATES, k).max())
+        if width > CANDIDATES:
+            values, ids = scaled.topk(width, dim=-1)
     values = values.masked_fill(torch.arange(width) >= k[:, None], float("-inf"))
-    return values, ids, torch.where(k <= width, values.logsumexp(dim=-1), full)
+    log_norm = torch.where(k <= width, values.logsumexp(dim=-1), full)
+    return (values - log_norm[:, None]).exp(), ids
 
 
 def filtered_probs(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """Each row's distribution after temperature, top-k, top-p and min-p, in transformers' order,
-    renormalised: (probabilities, their token ids, None meaning the whole vocabulary in order).
+    renormalised: (probabilities, their token ids; None: the whole vocabulary in order).
 
     top-k keeps exactly k tokens; top-p the fewest leading tokens whose mass reaches p (the
     token that crosses p included); min-p the tokens of at least min_p times the top probability.
+    Without top-k and top-p nothing is sorted.
     """
-    values, ids, log_norm = candidates(logits / temperature[:, None], top_k, top_p)
-    probs = (values - log_norm[:, None]).exp()
-    if ids is not None:
+    scaled = logits / temperature[:, None]
+    if bool(((top_k > 0) | (top_p < 1)).any()):
+        probs, ids = sorted_candidates(scaled, top_k, top_p)
         before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
-    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    else:
+        probs, ids = scaled.softmax(dim=-1), None
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs / probs.sum(dim=-1, keepdim=True), ids
 
 
@@ -100,14 +104,21 @@ def sample(
         index, penalty = torch.tensor(rows), torch.tensor([params[i].repetition_penalty for i in rows])
         penalised = repetition_penalty(logits[index], penalty, [histories[i] for i in rows])
         logits = logits.index_copy(0, index, penalised)
-    tokens = logits.argmax(dim=-1)
-    hot = [i for i, p in enumerate(params) if not p.greedy]
-    ordered = [i for i in hot if params[i].top_k or params[i].top_p < 1]  # sorts its candidates
-    for rows in (ordered, [i for i in hot if i not in ordered]):
-        if rows:
-            index = torch.tensor(rows)
-            knobs = (torch.tensor([getattr(params[i], f) for i in rows]) for f in KNOBS)
-            probs, ids = filtered_probs(logits[index], *knobs)
-            uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in rows])
-            tokens[index] = draw(probs, ids, uniform)
+    groups: dict[str, list[int]] = {"greedy": [], "top-k/p": [], "full": []}  # one pass each
+    for i, p in enumerate(params):
+        groups["greedy" if p.greedy else "top-k/p" if p.top_k or p.top_p < 1 else "full"].append(i)
+    if len(groups["greedy"]) == len(params):
+        return logits.argmax(dim=-1).tolist()
+    tokens = torch.empty(len(params), dtype=torch.int64)
+    for kind, rows in groups.items():
+        if not rows:
+            continue
+        index = torch.tensor(rows)
+        if kind == "greedy":
+            tokens[index] = logits[index].argmax(dim=-1)
+            continue
+        knobs = (torch.tensor([getattr(params[i], f) for i in rows]) for f in KNOBS)
+        probs, ids = filtered_probs(logits[index], *knobs)
+        uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in rows])
+        tokens[index] = draw(probs, ids, uniform)
     return tokens.tolist()

@@ -1,0 +1,132 @@
+"""Text in, text out: a model directory with its tokenizer, compiled, then ``nb generate --prompt``.
+
+The model is a random tiny Llama whose vocabulary is a small byte-level BPE tokenizer's, both
+saved by transformers. Its end-of-sequence id is set (in generation_config.json only) to a token
+that greedy decoding of "hello world" reaches at a known step, found with transformers itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.cli import app
+from neuron_buckets.serve.tokenizer import Tokenizer
+from neuron_buckets.serve.verify import file_problems
+from tests.conftest import TINY_CONFIG, error_line, save_tiny_llama, tiny_tokenizer, write_config
+from tests.test_llm_engine import first_new
+
+PROMPT = "hello world"
+MAX_NEW = 12
+EAGER = TINY_CONFIG.replace('"inductor"', '"eager"')
+
+
+def nb(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], int]:
+    """(model directory, transformers' greedy tokens for PROMPT without a stop, the step whose
+    token was made the end-of-sequence id)."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("text-llama")
+    tok = tiny_tokenizer()
+    tok.save_pretrained(directory)
+    save_tiny_llama(directory, vocab_size=len(tok), bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    model.generation_config.eos_token_id = None  # the greedy run to pick an end-of-sequence id from
+    ids = torch.tensor([tok.encode(PROMPT)])
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW)
+    greedy = out[0, ids.shape[1] :].tolist()
+    k = first_new(greedy, start=3)
+    generation = directory / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [greedy[k]]}))
+    return directory, greedy, k
+
+
+@pytest.fixture(scope="module")
+def text_artifact(text_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("text-artifact")
+    config = write_config(tmp, text_model[0], EAGER)
+    result = nb("compile", config, "--out", tmp / "art", "--cache-dir", tmp / "c")
+    assert result.exit_code == 0, result.output
+    return tmp / "art"
+
+
+def test_compile_copies_the_tokenizer_and_records_the_eos_id(text_model, text_artifact):
+    model, greedy, k = text_model
+    text = read_manifest(text_artifact).text
+    names = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
+    assert set(text.files) == {f"tokenizer/{n}" for n in names}
+    for rel, digest in text.files.items():
+        assert sha256_file(text_artifact / rel) == digest == sha256_file(model / Path(rel).name)
+    assert json.loads((model / "config.json").read_text())["eos_token_id"] == 1
+    assert text.eos_token_ids == [greedy[k]]  # generation_config.json wins over config.json
+
+
+def test_generate_prints_the_text_transformers_decodes_and_stops_at_eos(text_model, text_artifact):
+    from transformers import AutoTokenizer
+
+    model, greedy, k = text_model
+    result = nb("generate", text_artifact, "--prompt", PROMPT, "--max-new-tokens", MAX_NEW)
+    assert result.exit_code == 0, result.output
+    expected = AutoTokenizer.from_pretrained(model).decode(greedy[:k], skip_special_tokens=True)
+    assert result.stdout == expected + "\n"
+    assert f"[request 0: {k + 1} tokens, stop: end-of-sequence token {greedy[k]}]" in result.stderr
+
+
+def test_a_stop_string_cuts_the_text_where_it_begins(text_model, text_artifact):
+    from transformers import AutoTokenizer
+
+    model, greedy, _ = text_model
+    full = AutoTokenizer.from_pretrained(model).decode(greedy, skip_special_tokens=True)
+    stop = full[len(full) // 2 :][:2]
+    args = ["--prompt", PROMPT, "--max-new-tokens", MAX_NEW, "--ignore-eos", "--stop", stop]
+    result = nb("generate", text_artifact, *args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == full[: full.index(stop)] + "\n"
+    assert f"stop: stop string {stop!r}" in result.stderr
+
+
+def test_chat_applies_the_models_template(text_artifact):
+    tokenizer = Tokenizer.open(text_artifact)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert ids == tokenizer.hf.encode("<s>user: hi\nassistant:", add_special_tokens=False)
+    assert ids.count(0) == 1  # the template's BOS, none added on top
+    result = nb("generate", text_artifact, "--prompt", "hi", "--chat", "--max-new-tokens", 3, "--ignore-eos")
+    assert result.exit_code == 0, result.output
+    assert "[request 0: 3 tokens, length: max-new-tokens 3 reached]" in result.stderr
+
+
+def test_a_recompile_removes_only_the_tokenizer_files_it_wrote(text_model, text_artifact, tmp_path):
+    model = Path(shutil.copytree(text_model[0], tmp_path / "model"))
+    out = Path(shutil.copytree(text_artifact, tmp_path / "art"))
+    (model / "chat_template.jinja").unlink()
+    (out / "tokenizer" / "notes.txt").write_text("mine")
+    config = write_config(tmp_path, model, EAGER)
+    assert nb("compile", config, "--out", out, "--cache-dir", tmp_path / "c").exit_code == 0
+    assert "tokenizer/chat_template.jinja" not in read_manifest(out).text.files
+    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == [
+        "generation_config.json", "notes.txt", "tokenizer.json", "tokenizer_config.json"
+    ]
+    assert not Tokenizer.open(out).has_chat_template
+    line = error_line(nb("generate", out, "--prompt", "hi", "--chat"))
+    assert "has no chat template" in line
+
+
+def test_a_tampered_tokenizer_file_is_refused(text_artifact, tmp_path):
+    out = Path(shutil.copytree(text_artifact, tmp_path / "art"))
+    (out / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert "tokenizer file tokenizer/tokenizer.json does not match its sha256" in file_problems(out)
+    with pytest.raises(ManifestError, match="tokenizer.json is missing or does not match its sha256"):
+        Tokenizer.open(out)
