@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from neuron_buckets.artifact.manifest import read_manifest, read_manifest_dict
 from neuron_buckets.cli import app
-from tests.conftest import TINY_CONFIG, write_config
+from tests.conftest import TINY_CONFIG, error_line, write_config
 
 runner = CliRunner()
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
@@ -108,6 +108,10 @@ def test_generate_refuses_bad_prompts(eager_dir):
     too_long = ",".join(["1"] * 200)  # max_model_len is 128
     result = nb("generate", eager_dir, "--prompt-ids", too_long, "--max-new-tokens", "2")
     assert result.exit_code == 2 and "max_model_len" in said(result)
+    assert "has no tokenizer" in error_line(nb("generate", eager_dir, "--prompt", "hi"))  # model dir had none
+    assert "one of the two" in error_line(nb("generate", eager_dir, "--prompt", "hi", "--prompt-ids", "1"))
+    bad_top_p = nb("generate", eager_dir, "--prompt-ids", "1", "--top-p", "0")
+    assert "top_p must be in (0, 1]" in error_line(bad_top_p)
 
 
 @pytest.mark.slow

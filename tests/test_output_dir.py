@@ -83,6 +83,12 @@ def weights_link(tmp: Path) -> Path:
     return tmp / "w"
 
 
+def tokenizer_link(tmp: Path) -> Path:
+    (tmp / "t").mkdir()
+    (tmp / "t" / "tokenizer").symlink_to(graphs_link(tmp) / "graphs")  # the user's folder, via a link
+    return tmp / "t"
+
+
 def a_file(tmp: Path) -> Path:
     (tmp / "out").write_text("not a directory\n")
     return tmp / "out"
@@ -96,9 +102,13 @@ def a_file(tmp: Path) -> Path:
         (user_files, "holds thesis.tex and no nb manifest"),
         (manifest_directory, "manifest.json"),
         (weights_link, "weights.safetensors is a symbolic link"),
+        (tokenizer_link, "tokenizer is a symbolic link"),
         (a_file, "is not a directory"),
     ],
-    ids=["foreign-manifest", "graphs-symlink", "user-files", "manifest-dir", "weights-symlink", "a-file"],
+    ids=[
+        "foreign-manifest", "graphs-symlink", "user-files", "manifest-dir", "weights-symlink",
+        "tokenizer-symlink", "a-file",
+    ],
 )
 def test_compile_refuses_what_it_did_not_write_and_touches_nothing(tmp_path, setup, named):
     out = setup(tmp_path)
@@ -139,7 +149,8 @@ def test_pruning_removes_only_graphs_its_previous_manifest_listed(hf_model_dir, 
 
 
 def test_an_edited_manifest_cannot_point_pruning_at_other_files(tmp_path):
-    for name in ("weights.safetensors", "graphs/failed.json", "graphs/sub/x.json"):
+    kept = ("weights.safetensors", "graphs/failed.json", "graphs/sub/x.json", "tokenizer/sub/y.json")
+    for name in kept:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("keep\n")
     claims = SimpleNamespace(pieces={
@@ -149,10 +160,9 @@ def test_an_edited_manifest_cannot_point_pruning_at_other_files(tmp_path):
             ("graphs/failed.json", "failed"),  # never written by a run
             ("graphs/sub/x.json", "ok"),
         ])
-    })
+    }, text=SimpleNamespace(files={"weights.safetensors": "0" * 64, "tokenizer/sub/y.json": "0" * 64}))
     prune(tmp_path, claims, keep=set())
-    assert all((tmp_path / n).read_text() == "keep\n" for n in ("weights.safetensors", "graphs/sub/x.json"))
-    assert (tmp_path / "graphs/failed.json").is_file()
+    assert all((tmp_path / n).read_text() == "keep\n" for n in kept)
 
 
 KILLED_WHILE_WRITING_WEIGHTS = """

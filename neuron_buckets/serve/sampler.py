@@ -71,7 +71,8 @@ def filtered_probs(
     Without top-k and top-p nothing is sorted.
     """
     scaled = logits / temperature[:, None]
-    if bool(((top_k > 0) | (top_p < 1)).any()):
+    masked = bool(((top_k > 0) | (top_p < 1)).any())
+    if masked:
         probs, ids = sorted_candidates(scaled, top_k, top_p)
         before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
@@ -79,7 +80,8 @@ def filtered_probs(
         probs, ids = scaled.softmax(dim=-1), None
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), ids
+        masked = True
+    return (probs / probs.sum(dim=-1, keepdim=True) if masked else probs), ids
 
 
 def draw(probs: Tensor, ids: Tensor | None, uniform: Tensor) -> Tensor:
@@ -114,11 +116,12 @@ def sample(
         if not rows:
             continue
         index = torch.tensor(rows)
+        mine = logits if len(rows) == len(params) else logits[index]
         if kind == "greedy":
-            tokens[index] = logits[index].argmax(dim=-1)
+            tokens[index] = mine.argmax(dim=-1)
             continue
         knobs = (torch.tensor([getattr(params[i], f) for i in rows]) for f in KNOBS)
-        probs, ids = filtered_probs(logits[index], *knobs)
+        probs, ids = filtered_probs(mine, *knobs)
         uniform = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[i]) for i in rows])
         tokens[index] = draw(probs, ids, uniform)
     return tokens.tolist()
