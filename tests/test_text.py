@@ -130,3 +130,13 @@ def test_a_tampered_tokenizer_file_is_refused(text_artifact, tmp_path):
     assert "tokenizer file tokenizer/tokenizer.json does not match its sha256" in file_problems(out)
     with pytest.raises(ManifestError, match="tokenizer.json is missing or does not match its sha256"):
         Tokenizer.open(out)
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused_before_anything_compiles(text_model, tmp_path):
+    model = Path(shutil.copytree(text_model[0], tmp_path / "model"))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 100000]}))
+    config = write_config(tmp_path, model, EAGER)
+    line = error_line(nb("compile", config, "--out", tmp_path / "art", "--cache-dir", tmp_path / "c"))
+    vocab = len(tiny_tokenizer())
+    assert f"{model / 'generation_config.json'}: eos_token_id must be a token id or a list of them" in line
+    assert f"in [0, {vocab}); got [5, 100000]" in line and not (tmp_path / "art").exists()
