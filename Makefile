@@ -28,6 +28,7 @@ VLLM_PYTHON ?=
 
 bench:
 	$(PY) bench/bench_slot_mapping.py
+	$(PY) bench/bench_sampling.py
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_compile.py
 	$(PY) bench/bench_generate.py --trace $(TRACE) $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
