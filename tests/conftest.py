@@ -7,7 +7,12 @@ workers share the graph cache (under a file lock), so the second worker only lin
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -133,3 +138,63 @@ def error_line(result) -> str:
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     return lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert proc.poll() is None, f"server exited with status {proc.returncode}"
+            assert time.monotonic() < deadline, f"nothing listens on 127.0.0.1:{port}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's standalone S3 server on 127.0.0.1, as s3fs tests itself: one per xdist worker."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until_listening(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def aws_env(endpoint: str, home: Path) -> dict[str, str]:
+    """What boto and s3fs read: the moto endpoint, dummy keys, and nothing of this machine's
+    (no ~/.aws files, no instance metadata lookup, which would leave 127.0.0.1)."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_SHARED_CREDENTIALS_FILE": str(home / "no-credentials"),
+        "AWS_CONFIG_FILE": str(home / "no-config"),
+    }
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the moto server, with this process's AWS variables pointing at it."""
+    import boto3
+
+    for name, value in aws_env(s3_endpoint, tmp_path).items():
+        monkeypatch.setenv(name, value)
+    name = f"nb-{tmp_path.name.lower().replace('_', '-')[-40:].strip('-')}-{free_port()}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from neuron_buckets.artifact.manifest import read_manifest, read_manifest_dict
 from neuron_buckets.cli import app
+from neuron_buckets.compile.store_entry import StoreEntry
 from tests.conftest import TINY_CONFIG, error_line, write_config
 
 runner = CliRunner()
@@ -54,10 +55,11 @@ def test_compile_reports_a_failed_piece_and_exits_1(hf_model_dir, tmp_path):
     config = write_config(tmp_path, hf_model_dir, EAGER)
     compiler = Compiler(load_config(config), tmp_path / "art", tmp_path / "cache")
     layer = compiler.bucket_pieces[compiler.buckets[0]]["layer"]
-    compiler.store.path(compiler.keys[layer], "json").mkdir(parents=True)  # its commit fails
+    record = tmp_path / "cache" / StoreEntry.record_name(compiler.keys[layer], "json")
+    record.mkdir(parents=True)  # its publish fails
     result = nb("compile", config, "--out", tmp_path / "art", "--cache-dir", tmp_path / "cache")
     assert result.exit_code == 1
-    assert f"failed {layer.name}: IsADirectoryError" in said(result)
+    assert f"failed {layer.name}:" in said(result) and "exists and is not a record" in said(result)
     assert "bug in nb" not in said(result)  # exit 1 is the expected outcome, not a crash
     assert f"logs/{layer.name}.log" in said(result)
     assert "compiled 5, reused 0, failed 1" in said(result)

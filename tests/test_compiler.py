@@ -36,10 +36,12 @@ from neuron_buckets.artifact.manifest import (
     sha256_file,
 )
 from neuron_buckets.compile import compiler
+from neuron_buckets.compile import store as graph_store
 from neuron_buckets.compile.compiler import Compiler, CompileReport, Outcome
 from neuron_buckets.compile.directory_lock import DirectoryLocked, directory_lock
 from neuron_buckets.compile.output_dir import OutputDirError
 from neuron_buckets.compile.store import GraphStore
+from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk
@@ -87,10 +89,12 @@ def piece_file(out: Path, shape: PieceShape) -> Path:
     return out / pieces(out)[shape.name][1].file
 
 
-def block_cache_entry(config: Config, cache: Path, shape: PieceShape) -> None:
-    """A directory where the piece's cache entry must go: its compile fails at commit, alone."""
+def block_cache_entry(config: Config, cache: Path, shape: PieceShape) -> Path:
+    """A directory where the piece's cache record must go: its compile fails at publish, alone."""
     compiler = Compiler(config, cache.parent / "out", cache)  # computes keys, writes nothing
-    compiler.store.path(compiler.keys[shape], compiler.backend.graph_ext).mkdir(parents=True)
+    record = cache / StoreEntry.record_name(compiler.keys[shape], compiler.backend.graph_ext)
+    record.mkdir(parents=True)
+    return record
 
 
 def test_the_tiny_grid_is_four_buckets_over_six_shared_pieces(eager, tmp_path):
@@ -151,13 +155,15 @@ def test_second_run_compiles_nothing_and_touches_no_graph(eager, tmp_path):
 
 def test_each_graph_is_hashed_once_per_run(eager, tmp_path, monkeypatch):
     """The manifest is rewritten after every piece; re-hashing every graph each time is quadratic."""
-    hashed, real = [], compiler.sha256_file
-    monkeypatch.setattr(compiler, "sha256_file", lambda path: hashed.append(path) or real(path))
+    hashed = []
+    for module in (compiler, graph_store):  # the artifact's graphs, and the cache's when they are used
+        real = module.sha256_file
+        monkeypatch.setattr(module, "sha256_file", lambda path, real=real: hashed.append(path) or real(path))
     for _ in range(2):  # a cold run, then a warm one that checks the graphs it reuses
         hashed.clear()
         compile_(eager, tmp_path / "out", tmp_path / "cache")
-        graphs = [p.name for p in hashed if p.parent.name == "graphs"]
-        assert len(graphs) == len(set(graphs)) == 6
+        keys = [Path(p).name.split(".")[0] for p in hashed if Path(p).suffix == ".json"]  # eager graphs
+        assert len(keys) == len(set(keys)) == 6
 
 
 def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
@@ -165,8 +171,8 @@ def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
     compile_(eager, tmp_path / "a", cache)
     # the cost measured when a graph was compiled travels with it (nb plan fits on it): pretend
     # that one took 42 s, as a real graph would, and expect the second directory to record it
-    digest = GraphStore.digest_path(cache / piece_file(tmp_path / "a", LAYER_32).name)
-    digest.write_text(digest.read_text().split()[0] + " 42.000")
+    record = cache / StoreEntry.record_name(pieces(tmp_path / "a")[LAYER_32.name][0], "json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "compile_seconds": 42.0}))
     report = compile_(eager, tmp_path / "b", cache)
     assert report.compiled == [] and len(report.outcomes) == 6
     first, second = pieces(tmp_path / "a"), pieces(tmp_path / "b")
@@ -227,7 +233,7 @@ def test_a_damaged_weights_file_of_the_same_size_is_rewritten(eager, tmp_path):
 def test_graphs_of_pieces_dropped_from_the_grid_leave_the_directory(eager, hf_model_dir, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
-    dropped = piece_file(out, LAYER_16).name
+    dropped = pieces(out)[LAYER_16.name][0]
     shrunk = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [32]")
     (tmp_path / "shrunk").mkdir()
     report = compile_(load_config(write_config(tmp_path / "shrunk", hf_model_dir, shrunk)), out, cache)
@@ -236,24 +242,26 @@ def test_graphs_of_pieces_dropped_from_the_grid_leave_the_directory(eager, hf_mo
     assert sorted(p.name for p in (out / "graphs").iterdir()) == sorted(
         Path(r.file).name for r in read_manifest(out).pieces.values()
     )
-    assert not (out / "graphs" / dropped).exists()
-    assert (cache / dropped).is_file()  # the cache keeps the dropped piece's graph
-    assert len(list(cache.glob("*.json"))) >= 6
+    assert not (out / "graphs" / f"{dropped}.json").exists()
+    store = GraphStore(cache)
+    assert store.verified(store.read_record(dropped, "json"))  # the cache keeps the dropped piece's graph
+    assert len(store.entries()) == 6
 
 
 def test_a_failing_piece_is_recorded_and_the_others_finish(eager, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
-    block_cache_entry(eager, cache, LAYER_32)
+    blocked = block_cache_entry(eager, cache, LAYER_32)
     report = compile_(eager, out, cache, jobs=2)
     assert names(report.failed) == [LAYER_32.name]
     assert sorted(names(report.compiled)) == sorted(s.name for s in PIECES if s != LAYER_32)
 
     key, rec = pieces(out)[LAYER_32.name]
     assert (rec.status, rec.sha256, rec.bytes) == ("failed", None, 0)
-    assert rec.error.startswith("IsADirectoryError")
+    assert rec.error.startswith("neuron_buckets.compile.store.StoreError")
+    assert rec.error.endswith(f"{blocked} exists and is not a record")
     assert rec.log == f"logs/{LAYER_32.name}.log"
     log = (out / rec.log).read_text()
-    assert "Traceback" in log and "commit" in log and rec.error in log
+    assert "Traceback" in log and "publish" in log and rec.error in log
     assert not (out / rec.file).exists()
     buckets = records(out)  # only the bucket that runs the failed piece fails, naming it
     assert buckets[PREFILL_32.name]["status"] == "failed"
@@ -265,7 +273,7 @@ def test_a_failing_piece_is_recorded_and_the_others_finish(eager, tmp_path):
     assert PREFILL_32 not in runtime.records
     assert runtime.prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
 
-    Compiler(eager, out, cache).store.path(key, "json").rmdir()
+    blocked.rmdir()
     again = compile_(eager, out, cache)
     assert names(again.compiled) == [LAYER_32.name] and again.failed == []
     assert records(out)[PREFILL_32.name]["status"] == "ok"
@@ -279,7 +287,8 @@ def test_a_failing_shared_piece_fails_every_bucket_that_runs_it(eager, tmp_path)
     buckets = records(out)
     assert list(buckets) == [b.name for b in BUCKETS]
     for r in buckets.values():
-        assert r["status"] == "failed" and r["error"].startswith("head: IsADirectoryError")
+        assert r["status"] == "failed"
+        assert r["error"].startswith("head: neuron_buckets.compile.store.StoreError")
     with pytest.raises(ArtifactError, match="needs at least one working prefill and one decode bucket"):
         BucketRuntime.open(out)
 
@@ -293,8 +302,8 @@ def test_fail_fast_starts_nothing_after_the_first_failure(eager, tmp_path):
     assert list(records(out)) == [DECODE_1.name]  # the one bucket whose pieces all finished
     assert records(out)[DECODE_1.name]["status"] == "failed"
     assert pieces(out)[LAYER_D1.name][1].status == "failed"
-    compiled = sorted(p.name for p in cache.iterdir() if p.suffix == ".json" and p.is_file())
-    assert compiled == sorted(piece_file(out, s).name for s in (EMBED, HEAD))  # nothing after the failure
+    compiled = sorted(e.piece for e in GraphStore(cache).entries())
+    assert compiled == ["embed", "head"]  # nothing after the failure
 
 
 def test_fail_fast_on_a_shared_piece_still_records_every_bucket_it_fails(eager, tmp_path):
@@ -508,13 +517,12 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     compiler = Compiler(config, out, cache)
     keys = compiler.keys
     assert compiler.shapes == [EMBED, HEAD, LAYER_D1, LAYER_16, LAYER_32]
-    shared = GraphStore(graph_cache_dir)
+    shared, store = GraphStore(graph_cache_dir), GraphStore(cache)
     reused = (EMBED, HEAD, LAYER_D1, LAYER_16)  # the session's pieces: only prefill 32's layer compiles
     for shape in reused:
-        graph = shared.get(keys[shape], "pt2")
-        assert graph, f"{shape.name} is not in the session cache"
-        for src in (graph, GraphStore.digest_path(graph)):
-            shutil.copy(src, cache / src.name)
+        entry = shared.read_record(keys[shape], "pt2")
+        assert entry and shared.verified(entry), f"{shape.name} is not in the session cache"
+        store.publish(shared.graph_file(entry), entry)
 
     log = tmp_path / "compile.log"
     with open(log, "w") as stderr:
@@ -527,7 +535,7 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     try:
         wait_for(lambda: (out / "manifest.json").exists(), 60, proc, log)
         time.sleep(5)  # the worker is now exporting or compiling prefill 32's layer piece
-        assert proc.poll() is None and GraphStore(cache).get(keys[LAYER_32], "pt2") is None
+        assert proc.poll() is None and store.read_record(keys[LAYER_32], "pt2") is None
         with pytest.raises(DirectoryLocked, match=f"pid {proc.pid}"):
             Compiler(config, out, cache).run(jobs=1)
     finally:
@@ -545,10 +553,9 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         assert graph.name.startswith(".") or rel in listed, f"{rel} looks valid but is not in the manifest"
     for _, rec in done.values():
         assert sha256_file(out / rec.file) == rec.sha256
-    store = GraphStore(cache)
-    assert store.get(keys[LAYER_32], "pt2") is None
-    for graph in cache.glob("*.pt2"):  # anything named like an entry is a complete, checked one
-        assert graph.name.startswith(".") or store.get(graph.stem, "pt2") == graph
+    assert store.read_record(keys[LAYER_32], "pt2") is None
+    for entry in store.entries():  # every entry is a complete, checked one
+        assert store.verified(entry)
 
     report = Compiler(config, out, cache).run(jobs=1)
     assert names(report.compiled) == [LAYER_32.name] and report.failed == []

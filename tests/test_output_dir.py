@@ -201,16 +201,20 @@ def test_temp_files_of_a_killed_run_are_removed_by_the_next_run(hf_model_dir, ca
 def test_stale_temp_files_in_the_shared_cache_are_removed_by_name_and_age(tmp_path):
     store = GraphStore(tmp_path)
     key = "f" * 64
-    old = [tmp_path / f".{key}.123.tmp.pt2", tmp_path / f".{key}.pt2.sha256.abcd_123.tmp"]
-    fresh = tmp_path / f".{key}.456.tmp.pt2"  # another compile may be writing it right now
+    scratch = tmp_path / ".scratch-k2j4_x1q.tmp"  # a killed worker's compile directory
+    scratch.mkdir()
+    (scratch / f"{key}.pt2").write_bytes(b"x" * 100)
+    graph, record = f".{key}.{'0' * 16}.pt2.ab_12cd3.tmp", f".{key}.pt2.json.abcd_123.tmp"
+    old = [tmp_path / graph, tmp_path / record, scratch]
+    fresh = tmp_path / f".{key}.pt2.json.efgh_456.tmp"  # another compile may be writing it right now
     other = tmp_path / "notes.tmp"
-    for path in (*old, fresh, other):
+    for path in (*old[:2], fresh, other):
         path.write_bytes(b"x")
     long_ago = time.time() - STALE_AFTER_S - 60
     for path in (*old, other):
         os.utime(path, (long_ago, long_ago))
-    assert sorted(store.remove_stale_temps()) == sorted(old)
-    assert fresh.exists() and other.exists()
+    assert sorted(store.remove_stale_temps()) == sorted(p.name for p in old)
+    assert fresh.exists() and other.exists() and not scratch.exists()
 
 
 def test_the_library_refuses_a_foreign_directory_too(hf_model_dir, tmp_path):

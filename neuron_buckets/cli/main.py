@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -11,12 +11,16 @@ from rich.text import Text
 
 from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.traffic import register as register_traffic
-from neuron_buckets.config import enumerate_grid, load_config
+from neuron_buckets.config import EXECUTORS, enumerate_grid, load_config
 from neuron_buckets.core.bucket import Bucket
+
+if TYPE_CHECKING:
+    from neuron_buckets.compile.compiler import Compiler
 
 app = typer.Typer(
     cls=ErrorHandlingGroup,
@@ -57,17 +61,37 @@ def grid(config: ConfigArg = None) -> None:
     console.print(f"{len(buckets)} buckets")
 
 
+CacheDirOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cache-dir",
+        help="Graph cache: a directory, or a URL of a store that machines share (s3://bucket/prefix, any "
+        "fsspec protocol; endpoint and credentials from the AWS_* variables); default: $NB_CACHE_DIR or "
+        "the user cache",
+    ),
+]
+
+
 @app.command("compile")
 def compile_(
     config: ConfigArg = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory")] = Path("nb-artifacts"),
     jobs: Annotated[
-        int | None, typer.Option("--jobs", "-j", min=1, help="Parallel compile processes")
+        int | None, typer.Option("--jobs", "-j", min=1, help="Parallel compile processes (local executor)")
     ] = None,
     backend: Annotated[str | None, typer.Option(help="inductor, eager or neuron")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (inductor), neuron")] = None,
-    cache_dir: Annotated[Path | None, typer.Option(help="Shared graph cache (default: user cache)")] = None,
+    cache_dir: CacheDirOpt = None,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed bucket")] = False,
+    executor: Annotated[
+        str | None, typer.Option(help="local (worker processes) or ray (tasks on a Ray cluster)")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster to use (default: $RAY_ADDRESS, else a local instance)")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Where each bucket would come from, what is left to build")
+    ] = False,
 ) -> None:
     """Compile each bucket's pieces into an artifact directory; pieces already built are reused."""
     from dataclasses import replace
@@ -77,15 +101,25 @@ def compile_(
     from neuron_buckets.core.cache_dir import default_cache_dir
 
     cfg = load_config(config)
-    overrides = {k: v for k, v in (("jobs", jobs), ("backend", backend), ("device", device)) if v is not None}
+    options = (("jobs", jobs), ("backend", backend), ("device", device), ("executor", executor))
+    overrides = {k: v for k, v in options if v is not None}
     cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
-    compiler = Compiler(cfg, out, cache_dir or default_cache_dir(), fail_fast=fail_fast)
+    if cfg.compile.executor not in EXECUTORS:
+        raise ValueError(f"--executor must be one of {EXECUTORS}, got {cfg.compile.executor!r}")
+    cache = cache_dir or default_cache_dir()
+    compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
+    if dry_run:
+        print_plan(compiler)
+        return
+    c = cfg.compile
+    runs = f"{c.jobs} jobs" if c.executor == "local" else f"Ray tasks of {c.task_cpus} CPUs"
+    shared = compiler.cache.remote
     err.print(
-        f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend "
-        f"{cfg.compile.backend} on {cfg.compile.device}, {cfg.compile.jobs} jobs -> {out}"
+        f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend {c.backend} on "
+        f"{c.device}, {runs} -> {out}" + (f", sharing {shared.location}" if shared else "")
     )
-    with CompileProgress(len(compiler.shapes), cfg.compile.jobs, err) as progress:
-        report = compiler.run(cfg.compile.jobs, progress)
+    with CompileProgress(len(compiler.shapes), err) as progress:
+        report = compiler.run(c.jobs, progress)
     reused = len(report.outcomes) - len(report.compiled) - len(report.failed)
     err.print(
         f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
@@ -93,6 +127,27 @@ def compile_(
     )
     if report.failed or len(report.outcomes) < len(compiler.shapes):
         raise typer.Exit(1)
+
+
+def print_plan(compiler: Compiler) -> None:
+    """The dry run's table: each bucket, where its pieces are, what compiling it would cost."""
+    from neuron_buckets.compile.compile_plan import PLACES, plan_compile
+
+    plan = plan_compile(compiler)
+    table = Table(title=f"nb compile --dry-run -> {compiler.out}")
+    for col in ("bucket", "from", "estimated compile s"):
+        table.add_column(col, justify="right" if col.startswith("est") else "left")
+    for b in plan.buckets:
+        estimate = "-" if b.place != "to compile" else "?" if b.estimate_s is None else f"{b.estimate_s:.1f}"
+        table.add_row(b.bucket.name, b.place, estimate)
+    console.print(table)
+    counts = {p: sum(place == p for place in plan.places.values()) for p in PLACES}
+    total = "unknown (no history)" if plan.estimate_s is None else f"about {plan.estimate_s:.0f} s"
+    console.print(
+        f"{counts['to compile']} of {len(plan.places)} pieces to compile, {total} of compile; "
+        f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
+        f"{counts['remote cache']} in the remote cache"
+    )
 
 
 @app.command("ls")
@@ -163,3 +218,4 @@ def doctor() -> None:
 
 register_generate(app)
 register_traffic(app)
+register_cache(app)

@@ -22,8 +22,8 @@ from neuron_buckets.compile.compiler import Outcome
 class CompileProgress:
     """Turns the compiler's events into one bar; a log line per finished or failed piece."""
 
-    def __init__(self, total: int, jobs: int, console: Console) -> None:
-        self.jobs, self.console = jobs, console
+    def __init__(self, total: int, console: Console) -> None:
+        self.console = console
         self.queued = self.failed = 0
         self.progress = Progress(
             SpinnerColumn(),
@@ -48,6 +48,12 @@ class CompileProgress:
     def __call__(self, event: str, outcome: Outcome) -> None:
         if event == "queued":
             self.queued += 1
+        elif event == "retry":
+            self.queued -= 1
+            why = f" {outcome.name} ({outcome.error}); compiling it again, attempt {outcome.attempts + 1}"
+            self.progress.log(Text.assemble(("retry", "yellow"), why))
+        elif event == "damaged":
+            self.progress.log(Text.assemble(("damaged", "yellow"), f" {outcome.name}: {outcome.error}"))
         elif event == "done":
             if outcome.cached:
                 self.progress.update(self.task, advance=1)
@@ -61,5 +67,4 @@ class CompileProgress:
                 why = f" {outcome.name}: {outcome.error} (see {outcome.log})"
                 self.progress.log(Text.assemble(("failed", "red"), why))
             self.progress.update(self.task, advance=1)
-        running = min(self.queued, self.jobs)
-        self.progress.update(self.task, running=running, failed=self.failed)
+        self.progress.update(self.task, running=self.queued, failed=self.failed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,12 @@ def source_digest(extra: tuple[Path, ...] = ()) -> str:
         h.update(path.read_bytes())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def backend_source_digest(backend: object) -> str:
+    """``source_digest`` with the backend's own module: what the driver keys with and what every
+    worker, on whatever node, checks it would compile."""
+    return source_digest(extra=(Path(sys.modules[type(backend).__module__].__file__),))
 
 
 def graph_key(

@@ -2,23 +2,25 @@
 
 Each bucket runs as an embed piece, one decoder-layer piece called once per layer, and a head
 piece (``model/pieces.py``); pieces that buckets share are compiled once. Only pieces whose key
-is in neither the artifact directory nor the shared cache are compiled, each in a worker process
-(``--jobs``). After every finished piece the manifest is rewritten atomically, so a kill at any
+is in neither the artifact directory nor the graph cache (local, or remote and pulled) are
+compiled, by an executor: local worker processes (``--jobs``) or Ray tasks. Both go through one
+loop here: after every finished piece the manifest is rewritten atomically, so a kill at any
 moment loses at most the pieces still compiling, and the next run resumes with exactly those. A
-failing piece is recorded with its error and log (its buckets fail); the rest go on.
+failing piece is recorded with its error and log (its buckets fail); the rest go on. A piece
+whose worker died is compiled again, ``compile.retries`` times, then recorded as failed.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import multiprocessing as mp
 import os
-import sys
+import shutil
+import time
 import traceback
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,13 +43,15 @@ from neuron_buckets.artifact.manifest import (
     write_manifest,
 )
 from neuron_buckets.backends import BackendUnavailable, get_backend
-from neuron_buckets.compile.cache_key import graph_key, source_digest
+from neuron_buckets.compile.cache_key import backend_source_digest, graph_key
+from neuron_buckets.compile.executor import PieceExecutor, Submit
+from neuron_buckets.compile.graph_cache import GraphCache, Hit
 from neuron_buckets.compile.output_dir import check_owned, owned_directory, prune
-from neuron_buckets.compile.store import GraphStore
+from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import eos_token_ids, text_sources, write_text_files
-from neuron_buckets.compile.worker import compile_piece, init_worker
+from neuron_buckets.compile.worker import CompileTask, Toolchain
 from neuron_buckets.config import Config, enumerate_grid
-from neuron_buckets.config.memory import check_compile_memory
+from neuron_buckets.config.memory import check_compile_memory, compile_job_bytes
 from neuron_buckets.model.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
 from neuron_buckets.model.llama import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
@@ -65,6 +69,7 @@ class Outcome:
     error: str | None = None
     log: str | None = None
     sha256: str | None = None  # of the placed graph, hashed once: the manifest is rewritten often
+    attempts: int = 0  # times handed to a worker
 
     @property
     def name(self) -> str:
@@ -99,20 +104,30 @@ def cache_geometry(model: LlamaConfig, config: Config) -> CacheGeometry:
     )
 
 
+Notify = Callable[[str, Outcome], None]
+
+
 class Compiler:
-    def __init__(self, config: Config, out: Path, cache_dir: Path, fail_fast: bool = False) -> None:
+    def __init__(
+        self, config: Config, out: Path, cache_dir: str | Path, fail_fast: bool = False, *,
+        local_cache: Path | None = None, ray_address: str | None = None,
+    ) -> None:
+        """``cache_dir``: the graph cache, a local directory or a URL (then ``local_cache``, by
+        default the user cache, holds the graphs pulled from it)."""
         self.config, self.out, self.fail_fast = config, Path(out), fail_fast
-        check_owned(self.out)  # a directory that is not ours is refused before anything starts
+        self.old = check_owned(self.out)  # a directory that is not ours is refused before anything starts
         self.backend = get_backend(config.compile.backend)
         ok, why = self.backend.available()
         if not ok:
             raise BackendUnavailable(f"backend {self.backend.name!r} is not usable here: {why}")
-        self.store = GraphStore(cache_dir)
+        self.cache = GraphCache.open(cache_dir, local_cache)
+        self.ray_address = ray_address
         self.model_config = model_config_of(config.model.path)
         self.text_sources = text_sources(config.model.path)
         self.eos_token_ids = eos_token_ids(config.model.path, self.model_config.vocab_size)
         self.buckets = enumerate_grid(config)
-        check_compile_memory(config, self.model_config)
+        local_jobs = config.compile.jobs if config.compile.executor == "local" else 0
+        check_compile_memory(config, self.model_config, local_jobs)
         self.bucket_pieces = {b: bucket_pieces(b, self.backend.dynamic_shapes) for b in self.buckets}
         self.shapes = sorted({s for pieces in self.bucket_pieces.values() for s in pieces.values()})
         backend_info = BackendInfo(
@@ -136,22 +151,23 @@ class Compiler:
                 max_num_batched_tokens=config.buckets.max_num_batched_tokens,
             ),
         )
-        sources = source_digest(extra=(Path(sys.modules[type(self.backend).__module__].__file__),))
+        self.toolchain = Toolchain(backend_source_digest(self.backend), backend_info.versions)
         self.keys = {
             s: graph_key(
                 piece=s,
                 model_config=self.manifest.model.config,
                 cache=asdict(self.manifest.cache),
                 backend=asdict(backend_info),
-                sources=sources,
+                sources=self.toolchain.sources,
             )
             for s in self.shapes
         }
+        self.cache.check()  # an unusable store fails here, before anything is written
 
     def graph_file(self, key: str) -> Path:
         return self.out / GRAPHS / f"{key}.{self.backend.graph_ext}"
 
-    def _intact(self, old: Manifest | None) -> dict[str, PieceRecord]:
+    def intact(self, old: Manifest | None) -> dict[str, PieceRecord]:
         """Pieces of the last run whose graph file is still intact, by key."""
         intact: dict[str, PieceRecord] = {}
         for key, rec in old.pieces.items() if old else ():
@@ -221,27 +237,65 @@ class Compiler:
         if self.manifest.buckets:
             write_manifest(self.out, self.manifest)
 
-    def _finish(self, o: Outcome, err: str | None) -> Outcome:
+    def _entry(self, o: Outcome, path: Path) -> StoreEntry:
+        """The store record of a graph this directory holds (to share one the remote store lacks)."""
+        return StoreEntry(
+            key=o.key, ext=self.backend.graph_ext, sha256=o.sha256, bytes=path.stat().st_size,
+            compile_seconds=o.compile_seconds, piece=o.name, backend=self.backend.name,
+            versions=self.toolchain.versions, toolchain=__version__, created=time.time(),
+        )
+
+    def _place(self, o: Outcome, hit: Hit) -> Outcome:
+        """Link a verified cache graph into the directory; its sha256 is the one just checked."""
+        place(hit.path, self.graph_file(o.key))
+        o.sha256 = hit.entry.sha256
+        return o
+
+    def _finish(self, o: Outcome, err: str | None, notify: Notify) -> Outcome:
         if err is None:
-            self.store.place(self.store.path(o.key, self.backend.graph_ext), self.graph_file(o.key))
-            o.sha256 = sha256_file(self.graph_file(o.key))
-            return o
+            hit = self.cache.get(o.key, self.backend.graph_ext, self._damaged(o.shape, notify), listed=False)
+            if hit:
+                return self._place(o, hit)
+            err = f"compiled, but the graph is not in the store {self.cache.shared.location}"
         log = self.out / "logs" / f"{o.name}.log"
         atomic_write(log, lambda p: p.write_text(err))
         last = err.strip().splitlines()[-1]
         o.status, o.error, o.log = "failed", last, log.relative_to(self.out).as_posix()
         return o
 
-    def run(self, jobs: int, on_event: Callable[[str, Outcome | None], None] | None = None) -> CompileReport:
-        """Compile the pieces that are missing; ``on_event`` sees ("queued"|"done", outcome).
+    def _damaged(self, shape: PieceShape, notify: Notify) -> Callable[[str], None]:
+        return lambda why: notify("damaged", Outcome(shape, self.keys[shape], error=why))
 
-        "queued" comes when a piece is handed to a worker, at most ``jobs`` at a time, so queued
-        minus done is what is compiling.
-        """
+    @contextmanager
+    def executor(self, jobs: int | None = None) -> Iterator[PieceExecutor]:
+        """The executor ``compile.executor`` names: ``jobs`` local processes (default
+        ``compile.jobs``), or Ray tasks on the cluster at ``ray_address``."""
+        c = self.config.compile
+        if c.executor == "ray":
+            from neuron_buckets.compile.ray_executor import RayExecutor
+
+            task_bytes = compile_job_bytes(self.config, self.model_config)
+            executor = RayExecutor(self.ray_address, c.task_cpus, task_bytes, not self.cache.shared.is_url)
+        else:
+            from neuron_buckets.compile.local_executor import LocalExecutor
+
+            executor = LocalExecutor(jobs or c.jobs)
+        try:
+            yield executor
+        finally:
+            executor.close()
+
+    def run(self, jobs: int | None = None, on_event: Notify | None = None) -> CompileReport:
+        """Compile the pieces that are missing; ``on_event`` sees (event, outcome): "queued" when
+        a piece goes to a worker, "done" when it is finished (compiled, reused or failed), "retry"
+        when its worker died and it is queued again, "damaged" when a cache entry of it was
+        discarded. Queued minus done (and retries) is what is compiling. The executor (Ray's
+        connection) is only opened when something needs compiling."""
         notify = on_event or (lambda *_: None)
+        ext = self.backend.graph_ext
         with owned_directory(self.out) as old:
-            self.store.remove_stale_temps()
-            previous = self._intact(old)
+            self.cache.local.remove_stale_temps()
+            previous = self.intact(old)
             self._write_weights(old)
             self.manifest.text = write_text_files(self.text_sources, self.out, self.eos_token_ids)
             done: dict[PieceShape, Outcome] = {}
@@ -251,56 +305,86 @@ class Compiler:
                 if key in previous:
                     rec = previous[key]
                     secs, sha = rec.compile_seconds, rec.sha256
-                    done[s] = Outcome(s, key, compile_seconds=secs, cached=True, sha256=sha)
-                elif self.store.get(key, self.backend.graph_ext):
-                    secs = self.store.compile_seconds(key, self.backend.graph_ext)
-                    done[s] = self._finish(Outcome(s, key, compile_seconds=secs, cached=True), None)
+                    done[s] = o = Outcome(s, key, compile_seconds=secs, cached=True, sha256=sha)
+                    self.cache.share(self.out / rec.file, self._entry(o, self.out / rec.file))
+                elif hit := self.cache.get(key, ext, self._damaged(s, notify)):
+                    secs = hit.entry.compile_seconds
+                    done[s] = self._place(Outcome(s, key, compile_seconds=secs, cached=True), hit)
                 else:
                     todo.append(Outcome(s, key))
             self._save(done)
             for o in done.values():
                 notify("done", o)
             if todo:
-                self._compile_all(todo, done, jobs, notify)
+                with self.executor(jobs) as executor:
+                    self._compile_all(executor, todo, done, notify)
             ok = [self.graph_file(o.key) for o in done.values() if o.status == "ok"]
             keep = {f.relative_to(self.out).as_posix() for f in ok} | set(self.manifest.text.files)
             prune(self.out, old, keep)
             return CompileReport(self.out, [done[s] for s in self.shapes if s in done], self.manifest.buckets)
 
-    def _compile_all(self, todo: list[Outcome], done: dict[PieceShape, Outcome], jobs: int, notify) -> None:
-        """Compile ``todo``, at most ``jobs`` at a time, so that ``--fail-fast`` starts nothing more.
+    def _stopped(self, done: dict[PieceShape, Outcome]) -> bool:
+        return self.fail_fast and any(o.status != "ok" for o in done.values())
 
-        A worker that dies (OOM kill, segfault) breaks its pool and fails the pieces then in
-        flight; a fresh pool compiles the rest.
-        """
+    def _compile_all(
+        self, executor: PieceExecutor, todo: list[Outcome], done: dict[PieceShape, Outcome], notify: Notify
+    ) -> None:
+        """Compile ``todo``, ``executor.slots`` at a time, so that ``--fail-fast`` starts nothing
+        more. A worker that dies ends its pool (a local one is broken by it): the pieces then in
+        flight are queued again and a fresh pool compiles the rest."""
         queue = deque(todo)
-        threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
-        spawn = {"mp_context": mp.get_context("spawn"), "initializer": init_worker, "initargs": (threads,)}
-        while queue and not (self.fail_fast and any(o.status != "ok" for o in done.values())):
-            with ProcessPoolExecutor(jobs, **spawn) as pool:
-                self._drain(pool, queue, done, jobs, notify)
+        while queue and not self._stopped(done):
+            with executor.pool() as submit:
+                self._drain(executor, submit, queue, done, notify)
+
+    def _task(self, o: Outcome, executor: PieceExecutor) -> CompileTask:
+        shared, local = self.cache.shared, self.cache.local
+        mirror = local.location if executor.on_this_host and shared is not local else None
+        store = shared.location
+        return CompileTask(self.config, o.shape, o.key, store, mirror, self.toolchain, executor.threads)
 
     def _drain(
-        self, pool: ProcessPoolExecutor, queue: deque[Outcome], done: dict[PieceShape, Outcome], jobs: int,
-        notify,
+        self, executor: PieceExecutor, submit: Submit, queue: deque[Outcome], done: dict[PieceShape, Outcome],
+        notify: Notify,
     ) -> None:
-        """Feed ``pool`` until the queue is empty, a piece fails under fail-fast, or the pool breaks."""
+        """Feed the pool until the queue is empty, a piece fails under fail-fast, or a worker dies."""
         running: dict[Future, Outcome] = {}
         feeding = True
         while running or (feeding and queue):
-            while feeding and queue and len(running) < jobs:
+            while feeding and queue and len(running) < executor.slots:
                 o = queue.popleft()
-                running[pool.submit(compile_piece, self.config, o.shape, o.key, str(self.store.root))] = o
+                o.attempts += 1
+                running[submit(self._task(o, executor))] = o
                 notify("queued", o)
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in finished:
                 o = running.pop(fut)
                 try:
                     o.compile_seconds, err = fut.result()
-                except Exception as e:  # the worker could not run it, or died (BrokenProcessPool)
+                except Exception as e:  # the worker could not run it, or died
                     err = traceback.format_exc()
-                    feeding = feeding and not isinstance(e, BrokenProcessPool)
-                done[o.shape] = self._finish(o, err)
+                    if executor.died(e):
+                        feeding = False
+                        if o.attempts <= self.config.compile.retries:
+                            o.error = f"{type(e).__name__}: the worker died"
+                            queue.appendleft(o)
+                            notify("retry", o)
+                            continue
+                        err += f"{type(e).__name__}: the worker died on each of {o.attempts} attempts\n"
+                o.error = None
+                done[o.shape] = self._finish(o, err, notify)
                 self._save(done)
                 notify("done", o)
                 feeding = feeding and not (err and self.fail_fast)
+
+
+def place(src: Path, dest: Path) -> None:
+    """Put a cached graph into an artifact directory atomically: hard link, else copy."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)

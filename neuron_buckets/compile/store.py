@@ -1,90 +1,277 @@
-"""The shared compile cache: graphs by key, reused across runs and artifact directories.
+"""A graph store: compiled graphs by key, in a local directory or behind any fsspec URL (s3://...).
 
-Inductor's own caches do not cover AOT packages, so this one does. A graph enters the cache only
-by an atomic rename of a finished file, so a killed compile never leaves a valid-looking entry.
-Artifact directories get a hard link when possible (no extra disk), else a copy. Because of the
-link, editing an artifact's graph in place edits its cache entry too, so every entry carries the
-sha256 taken when it was committed and is reused only while its bytes still match.
+An entry is two objects: the graph, named by its key and content, and its record (``StoreEntry``),
+the commit point, created exclusively once the graph is complete. So a reader sees a whole entry
+or none, two writers of one key never overwrite each other's bytes, and the first record wins:
+the other writer removes its graph and uses the winner's. Every graph is used only after its
+bytes match the record's sha256; a damaged entry is discarded and compiled again. Only finished
+compiles are published, so a failure is never cached.
+
+How "exclusively" is kept depends on the store. A local directory creates the record by a hard
+link, which fails when the name exists (atomic, first wins). s3fs sends a conditional put
+(``If-None-Match: *``), which S3 and its compatible servers refuse once the key exists. Other
+fsspec protocols get fsspec's ``mode="create"``, which checks and then writes: two writers in
+the same instant may both write, the last record stays, and each record still points at its own
+intact graph, so nothing is corrupted, but a store that does not write objects whole may show a
+reader a partial record, which counts as damaged and costs one compile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import os
 import re
 import shutil
+import tempfile
 import time
-from pathlib import Path
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 
-from neuron_buckets.artifact.manifest import atomic_write, sha256_file
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
-# A worker's graph before ``commit`` (".<key>.<pid>.tmp.<ext>") and a digest being written by
-# atomic_write (".<key>.<ext>.sha256.<random>.tmp").
-TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.(\d+\.tmp\.\w+|\w+\.sha256\.\w+\.tmp)")
-# Other compiles share the cache, so a temp file is stale only once no compile could still be
-# writing it: far longer than any one bucket's compile.
+from neuron_buckets.artifact.manifest import sha256_file
+from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry
+from neuron_buckets.core.errors import UserError
+
+RECORD_NAME = re.compile(r"([0-9a-f]{64})\.(\w+)\.json")
+GRAPH_NAME = re.compile(rf"[0-9a-f]{{64}}\.[0-9a-f]{{{SHA_IN_NAME}}}\.\w+")
+# A local store's temp files (".<name>.<random>.tmp") and compile scratch dirs (".scratch-<random>.tmp").
+TEMP_NAME = re.compile(r"\.([0-9a-f]{64}\.[\w.]+|scratch-\w+)\.tmp")
+# Other compiles share a store, so a temp file, or a graph whose record is not written yet, is
+# stale only once no compile could still be writing it: far longer than any one piece's compile.
 STALE_AFTER_S = 24 * 3600
 
 
+class StoreError(UserError, RuntimeError):
+    """A graph store cannot be used: a bad URL, missing credentials, an unreachable endpoint."""
+
+
+def _why(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 class GraphStore:
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, location: str | Path) -> None:
+        self.location = str(location)
+        self.is_url = "://" in self.location
+        try:
+            if self.is_url:
+                # Fresh instances, no listing cache: other machines write the store meanwhile.
+                fs, root = fsspec.url_to_fs(self.location, skip_instance_cache=True, use_listings_cache=False)
+            else:
+                fs, root = LocalFileSystem(), str(Path(self.location).absolute())
+        except (ValueError, ImportError, TypeError) as e:
+            raise self.error(_why(e)) from None
+        if not root.strip("/"):
+            raise self.error("the URL names no bucket or path")
+        self.fs, self.root = fs, root.rstrip("/") or "/"
+        self.local = isinstance(fs, LocalFileSystem)
 
-    def path(self, key: str, ext: str) -> Path:
-        return self.root / f"{key}.{ext}"
+    def error(self, what: str) -> StoreError:
+        return StoreError(f"graph store {self.location}: {what}")
 
-    @staticmethod
-    def digest_path(graph: Path) -> Path:
-        return graph.with_name(f"{graph.name}.sha256")
+    @contextlib.contextmanager
+    def _io(self, doing: str) -> Iterator[None]:
+        """Whatever the storage raises (its clients have their own error types: credentials,
+        endpoints, HTTP) becomes one StoreError naming the store and what was being done."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except Exception as e:
+            raise self.error(f"{doing}: {_why(e)}") from e
 
-    def get(self, key: str, ext: str) -> Path | None:
-        """The cached graph, or None if absent or changed since it was committed."""
-        path = self.path(key, ext)
-        digest = self.digest_path(path)
-        if not (path.is_file() and digest.is_file()):
-            return None
-        return path if sha256_file(path) == digest.read_text().split()[0] else None
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
 
-    def compile_seconds(self, key: str, ext: str) -> float:
-        """How long the cached graph took to compile (0 for entries that did not record it)."""
-        fields = self.digest_path(self.path(key, ext)).read_text().split()
-        return float(fields[1]) if len(fields) > 1 else 0.0
+    def graph_file(self, entry: StoreEntry) -> Path:
+        """The graph of an entry in a local store (where it can be hard-linked from)."""
+        return Path(self.path(entry.graph_name))
 
-    def temp_path(self, key: str, ext: str) -> Path:
-        """Where a worker writes before ``commit``; unique per process, ignored by ``get``."""
-        return self.root / f".{key}.{os.getpid()}.tmp.{ext}"
+    def check(self) -> None:
+        """Reach the store once, before any work: endpoint, credentials, bucket. A prefix that
+        holds nothing yet is an empty store; a bucket that does not exist is an error."""
+        self.names()
+        if not self.local:
+            bucket = self.root.split("/", 1)[0]
+            with self._io("cannot reach it"):
+                exists = self.fs.exists(bucket)
+            if not exists:
+                raise self.error(f"{bucket!r} does not exist")
 
-    def remove_stale_temps(self, older_than_s: float = STALE_AFTER_S) -> list[Path]:
-        """Delete temp files that killed workers left (a graph's size each), by name and age."""
+    def names(self) -> dict[str, dict]:
+        """Every object directly under the root, by name, with fsspec's info (size, times)."""
+        with self._io("cannot list it"):
+            try:
+                infos = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return {}
+        return {PurePosixPath(i["name"]).name: i for i in infos}
+
+    def read_record(self, key: str, ext: str) -> StoreEntry | None:
+        """The entry's record; None if there is none (or something else sits at its name);
+        ValueError if it is there but not a whole record."""
+        with self._io(f"cannot read the record of {key[:12]}"):
+            try:
+                data = self.fs.cat_file(self.path(StoreEntry.record_name(key, ext)))
+            except (FileNotFoundError, IsADirectoryError):
+                return None
+        return StoreEntry.from_json(data)
+
+    def entries(self, names: dict[str, dict] | None = None) -> list[StoreEntry]:
+        """Every readable record (one listing, one batched read); damaged records are skipped."""
+        names = self.names() if names is None else names
+        paths = [self.path(n) for n in sorted(names) if RECORD_NAME.fullmatch(n)]
+        with self._io("cannot read its records"):
+            data = self.fs.cat(paths, on_error="omit") if paths else {}
+        entries = []
+        for raw in data.values():
+            with contextlib.suppress(ValueError):
+                entries.append(StoreEntry.from_json(raw))
+        return entries
+
+    def fetch(self, entry: StoreEntry, dest: Path) -> bool:
+        """Copy an entry's graph to the local file ``dest``; True only if its bytes match the record."""
+        with self._io(f"cannot read the graph of {entry.piece}"):
+            try:
+                self.fs.get_file(self.path(entry.graph_name), str(dest))
+            except FileNotFoundError:
+                return False
+        return dest.stat().st_size == entry.bytes and sha256_file(dest) == entry.sha256
+
+    def verified(self, entry: StoreEntry) -> Path | None:
+        """A local store's graph of ``entry`` if its bytes still match the record, else None."""
+        path = self.graph_file(entry)
+        ok = path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256
+        return path if ok else None
+
+    def publish(self, graph: Path, entry: StoreEntry) -> StoreEntry:
+        """Put the graph, then create its record exclusively. Returns the entry the store now holds:
+        ours, or the one another compile published first (then our graph goes, unless it is theirs)."""
+        graph_path = self.path(entry.graph_name)
+        record_path = self.path(StoreEntry.record_name(entry.key, entry.ext))
+        with self._io(f"cannot publish {entry.piece}"):
+            self._put(graph, graph_path)
+            try:
+                self._create(record_path, entry.to_json())
+                return entry
+            except FileExistsError:
+                pass
+        try:
+            winner = self.read_record(entry.key, entry.ext)
+        except ValueError as e:
+            raise self.error(f"cannot publish {entry.piece}: {record_path} is damaged ({e})") from None
+        if winner is None:
+            raise self.error(f"cannot publish {entry.piece}: {record_path} exists and is not a record")
+        if winner.graph_name != entry.graph_name:
+            with self._io(f"cannot remove a duplicate of {entry.piece}"):
+                self.fs.rm_file(graph_path)
+        return winner
+
+    def discard(self, key: str, ext: str, entry: StoreEntry | None = None) -> None:
+        """Remove a damaged entry: its record, then its graph when the record still named one."""
+        names = [StoreEntry.record_name(key, ext)] + ([entry.graph_name] if entry else [])
+        with self._io(f"cannot remove the damaged entry {key[:12]}"):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    self.fs.rm_file(self.path(name))
+
+    def _put(self, graph: Path, dest: str) -> None:
+        """Put a graph object. Its name holds its sha256, so replacing one only rewrites the same bytes."""
+        if not self.local:
+            self.fs.put_file(str(graph), dest)
+            return
+        with self._temp(dest) as tmp:
+            try:
+                os.link(graph, tmp)  # same disk (the compile scratch lives in the store): no copy
+            except OSError:
+                shutil.copyfile(graph, tmp)
+            os.replace(tmp, dest)
+
+    def _create(self, dest: str, data: bytes) -> None:
+        """Write ``dest`` whole, only if nothing is there yet (FileExistsError otherwise)."""
+        if not self.local:
+            self.fs.pipe_file(dest, data, mode="create")
+            return
+        with self._temp(dest) as tmp:
+            tmp.write_bytes(data)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, dest)  # atomic, and refuses an existing name
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links: atomic, but the last writer wins
+                os.replace(tmp, dest)
+
+    @contextlib.contextmanager
+    def _temp(self, dest: str) -> Iterator[Path]:
+        """A temp name beside ``dest`` in a local store, removed whatever happens."""
+        Path(self.root).mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{PurePosixPath(dest).name}.", suffix=".tmp", dir=self.root)
+        os.close(fd)
+        tmp = Path(name)
+        tmp.unlink()
+        try:
+            yield tmp
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A private directory to compile into: inside a local store (publishing is then a link,
+        not a copy of what may be a large graph), in the system's temp dir for a remote one."""
+        if self.local:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+        where = self.root if self.local else None
+        with tempfile.TemporaryDirectory(prefix=".scratch-", suffix=".tmp", dir=where) as d:
+            yield Path(d)
+
+    def remove_stale_temps(self, older_than_s: float = STALE_AFTER_S) -> list[str]:
+        """Delete what killed compiles left in a local store (a graph's size each), by name and age."""
+        if not self.local or not Path(self.root).is_dir():
+            return []
         cutoff = time.time() - older_than_s
         stale = [
-            p
-            for p in self.root.iterdir()
-            if TEMP_NAME.fullmatch(p.name) and p.is_file() and p.lstat().st_mtime < cutoff
+            p for p in Path(self.root).iterdir()
+            if TEMP_NAME.fullmatch(p.name) and not p.is_symlink() and p.lstat().st_mtime < cutoff
         ]
         for p in stale:
-            p.unlink(missing_ok=True)
-        return stale
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        return [p.name for p in stale]
 
-    def commit(self, temp: Path, key: str, ext: str, seconds: float = 0.0) -> Path:
-        """Publish a finished graph: its sha256 (and compile seconds) first, then the graph, each by
-        an atomic rename. A crash in between leaves a digest that matches no graph, which ``get``
-        treats as absent. The seconds let artifacts built from the cache report real costs.
-        """
-        final = self.path(key, ext)
-        digest = sha256_file(temp)
-        atomic_write(self.digest_path(final), lambda p: p.write_text(f"{digest} {seconds:.3f}"))
-        os.replace(temp, final)
-        return final
+    def prune(self, older_than_s: float | None = None, max_bytes: int | None = None) -> list[StoreEntry]:
+        """Remove entries made more than ``older_than_s`` ago, then the oldest until the rest hold
+        at most ``max_bytes``; also graphs that no record names once they are a day old (a publish
+        killed between its graph and its record) and stale temps. Returns the entries removed."""
+        now = time.time()
+        names = self.names()
+        entries = sorted(self.entries(names), key=lambda e: e.created)
+        doomed = [e for e in entries if older_than_s is not None and now - e.created > older_than_s]
+        kept = [e for e in entries if e not in doomed]
+        total = sum(e.bytes for e in kept)
+        while max_bytes is not None and kept and total > max_bytes:
+            doomed.append(victim := kept.pop(0))
+            total -= victim.bytes
+        for e in doomed:
+            self.discard(e.key, e.ext, e)
+        named = {e.graph_name for e in entries}  # the doomed ones' graphs are gone already
+        with self._io("cannot remove orphaned graphs"):
+            for name, info in names.items():
+                if GRAPH_NAME.fullmatch(name) and name not in named and now - _mtime(info) > STALE_AFTER_S:
+                    self.fs.rm_file(self.path(name))
+        self.remove_stale_temps()
+        return doomed
 
-    @staticmethod
-    def place(src: Path, dest: Path) -> None:
-        """Put a cached graph into an artifact directory atomically: hard link, else copy."""
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
+
+def _mtime(info: dict) -> float:
+    """An object's modification time from fsspec's info: local stores give seconds, S3 a datetime."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if isinstance(value, dt.datetime):
+        return value.timestamp()
+    return float(value) if value is not None else time.time()

@@ -1,7 +1,10 @@
-"""What runs inside one ``nb compile`` worker process: build one piece, compile it.
+"""What one compile worker runs: build one piece, compile it, publish it to the graph store.
 
-Workers are spawned (a clean interpreter, no inherited locks or threads) and get only picklable
-inputs; each writes its graph into the shared cache under a temp name and renames it when done.
+The same function runs in a local worker process and as a Ray task on any node, so its input is
+one picklable ``CompileTask`` and the store is named by its location (a path or a URL). A node
+must compile what the driver's key describes: one with other sources or toolchain versions
+refuses, instead of publishing a different graph under that key. Nothing is published unless the
+compile finished, so a failure is never cached.
 """
 
 from __future__ import annotations
@@ -12,46 +15,98 @@ import threading
 import time
 import traceback
 import warnings
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
+from neuron_buckets import __version__
+from neuron_buckets.artifact.manifest import sha256_file
 from neuron_buckets.backends import get_backend
+from neuron_buckets.compile.cache_key import backend_source_digest
 from neuron_buckets.compile.store import GraphStore
+from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config
 from neuron_buckets.model.checkpoint import model_config_of
 from neuron_buckets.model.pieces import PIECES, PieceShape, dynamic_shapes, example_inputs
 
 
-def compile_piece(config: Config, shape: PieceShape, key: str, store_root: str) -> tuple[float, str | None]:
-    """Runs in a worker process: build one piece from the model config alone, compile it into
-    the cache. No weights are read: pieces take them as inputs, so zeros of their shapes trace."""
-    backend = get_backend(config.compile.backend)
-    store = GraphStore(Path(store_root))
-    device = config.compile.device
-    model_config = model_config_of(config.model.path)
-    piece = PIECES[shape.role](model_config).to(device)
-    example = example_inputs(
-        shape, model_config, config.cache.block_size, config.cache.num_blocks,
-        getattr(torch, config.cache.dtype), device,
-    )
-    temp = store.temp_path(key, backend.graph_ext)
-    start = time.perf_counter()
-    try:
-        backend.compile(piece, example, temp, config.compile.flags, dynamic_shapes(shape))
-        store.commit(temp, key, backend.graph_ext, time.perf_counter() - start)
-    except Exception:
-        temp.unlink(missing_ok=True)
-        return time.perf_counter() - start, traceback.format_exc()
-    return time.perf_counter() - start, None
+@dataclass(frozen=True)
+class Toolchain:
+    """What a key was computed with, beyond the config: the graph-shaping sources and the
+    backend's versions."""
+
+    sources: str
+    versions: dict[str, str]
 
 
-def init_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
+@dataclass(frozen=True)
+class CompileTask:
+    config: Config
+    shape: PieceShape
+    key: str
+    store: str  # where the graph is published: the shared store's URL, or the local cache's path
+    mirror: str | None  # this machine's local cache, given the graph too (None on other nodes)
+    toolchain: Toolchain  # the driver's
+    threads: int  # torch threads for the compile
+
+
+class ToolchainMismatch(RuntimeError):
+    """This worker would compile something else than the key says."""
+
+
+def compile_piece(task: CompileTask) -> tuple[float, str | None]:
+    """Compile one piece and publish it; returns (seconds, the traceback if it failed).
+
+    The piece is built from the model config alone: pieces take weights as inputs, so zeros of
+    their shapes trace, and no weights are read."""
+    torch.set_num_threads(task.threads)
     # torch's own pickling of export specs trips its own deprecation on every compile; it says
     # nothing a user can act on and would scroll the progress bar away.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
-    # A worker must not outlive nb compile: killed with SIGKILL it cannot stop its pool, whose
-    # workers would otherwise compile on, then wait forever for work.
+    start = time.perf_counter()
+    try:
+        config, shape = task.config, task.shape
+        backend = get_backend(config.compile.backend)
+        _check_toolchain(backend, task.toolchain)
+        store = GraphStore(task.store)
+        mirror = GraphStore(task.mirror) if task.mirror else None
+        model_config = model_config_of(config.model.path)
+        piece = PIECES[shape.role](model_config).to(config.compile.device)
+        example = example_inputs(
+            shape, model_config, config.cache.block_size, config.cache.num_blocks,
+            getattr(torch, config.cache.dtype), config.compile.device,
+        )
+        with (mirror or store).scratch() as scratch:
+            graph = scratch / f"{task.key}.{backend.graph_ext}"  # a fixed name: packages embed it
+            backend.compile(piece, example, graph, config.compile.flags, dynamic_shapes(shape))
+            seconds = time.perf_counter() - start
+            entry = StoreEntry(
+                key=task.key, ext=backend.graph_ext, sha256=sha256_file(graph), bytes=graph.stat().st_size,
+                compile_seconds=round(seconds, 3), piece=shape.name, backend=backend.name,
+                versions=task.toolchain.versions, toolchain=__version__, created=time.time(),
+            )
+            held = store.publish(graph, entry)
+            if mirror and held.sha256 == entry.sha256:
+                mirror.publish(graph, entry)
+    except Exception:
+        return time.perf_counter() - start, traceback.format_exc()
+    return seconds, None
+
+
+def _check_toolchain(backend: object, expected: Toolchain) -> None:
+    here = Toolchain(backend_source_digest(backend), backend.versions())
+    if here.sources != expected.sources:
+        raise ToolchainMismatch(
+            "this node's neuron-buckets sources differ from the compiling driver's; install the same "
+            "version on every node"
+        )
+    if here.versions != expected.versions:
+        raise ToolchainMismatch(f"this node has {here.versions}, the driver {expected.versions}")
+
+
+def watch_parent() -> None:
+    """Initializer of local worker processes: a worker must not outlive nb compile. Killed with
+    SIGKILL, nb compile cannot stop its pool, whose workers would otherwise compile on, then wait
+    forever for work."""
     parent = mp.parent_process()
     threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()

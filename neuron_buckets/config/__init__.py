@@ -3,7 +3,7 @@
 
 from neuron_buckets.config.buckets import BucketConfig
 from neuron_buckets.config.cache import DTYPES, CacheConfig
-from neuron_buckets.config.compile import BACKENDS, CompileConfig
+from neuron_buckets.config.compile import BACKENDS, EXECUTORS, CompileConfig
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.config.loader import Config, ConfigError, load_config, parse_config
 from neuron_buckets.config.model import ModelSource
@@ -11,6 +11,7 @@ from neuron_buckets.config.model import ModelSource
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "EXECUTORS",
     "BucketConfig",
     "CacheConfig",
     "CompileConfig",

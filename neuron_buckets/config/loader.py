@@ -14,7 +14,7 @@ from typing import Any
 
 from neuron_buckets.config.buckets import BucketConfig
 from neuron_buckets.config.cache import DTYPES, CacheConfig
-from neuron_buckets.config.compile import BACKENDS, CompileConfig
+from neuron_buckets.config.compile import BACKENDS, EXECUTORS, CompileConfig
 from neuron_buckets.config.model import ModelSource
 from neuron_buckets.core.bucket import linear, powers_of_two, validate_buckets
 
@@ -167,7 +167,9 @@ def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     comp = CompileConfig(**comp_raw)
     if comp.backend not in BACKENDS:
         raise ConfigError(f"compile.backend must be one of {BACKENDS}, got {comp.backend!r}")
-    _positive("compile", comp, "jobs")
+    if comp.executor not in EXECUTORS:
+        raise ConfigError(f"compile.executor must be one of {EXECUTORS}, got {comp.executor!r}")
+    _positive("compile", comp, "jobs", "task_cpus")
     if not isinstance(comp.flags, dict):
         raise ConfigError("compile.flags must be a table")
     return Config(ModelSource(path), cache, _build_buckets(raw.get("buckets", {}), cache), comp)

@@ -123,14 +123,19 @@ def check_memory(needs: dict[str, int], purpose: str, hint: str = SMALLER) -> No
         )
 
 
-def check_compile_memory(config: Config, model: ModelShape) -> None:
-    """Before compiling: the artifact must be servable here, and the jobs must fit side by side."""
+def compile_job_bytes(config: Config, model: ModelShape) -> int:
+    """What one compile job holds at least: the example KV cache and the weights' shapes."""
+    c = config.cache
+    return cache_bytes(model, c.num_blocks, c.block_size, c.dtype) + weights_bytes(model, c.dtype)
+
+
+def check_compile_memory(config: Config, model: ModelShape, jobs: int) -> None:
+    """Before compiling: the artifact must be servable here, and the ``jobs`` compiling on this
+    machine must fit side by side (0 when they run elsewhere, as Ray tasks)."""
     if config.compile.device != "cpu":
         return
     c = config.cache
     needs = serving_needs(model, enumerate_grid(config), c.num_blocks, c.block_size, c.dtype)
     check_memory(needs, "generating from this config")
-    jobs = config.compile.jobs
-    per_job = cache_bytes(model, c.num_blocks, c.block_size, c.dtype) + weights_bytes(model, c.dtype)
-    needs = {f"{jobs} jobs x (example KV cache and weights)": jobs * per_job}
+    needs = {f"{jobs} jobs x (example KV cache and weights)": jobs * compile_job_bytes(config, model)}
     check_memory(needs, "compiling", f"use fewer --jobs or {SMALLER}")
