@@ -25,6 +25,7 @@ def test_embedded_default_loads():
 
 def test_an_empty_file_gets_the_dataclass_defaults(tmp_path):
     cfg = load_config(write(tmp_path, ""))
+    assert (cfg.compile.executor, cfg.compile.task_cpus, cfg.compile.retries) == ("local", 1, 2)
     assert cfg.buckets.num_seqs_buckets == (1, 2, 4)  # powers of two up to max_num_seqs
     assert cfg.buckets.num_batched_tokens_buckets == (128,)  # one bucket at max_num_batched_tokens
     assert cfg.buckets.decode_context_length_buckets == (256,)  # max_model_len 256: just itself
@@ -106,6 +107,9 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
         ("[cache]\ndtype = 'int8'", "cache.dtype must be one of"),
         ("[compile]\nbackend = 'tpu'", "compile.backend must be one of .* got 'tpu'"),
         ("[compile]\njobs = 0", "compile.jobs must be positive, got 0"),
+        ("[compile]\nexecutor = 'dask'", "compile.executor must be one of .* got 'dask'"),
+        ("[compile]\ntask_cpus = 0", "compile.task_cpus must be positive, got 0"),
+        ("[compile]\nretries = -1", "compile.retries must be a non-negative integer, got -1"),
         ("[buckets]\nmax_num_seqs = 0", "buckets.max_num_seqs must be positive, got 0"),
         ("[buckets]\nspeculation_length = -1", "buckets.speculation_length must be a non-negative integer"),
         ("[buckets]\nspeculation_length = 256", "speculation_length must be below cache.max_model_len"),

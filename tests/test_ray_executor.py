@@ -30,6 +30,7 @@ from neuron_buckets.serve.runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, error_line, free_port, write_config
 
 pytestmark = pytest.mark.xdist_group("ray")
+EAGER = TINY_CONFIG.replace('"inductor"', '"eager"')
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keeps every Ray address on 127.0.0.1
 TASK = "ray::compile_piece"  # the title Ray gives a worker process while it runs a compile
 CLUSTER = """
@@ -70,16 +71,6 @@ def ray_address(tmp_path_factory) -> Iterator[str]:
             proc.wait()
 
 
-def nb_process(*args: object, cache: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", "from neuron_buckets.cli import app; app()", *map(str, args)],
-        env={**os.environ, **LOOPBACK, "NB_CACHE_DIR": str(cache)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
 def compile_tasks() -> list[int]:
     """Processes running a compile task now, found by the title Ray gives them."""
     pids = []
@@ -92,36 +83,39 @@ def compile_tasks() -> list[int]:
     return pids
 
 
-def kill_one_task_worker(proc: subprocess.Popen, timeout: float = 300) -> int:
+def kill_one_task_worker(proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not (pids := compile_tasks()):
         assert proc.poll() is None and time.monotonic() < deadline, "no compile task started"
         time.sleep(0.2)
-    time.sleep(1)  # well inside its compile (seconds for the default grid's pieces)
+    time.sleep(1)  # well inside its compile (seconds for any inductor piece)
     os.kill(pids[0], signal.SIGKILL)
-    return pids[0]
+
+
+def compile_on_ray(address: str, *args: object, cache: Path, kill: bool = False) -> tuple[int, str]:
+    """``nb compile --executor ray`` as a user runs it, on the machine whose local cache is
+    ``cache``; with ``kill``, the worker of the first compile task is SIGKILLed mid-compile."""
+    command = ["compile", *map(str, args), "--executor", "ray", "--ray-address", address]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from neuron_buckets.cli import app; app()", *command],
+        env={**os.environ, **LOOPBACK, "NB_CACHE_DIR": str(cache)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        if kill:
+            kill_one_task_worker(proc)
+        log = proc.communicate(timeout=900)[0]
+    finally:
+        proc.kill()
+    return proc.returncode, log
 
 
 @pytest.fixture(scope="module")
 def ray_compile(ray_address, tmp_path_factory) -> tuple[Path, str]:
     """The embedded default grid compiled on the cluster, one worker killed while it compiles."""
     root = tmp_path_factory.mktemp("ray-compile")
-    proc = nb_process(
-        "compile",
-        "--executor",
-        "ray",
-        "--ray-address",
-        ray_address,
-        "--out",
-        root / "out",
-        cache=root / "cache",
-    )
-    try:
-        kill_one_task_worker(proc)
-        log = proc.communicate(timeout=900)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, log
+    status, log = compile_on_ray(ray_address, "--out", root / "out", cache=root / "cache", kill=True)
+    assert status == 0, log
     return root / "out", log
 
 
@@ -162,20 +156,9 @@ def test_a_worker_killed_mid_compile_has_its_piece_retried(ray_compile):
 
 @pytest.mark.slow
 def test_eager_graphs_from_ray_are_byte_identical_to_local_ones(ray_address, hf_model_dir, tmp_path):
-    config = write_config(tmp_path, hf_model_dir, TINY_CONFIG.replace('"inductor"', '"eager"'))
-    proc = nb_process(
-        "compile",
-        config,
-        "--executor",
-        "ray",
-        "--ray-address",
-        ray_address,
-        "--out",
-        tmp_path / "ray",
-        cache=tmp_path / "ray-cache",
-    )
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, log
+    config = write_config(tmp_path, hf_model_dir, EAGER)
+    status, log = compile_on_ray(ray_address, config, "--out", tmp_path / "ray", cache=tmp_path / "ray-cache")
+    assert status == 0, log
     Compiler(load_config(config), tmp_path / "local", tmp_path / "local-cache").run(jobs=2)
     shas = [{k: r.sha256 for k, r in read_manifest(tmp_path / d).pieces.items()} for d in ("ray", "local")]
     assert shas[0] == shas[1] and len(shas[0]) == 6
@@ -183,7 +166,7 @@ def test_eager_graphs_from_ray_are_byte_identical_to_local_ones(ray_address, hf_
 
 @pytest.mark.slow
 def test_a_piece_whose_worker_dies_on_every_attempt_is_recorded_failed_with_the_reason(
-    ray_address, compiled_dir, graph_cache_dir, tiny_config_file, hf_model_dir, tmp_path
+    ray_address, compiled_dir, graph_cache_dir, hf_model_dir, tmp_path
 ):
     """With no retries, one kill fails the piece; the session's other pieces are reused."""
     config = write_config(tmp_path, hf_model_dir, TINY_CONFIG + "retries = 0\n")
@@ -194,25 +177,11 @@ def test_a_piece_whose_worker_dies_on_every_attempt_is_recorded_failed_with_the_
         if shape != target:
             entry = shared.read_record(key, "pt2")
             cache.publish(shared.graph_file(entry), entry)
-    proc = nb_process(
-        "compile",
-        config,
-        "--executor",
-        "ray",
-        "--ray-address",
-        ray_address,
-        "--out",
-        tmp_path / "out",
-        "--cache-dir",
-        tmp_path / "cache",
-        cache=tmp_path / "local",
+    status, log = compile_on_ray(
+        ray_address, config, "--out", tmp_path / "out", "--cache-dir", tmp_path / "cache",
+        cache=tmp_path / "local", kill=True,
     )
-    try:
-        kill_one_task_worker(proc)
-        log = proc.communicate(timeout=300)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 1, log
+    assert status == 1, log
     rec = {r.name: r for r in read_manifest(tmp_path / "out").pieces.values()}[target.name]
     assert rec.status == "failed"
     assert rec.error == "WorkerCrashedError: the worker died on each of 1 attempts"
@@ -225,35 +194,17 @@ runner = CliRunner()
 
 def test_without_ray_the_message_says_how_to_install_it(hf_model_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the extra were not installed
-    config = write_config(tmp_path, hf_model_dir, TINY_CONFIG.replace('"inductor"', '"eager"'))
-    args = [
-        "compile",
-        str(config),
-        "--executor",
-        "ray",
-        "--out",
-        str(tmp_path / "o"),
-        "--cache-dir",
-        str(tmp_path / "c"),
-    ]
-    line = error_line(runner.invoke(app, args))
+    config = write_config(tmp_path, hf_model_dir, EAGER)
+    args = ["compile", config, "--executor", "ray", "--out", tmp_path / "o", "--cache-dir", tmp_path / "c"]
+    line = error_line(runner.invoke(app, list(map(str, args))))
     assert "--executor ray needs Ray" in line and "pip install 'neuron-buckets[ray]'" in line
 
 
 def test_an_unreachable_ray_address_is_one_error_line(hf_model_dir, tmp_path):
     pytest.importorskip("ray", reason="Ray is the optional extra neuron-buckets[ray]")
-    config = write_config(tmp_path, hf_model_dir, TINY_CONFIG.replace('"inductor"', '"eager"'))
+    config = write_config(tmp_path, hf_model_dir, EAGER)
     address = f"127.0.0.1:{free_port()}"
-    args = [
-        "compile",
-        str(config),
-        "--executor",
-        "ray",
-        "--ray-address",
-        address,
-        "--out",
-        str(tmp_path / "o"),
-        "--cache-dir",
-        str(tmp_path / "c"),
-    ]
-    assert f"cannot reach the Ray cluster at {address}" in error_line(runner.invoke(app, args))
+    args = ["compile", config, "--executor", "ray", "--ray-address", address, "--out", tmp_path / "o",
+            "--cache-dir", tmp_path / "c"]
+    line = error_line(runner.invoke(app, list(map(str, args))))
+    assert f"cannot reach the Ray cluster at {address}" in line

@@ -200,7 +200,7 @@ def test_dry_run_says_where_each_bucket_comes_from_and_writes_nothing(
         }
     assert rows[("o", "c1")]["prefill_s16"] == ["output dir", "-"]
     place, estimate = rows[("o", "c1")]["prefill_s24"]
-    assert place == "to compile" and float(estimate) > 0  # from the layers' recorded compile times
+    assert place == "to compile" and estimate != "?"  # from the layers' recorded compile times
     assert rows[("new", "c1")]["decode_b1_c128"] == ["local cache", "-"]
     assert rows[("new", "c2")]["decode_b1_c128"] == ["remote cache", "-"]
     assert not (tmp_path / "new").exists() and not (tmp_path / "c2").exists()
@@ -223,12 +223,8 @@ def test_cache_push_pull_ls_and_prune(eager_config, remote, tmp_path):
     listing = nb("cache", "ls", "--cache-dir", remote)
     assert listing.exit_code == 0, listing.output
     text = said(listing)
-    assert (
-        "6 entries" in text
-        and "layer_t16_b1_c128" in text
-        and "neuron-buckets 0.1.0" in text
-        and "eager" in text
-    )
+    assert "6 entries" in text and all(e.key[:12] in text for e in GraphStore(remote).entries())
+    assert "neuron-buckets" in text and "ok" in text and "missing" not in text
 
     prune = nb("cache", "prune", "--cache-dir", remote, "--max-size", "0B")
     assert prune.exit_code == 0 and "removed 6 entries" in said(prune)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.table import Table
 
 from neuron_buckets.cli.console import err, out
@@ -59,15 +60,16 @@ def ls_(cache_dir: StoreOpt = None) -> None:
     store = _store(cache_dir)
     names = store.names()
     entries = sorted(store.entries(names), key=lambda e: e.created, reverse=True)
-    table = Table(title=f"graph store {store.location}")
-    for col in ("key", "piece", "backend", "size", "age", "made by", "graph"):
-        table.add_column(col, justify="right" if col in ("size", "age") else "left")
+    table = Table(title=f"graph store {store.location}", box=box.SIMPLE)
+    for col in ("key", "piece", "size", "age", "graph"):
+        table.add_column(col, justify="right" if col in ("size", "age") else "left", no_wrap=True)
+    table.add_column("made by")
     now = time.time()
     for e in entries:
         versions = (f"{k} {v}" for k, v in sorted(e.versions.items()))
-        made_by = ", ".join([f"neuron-buckets {e.toolchain}", *versions])
+        made_by = ", ".join([f"{e.backend} with neuron-buckets {e.toolchain}", *versions])
         present = "ok" if names.get(e.graph_name, {}).get("size") == e.bytes else "missing"
-        table.add_row(e.key[:12], e.piece, e.backend, human(e.bytes), age(now - e.created), made_by, present)
+        table.add_row(e.key[:10], e.piece, human(e.bytes), age(now - e.created), present, made_by)
     out.print(table)
     out.print(f"{len(entries)} entries, {human(sum(e.bytes for e in entries))}")
 

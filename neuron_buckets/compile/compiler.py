@@ -122,6 +122,10 @@ class Compiler:
             raise BackendUnavailable(f"backend {self.backend.name!r} is not usable here: {why}")
         self.cache = GraphCache.open(cache_dir, local_cache)
         self.ray_address = ray_address
+        if config.compile.executor == "ray":
+            from neuron_buckets.compile.ray_executor import check_ray
+
+            check_ray(ray_address)  # a missing extra or a wrong address fails before anything starts
         self.model_config = model_config_of(config.model.path)
         self.text_sources = text_sources(config.model.path)
         self.eos_token_ids = eos_token_ids(config.model.path, self.model_config.vocab_size)

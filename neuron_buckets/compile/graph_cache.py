@@ -61,8 +61,11 @@ class GraphCache:
         """The verified graph of ``key``, pulled from the remote store if only it has it.
 
         ``listed``: trust the listing taken by ``check`` for what the remote holds (one request
-        for a whole grid); False asks the remote store itself (after a compile just published).
+        for a whole grid); False asks the remote store itself: after a compile, which has just
+        published the graph there (so the local hit needs no push).
         """
+        if self.remote and not listed:
+            self.remote_names.add(StoreEntry.record_name(key, ext))
         if hit := self._local(key, ext, damaged):
             self.share(hit.path, hit.entry)
             return hit
@@ -117,29 +120,30 @@ class GraphCache:
     def push(self, damaged: Damaged) -> SyncCount:
         """Copy every local entry the remote store lacks (``nb cache push``)."""
         assert self.remote is not None
-        count = SyncCount()
-        remote = {(e.key, e.ext) for e in self.remote.entries()}
-        for entry in self.local.entries():
-            if (entry.key, entry.ext) in remote:
-                count.present += 1
-            elif path := self.local.verified(entry):
-                self.remote.publish(path, entry)
-                count.copied += 1
-            else:
-                self._discard(self.local, entry.key, entry.ext, entry, "its graph does not match", damaged)
-                count.damaged += 1
-        return count
+        return self._sync(self.local, self.remote, lambda entry: self._push(entry, damaged))
 
     def pull(self, damaged: Damaged) -> SyncCount:
         """Copy every remote entry the local store lacks (``nb cache pull``), each one checked."""
         assert self.remote is not None
+        return self._sync(self.remote, self.local, lambda e: self._pull(e.key, e.ext, damaged) is not None)
+
+    @staticmethod
+    def _sync(source: GraphStore, dest: GraphStore, copy: Callable[[StoreEntry], bool]) -> SyncCount:
         count = SyncCount()
-        local = {(e.key, e.ext) for e in self.local.entries()}
-        for entry in self.remote.entries():
-            if (entry.key, entry.ext) in local:
+        there = {(e.key, e.ext) for e in dest.entries()}
+        for entry in source.entries():
+            if (entry.key, entry.ext) in there:
                 count.present += 1
-            elif self._pull(entry.key, entry.ext, damaged):
+            elif copy(entry):
                 count.copied += 1
             else:
                 count.damaged += 1
         return count
+
+    def _push(self, entry: StoreEntry, damaged: Damaged) -> bool:
+        assert self.remote is not None
+        if path := self.local.verified(entry):
+            self.remote.publish(path, entry)
+            return True
+        self._discard(self.local, entry.key, entry.ext, entry, "its graph does not match its sha256", damaged)
+        return False

@@ -28,33 +28,28 @@ class RayUnavailable(UserError, RuntimeError):
     """Ray is not installed, or the cluster cannot be reached or cannot run a compile task."""
 
 
-def _import_ray() -> Any:
+def check_ray(address: str | None) -> Any:
+    """Ray, importable, and the cluster at ``address`` listening: checked before a compile starts.
+    Ray itself waits minutes for a cluster that is not there; a plain TCP connect says so at once."""
     try:
         import ray
     except ImportError as e:
         raise RayUnavailable(f"--executor ray needs Ray, which is not installed ({e}); {INSTALL}") from None
+    host, _, port = (address or "").rpartition(":")
+    if host and "://" not in address and port.isdigit():  # not "auto", "local" or a ray:// client
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise RayUnavailable(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
     return ray
-
-
-def _check_reachable(address: str) -> None:
-    """Ray waits minutes for a cluster that is not there; a plain TCP connect says so at once."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not port.isdigit():
-        return  # "auto", "local", ray:// client addresses: Ray resolves them itself
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        raise RayUnavailable(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 class RayExecutor:
     on_this_host = False
 
     def __init__(self, address: str | None, task_cpus: int, task_bytes: int, store_is_local: bool) -> None:
-        self.ray = _import_ray()
+        self.ray = check_ray(address)
         self.address = address
-        if address:
-            _check_reachable(address)
         # Workers' output would tear the progress bar; a failure's traceback comes back as its result.
         self.ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         try:
