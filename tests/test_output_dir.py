@@ -187,7 +187,7 @@ def test_temp_files_of_a_killed_run_are_removed_by_the_next_run(hf_model_dir, ca
     (leak,) = out.glob(".weights.safetensors.*.tmp")
     assert leak.stat().st_size == 1 << 20
     (out / "graphs").mkdir()
-    placing = out / "graphs" / f".{'a' * 64}.json.4242.tmp"  # GraphStore.place, killed
+    placing = out / "graphs" / f".{'a' * 64}.json.4242.tmp"  # placing a graph, killed
     placing.write_text("{}")
     users = out / "graphs" / ".draft.tmp"  # a dot file of the user's: not our pattern
     users.write_text("draft\n")

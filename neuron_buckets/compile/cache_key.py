@@ -16,6 +16,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from neuron_buckets.backends import Backend
 from neuron_buckets.model.pieces import PieceShape
 
 # Cache settings that no graph depends on: a bucket's own ctx bounds what it attends over.
@@ -50,7 +51,7 @@ def source_digest(extra: tuple[Path, ...] = ()) -> str:
     return h.hexdigest()
 
 
-def backend_source_digest(backend: object) -> str:
+def backend_source_digest(backend: Backend) -> str:
     """``source_digest`` with the backend's own module: what the driver keys with and what every
     worker, on whatever node, checks it would compile."""
     return source_digest(extra=(Path(sys.modules[type(backend).__module__].__file__),))

@@ -32,7 +32,7 @@ from neuron_buckets.compile.text_files import TEXT_FILES
 LOGS = "logs"
 OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, LOGS, TOKENIZER, LOCK_FILE, HOLDER_FILE)
 OWN_FOLDERS = (GRAPHS, LOGS, TOKENIZER)
-# Temp files of atomic_write (".<name>.<mkstemp random>.tmp") and GraphStore.place
+# Temp files of atomic_write (".<name>.<mkstemp random>.tmp") and compiler.place
 # (".<key>.<ext>.<pid>.tmp"), by the directory they are written in.
 TEMP_PATTERNS = {
     ".": re.compile(rf"\.({re.escape(MANIFEST)}|{re.escape(WEIGHTS)})\.\w+\.tmp"),

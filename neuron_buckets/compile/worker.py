@@ -21,7 +21,7 @@ import torch
 
 from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import sha256_file
-from neuron_buckets.backends import get_backend
+from neuron_buckets.backends import Backend, get_backend
 from neuron_buckets.compile.cache_key import backend_source_digest
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
@@ -93,7 +93,7 @@ def compile_piece(task: CompileTask) -> tuple[float, str | None]:
     return seconds, None
 
 
-def _check_toolchain(backend: object, expected: Toolchain) -> None:
+def _check_toolchain(backend: Backend, expected: Toolchain) -> None:
     here = Toolchain(backend_source_digest(backend), backend.versions())
     if here.sources != expected.sources:
         raise ToolchainMismatch(
