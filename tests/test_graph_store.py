@@ -41,10 +41,12 @@ def graph_file(directory: Path, data: bytes, name: str = "g.pt2") -> Path:
     return path
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "file-url", "s3"])
 def store(request, tmp_path) -> GraphStore:
     if request.param == "local":
         return GraphStore(tmp_path / "store")
+    if request.param == "file-url":  # a shared filesystem, named as a URL: the remote tier
+        return GraphStore(f"file://{tmp_path}/store")
     bucket = request.getfixturevalue("s3_bucket")
     return GraphStore(f"s3://{bucket}/graphs")
 
