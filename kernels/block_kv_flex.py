@@ -7,7 +7,8 @@ and a context bucket is usually longer than a row's real context. A dense fused 
 ``flex_attention`` takes the mask as a ``BlockMask``: tiles where no pair may meet are never
 computed, so attention costs what the requests' real lengths cost. Inductor compiles it to a CPU
 template (and to a Triton kernel on GPU). The block mask is built inside the graph from
-``segment_ids`` and ``cache_lens``, so one compiled piece serves fresh and continuing prompts.
+``segment_ids`` and ``cache_lens`` (and a sliding window, where the model has one), so one
+compiled piece serves fresh and continuing prompts.
 
 Masked context K/V are zeroed first, as in the golden (a masked score still multiplies its value
 inside a computed tile, and 0 * NaN is NaN), so NaN or garbage in unused blocks never reaches an
@@ -36,6 +37,7 @@ def block_kv_attention(
     cache_lens: Tensor,
     segment_ids: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
 
@@ -46,7 +48,7 @@ def block_kv_attention(
     batch, seq = q.shape[:2]
     if seq <= TILE:
         return block_kv_sdpa.block_kv_attention(
-            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale
+            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
         )
     k_ctx, v_ctx, _ = gather_context(k_cache, v_cache, block_table, cache_lens)
     s_ctx = k_ctx.shape[1]
@@ -56,6 +58,9 @@ def block_kv_attention(
         step = (ki - s_ctx).clamp(min=0)
         own = (ki >= s_ctx) & (step <= qi) & (segment_ids[b, step] == segment_ids[b, qi])
         context = (ki < cache_lens[b]) & (segment_ids[b, qi] == 0)
+        if window is not None:  # segment 0's token qi sits at position cache_lens[b] + qi
+            own = own & (qi - step < window)
+            context = context & (cache_lens[b] + qi - ki < window)
         return own | context
 
     mask = create_block_mask(

@@ -111,7 +111,9 @@ def block_kv_attention_kernel(
     (B, C, 1) int32, the cache slot of context position c (C = M * BS for an M-column block
     table), -1 where nothing must be read (a -1 block-table entry or c >= cache_len);
     ``mask_cache`` (B, KVH, R, C) and ``mask_active`` (B, KVH, R, S) uint8, 1 = attend
-    (``mask_cache`` from ``gen_cache_mask``, ``mask_active`` the causal mask of ``gen_active_mask``).
+    (``mask_cache`` from ``gen_cache_mask``, ``mask_active`` the causal mask of ``gen_active_mask``;
+    both narrowed by ``gen_segment_masks`` to segments and to a sliding window, so the kernel needs
+    no window of its own: positions outside it are masked scores like any other).
     Output (B, KVH, R, D) in ``q.dtype``.
 
     Tiles: context tiles of TP = min(C, 128) positions, one position per partition. K and V of a

@@ -30,6 +30,7 @@ def block_kv_attention(
     cache_lens: Tensor,
     segment_ids: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
 
@@ -40,13 +41,13 @@ def block_kv_attention(
 
     def step_only(q: Tensor, k_active: Tensor, v_active: Tensor, *_: Tensor) -> Tensor:
         cached = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
-        _, active_mask = gen_segment_masks(cached, segment_ids)
+        _, active_mask = gen_segment_masks(cached, segment_ids, window)
         return _attend(q, k_active, v_active, active_mask, scale)
 
     def with_context(q: Tensor, k_active: Tensor, v_active: Tensor, k_cache: Tensor, v_cache: Tensor,
                      block_table: Tensor, cache_lens: Tensor) -> Tensor:
         k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, block_table, cache_lens)
-        ctx_mask, active_mask = gen_segment_masks(cached, segment_ids)
+        ctx_mask, active_mask = gen_segment_masks(cached, segment_ids, window)
         keys = torch.cat([k_ctx.to(q.dtype), k_active], dim=1)
         values = torch.cat([v_ctx.to(q.dtype), v_active], dim=1)
         return _attend(q, keys, values, torch.cat([ctx_mask, active_mask], dim=-1), scale)

@@ -12,8 +12,8 @@ Contract (shapes per layer; B rows of S tokens, NB blocks of BS slots, KVH kv he
   in place. Slot -1 (a pad token) writes nothing: every cache byte stays as it was, including the
   null block's.
 - ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, block_table, cache_lens,
-  segment_ids, scale)``: a row's S tokens are one or more requests laid end to end, told apart
-  by ``segment_ids`` (B, S). Token s sees step token u iff u <= s and both are in the same
+  segment_ids, scale, window=None)``: a row's S tokens are one or more requests laid end to end,
+  told apart by ``segment_ids`` (B, S). Token s sees step token u iff u <= s and both are in the same
   segment (each request causal, requests blind to each other). Segment 0 alone continues the
   row's cached context: positions below ``cache_lens[b]`` of the blocks in ``block_table[b]``
   (logical position p lives in block ``block_table[b, p // BS]``). A decode row is one segment
@@ -21,7 +21,9 @@ Contract (shapes per layer; B rows of S tokens, NB blocks of BS slots, KVH kv he
   of which may continue a cached prompt. Table entries of -1 read the null block 0 and are
   masked, as are all positions at or beyond the cache length, so whatever the cache holds there
   (garbage, NaN, another request's data) never reaches the output. Every token sees at least
-  itself, so no softmax row is empty.
+  itself, so no softmax row is empty. With a sliding ``window`` W (Mistral), a token sees only
+  the W positions ending at its own, in the context and in the step alike (segment 0's token s sits
+  at position ``cache_lens[b] + s``); the window is a constant of the compiled graph.
 """
 
 from __future__ import annotations
@@ -78,21 +80,23 @@ def block_kv_attention(
     cache_lens: Tensor,
     segment_ids: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of (B, S, H, D) queries over the paged context plus the step's own tokens.
 
     K/V of the step come in as ``k_active``/``v_active`` (B, S, KVH, D), so the result does not
     depend on whether the cache write happened first. Query head h uses kv head
     ``h // (H // KVH)`` (grouped-query attention). Scores and softmax run in float32, the output
-    comes back in ``q.dtype``. Context and step scores are computed apart and joined only as
-    scores: no copy of the keys or values is concatenated.
+    comes back in ``q.dtype``; ``window`` is the sliding window of the contract above. Context and
+    step scores are computed apart and joined only as scores: no copy of the keys or values is
+    concatenated.
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_active.shape[2]
     group = num_heads // num_kv_heads
     k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, block_table, cache_lens)
     s_ctx = cached.shape[1]
-    ctx_mask, active_mask = gen_segment_masks(cached, segment_ids)  # (B, S, s_ctx), (B, S, S)
+    ctx_mask, active_mask = gen_segment_masks(cached, segment_ids, window)  # (B, S, s_ctx), (B, S, S)
 
     # (B, KVH, group, S, D) x (B, KVH, 1, D, L): GQA by broadcasting, no repeated K/V.
     qg = q.reshape(batch, seq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).float()

@@ -68,8 +68,9 @@ def block_kv_attention(
     cache_lens: Tensor,
     segment_ids: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """Paged attention over the block table plus the step's own tokens, with the active kernels."""
     return _active.block_kv_attention(
-        q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale
+        q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
     )

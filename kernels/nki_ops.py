@@ -37,12 +37,12 @@ def context_slots(block_table: Tensor, cache_lens: Tensor, block_size: int) -> T
 
 def attention_kernel_inputs(
     q: Tensor, k_active: Tensor, v_active: Tensor, block_table: Tensor, cache_lens: Tensor,
-    segment_ids: Tensor, bs: int,
+    segment_ids: Tensor, bs: int, window: int | None = None,
 ) -> tuple[Tensor, ...]:
     """The kernel's q, k_active, v_active, ctx_slots, mask_cache, mask_active from golden inputs.
 
     The kernel takes its masks as inputs, so packed steps need no kernel change: the segment
-    masks of the golden (``gen_segment_masks``) are what it gets.
+    masks of the golden (``gen_segment_masks``, sliding window included) are what it gets.
     """
     batch, seq, num_heads, head_dim = q.shape
     kv_heads = k_active.shape[2]
@@ -50,7 +50,7 @@ def attention_kernel_inputs(
     ctx = block_table.shape[1] * bs
     q_k = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, rows, head_dim).contiguous()
     cached = gen_cache_mask(cache_lens, 1, 1, ctx)[:, 0, 0]
-    context, active = gen_segment_masks(cached, segment_ids)  # (B, S, ctx), (B, S, S)
+    context, active = gen_segment_masks(cached, segment_ids, window)  # (B, S, ctx), (B, S, S)
     group = num_heads // kv_heads
 
     def per_row(mask: Tensor) -> Tensor:  # (B, S, L) -> (B, KVH, group * S, L), the kernel's rows
@@ -89,6 +89,7 @@ def block_kv_attention(
     cache_lens: Tensor,
     segment_ids: Tensor,
     scale: float,
+    window: int | None = None,
 ) -> Tensor:
     """Golden-compatible block-KV attention: the NKI kernel where it fits, else the golden.
 
@@ -99,11 +100,11 @@ def block_kv_attention(
     batch, seq, num_heads, head_dim = q.shape
     if not attention_kernel_fits(q.shape, k_active.shape[2], block_table.shape[1] * k_cache.shape[1]):
         return block_kv_torch.block_kv_attention(
-            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale
+            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
         )
     _, attend = jitted()
     q_k, k_act, v_act, slots, mask_cache, mask_active = attention_kernel_inputs(
-        q, k_active, v_active, block_table, cache_lens, segment_ids, k_cache.shape[1]
+        q, k_active, v_active, block_table, cache_lens, segment_ids, k_cache.shape[1], window
     )
     out = attend(q_k, k_act, v_act, k_cache, v_cache, slots, mask_cache, mask_active, float(scale))
     return out.reshape(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)

@@ -57,15 +57,50 @@ jobs = 2
 """
 
 
-def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A random transformers LlamaForCausalLM saved with save_pretrained (safetensors)."""
+# Each supported architecture as a transformers class pair and what its tiny config sets beyond
+# TINY_LLAMA: Qwen3 an explicit head_dim unlike hidden / heads, Mistral a window that the tests'
+# contexts outgrow, Llama with attention_bias its q/k/v/o biases.
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 12}),
+}
+
+
+def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers model of ``arch`` (a key of ARCHITECTURES), float32, in eval mode.
+
+    transformers starts biases at 0 and the q/k norms at 1, which would hide a bias or a norm
+    that nb forgot; they are drawn at random here too.
+    """
     import transformers
 
+    config_class, model_class, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(directory, safe_serialization=True)
+    config = getattr(transformers, config_class)(**{**TINY_LLAMA, **extra, **overrides})
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.3)
+    return model
+
+
+def save_tiny_model(
+    directory: Path, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> Path:
+    """``tiny_hf_model`` saved with save_pretrained (safetensors) in ``dtype``."""
+    tiny_hf_model(arch, seed, **overrides).to(dtype).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A random transformers LlamaForCausalLM saved with save_pretrained (safetensors)."""
+    return save_tiny_model(directory, "llama", seed, **overrides)
 
 
 CHAT_TEMPLATE = (

@@ -74,13 +74,15 @@ def test_all_pad_step_writes_nothing():
     assert torch.equal(bits(kc), bits(kb)) and torch.equal(bits(vc), bits(vb))
 
 
-def dense_reference(q, k_seq, v_seq, cache_len: int, scale: float) -> torch.Tensor:
-    """One row's attention on contiguous (L, KVH, D) K/V: query i sits at cache_len + i."""
+def dense_reference(q, k_seq, v_seq, cache_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """One row's attention on contiguous (L, KVH, D) K/V: query i sits at cache_len + i and sees
+    positions up to its own, only the last ``window`` of them with a sliding window."""
     s, h = q.shape[0], q.shape[1]
     length = cache_len + s
     k = k_seq[:length].repeat_interleave(h // KVH, dim=1).transpose(0, 1)
     v = v_seq[:length].repeat_interleave(h // KVH, dim=1).transpose(0, 1)
-    mask = torch.arange(length)[None, :] <= (cache_len + torch.arange(s))[:, None]
+    back = (cache_len + torch.arange(s))[:, None] - torch.arange(length)[None, :]
+    mask = (back >= 0) & (back < (window or length))
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
 
@@ -106,12 +108,12 @@ def paged_case(cache_lens: list[int], seq: int, bs: int, max_blocks: int, heads:
     return q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq
 
 
-def run_attention(case, cache_lens, scale=0.3, table=None):
+def run_attention(case, cache_lens, scale=0.3, table=None, window=None):
     q, k_act, v_act, k_cache, v_cache, base_table, _, _ = case
     table = remap_null_block_to_sentinel(base_table) if table is None else table
     segments = torch.zeros(q.shape[:2], dtype=torch.int64)  # one request per row
     return block_kv_attention(q, k_act, v_act, k_cache, v_cache, table,
-                              torch.tensor(cache_lens), segments, scale)
+                              torch.tensor(cache_lens), segments, scale, window)
 
 
 @settings(max_examples=25, deadline=None)
@@ -120,15 +122,18 @@ def run_attention(case, cache_lens, scale=0.3, table=None):
     seq=st.integers(1, 5),
     bs=st.sampled_from([4, 8, 16]),
     group=st.sampled_from([1, 2]),
+    window=st.sampled_from([None, 1, 3, 16]),
     seed=st.integers(0, 2**16),
 )
-def test_attention_matches_dense_reference(lens, seq, bs, group, seed):
+def test_attention_matches_dense_reference(lens, seq, bs, group, window, seed):
+    """Paged context plus step tokens, with and without a sliding window (Mistral's) shorter than
+    most contexts: exactly the dense attention over the row's contiguous history."""
     max_blocks = 40 // bs + 1
     case = paged_case(lens, seq, bs, max_blocks, KVH * group, seed)
-    out = run_attention(case, lens)
+    out = run_attention(case, lens, window=window)
     q, _, _, _, _, _, k_seq, v_seq = case
     for b, n in enumerate(lens):
-        torch.testing.assert_close(out[b], dense_reference(q[b], k_seq[b], v_seq[b], n, 0.3),
+        torch.testing.assert_close(out[b], dense_reference(q[b], k_seq[b], v_seq[b], n, 0.3, window),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -178,18 +183,20 @@ def test_causal_among_active_tokens():
     assert not torch.allclose(out[:, 2:], out2[:, 2:])
 
 
-def test_packed_segments_attend_like_separate_requests():
+@pytest.mark.parametrize("window", [None, 2, 5])
+def test_packed_segments_attend_like_separate_requests(window):
     """One row holding two requests end to end: the first continues the row's cached context,
-    the second starts fresh; each equals the dense reference of its own request alone."""
+    the second starts fresh; each equals the dense reference of its own request alone. A sliding
+    window counts positions within each request, the second's from 0."""
     bs, cached, first, second = 8, 11, 3, 4
     case = paged_case([cached], first + second, bs, 3, 4, seed=5)
     q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
     segments = torch.tensor([[0] * first + [1] * second])
     out = block_kv_attention(q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table),
-                             torch.tensor([cached]), segments, 0.3)
+                             torch.tensor([cached]), segments, 0.3, window)
     end = cached + first
-    ref_first = dense_reference(q[0, :first], k_seq[0, :end], v_seq[0, :end], cached, 0.3)
-    ref_second = dense_reference(q[0, first:], k_act[0, first:], v_act[0, first:], 0, 0.3)
+    ref_first = dense_reference(q[0, :first], k_seq[0, :end], v_seq[0, :end], cached, 0.3, window)
+    ref_second = dense_reference(q[0, first:], k_act[0, first:], v_act[0, first:], 0, 0.3, window)
     torch.testing.assert_close(out[0, :first], ref_first, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[0, first:], ref_second, rtol=1e-5, atol=1e-5)
 
@@ -222,11 +229,13 @@ def test_layer_write_through_a_view_touches_only_that_layer():
     seq=st.integers(1, 6) | st.integers(block_kv_flex.TILE + 1, block_kv_flex.TILE + 40),
     packed=st.booleans(),
     fill=st.sampled_from([float("nan"), 1e30]),
+    window=st.sampled_from([None, 1, 4, 20]),
     seed=st.integers(0, 2**16),
 )
-def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packed, fill, seed):
+def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packed, fill, window, seed):
     """The fast CPU paths (dense fused SDPA; block-sparse flex attention) against the readable
-    golden: same masking (segments, context, garbage outside it), outputs within float tolerance."""
+    golden: same masking (segments, context, sliding window, garbage outside it), outputs within
+    float tolerance."""
     bs, max_blocks = 8, 5
     q, k_act, v_act, k_cache, v_cache, table, _, _ = paged_case(lens, seq, bs, max_blocks, KVH * 3, seed)
     k_cache[0], v_cache[0] = fill, fill  # the null block, read through -1 entries and masked
@@ -236,7 +245,7 @@ def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packe
         segments = torch.randint(0, 3, (len(lens), seq), generator=gen).sort(dim=1).values
         segments -= segments[:, :1].clone()
     args = (q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table), torch.tensor(lens),
-            segments, 0.3)
+            segments, 0.3, window)
     want = block_kv_attention(*args)
     got = kernel.block_kv_attention(*args)
     assert torch.isfinite(got).all()

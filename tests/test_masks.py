@@ -1,9 +1,9 @@
-"""Cache and active masks: shapes, dtypes, and exactly which positions a query may see."""
+"""Cache, active and segment masks: shapes, dtypes, and exactly which positions a query may see."""
 
 import pytest
 import torch
 
-from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask
+from neuron_buckets.core.masks import gen_active_mask, gen_cache_mask, gen_segment_masks
 
 
 @pytest.mark.parametrize("shape", [(3,), (3, 1)])
@@ -35,3 +35,27 @@ def test_active_mask_is_causal_among_the_steps_tokens():
 def test_active_mask_for_plain_decode_is_the_token_itself():
     mask = gen_active_mask(batch=5, num_heads=2, s_tkg=1)
     assert mask.shape == (5, 2, 1, 1) and mask.all()
+
+
+def test_a_sliding_window_counts_positions_within_each_segment():
+    """A row of 3 cached positions, then request A (segment 0, positions 3, 4, 5) and request B
+    (segment 1, positions 0, 1): with W = 2 each token sees itself and the position before it."""
+    cached = gen_cache_mask(torch.tensor([3]), 1, 1, 4)[:, 0, 0]  # 4 context slots, 3 valid
+    segments = torch.tensor([[0, 0, 0, 1, 1]])
+    context, active = gen_segment_masks(cached, segments, window=2)
+    assert context[0].int().tolist() == [
+        [0, 0, 1, 0],  # position 3 sees cached position 2
+        [0, 0, 0, 0],  # position 4 sees only step tokens (3 and itself)
+        [0, 0, 0, 0],
+        [0, 0, 0, 0],  # request B never sees the row's cache
+        [0, 0, 0, 0],
+    ]
+    assert active[0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+    wide = gen_segment_masks(cached, segments, window=100)  # wider than the row: no window at all
+    assert all(torch.equal(a, b) for a, b in zip(wide, gen_segment_masks(cached, segments), strict=True))

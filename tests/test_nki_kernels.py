@@ -58,13 +58,16 @@ def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
     assert torch.equal(row[:100].long(), expected)
 
 
-def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks():
+@pytest.mark.parametrize("window", [None, 2])
+def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks(window):
+    """The kernel's masks are the golden's, sliding window included: it needs no window itself."""
     batch, seq, heads, kv_heads, head_dim, bs, cols = 2, 3, 4, 2, 8, 4, 2
     q, k_act, v_act, *_, table, lens, _ = step_case(batch, seq, heads, kv_heads, head_dim, bs, cols)
     segments = torch.tensor([[0, 0, 0], [0, 1, 1]])  # row 1 packs two requests
     q_k, k_k, v_k, slots, mask_cache, mask_active = nki_ops.attention_kernel_inputs(
-        q, k_act, v_act, table, lens, segments, bs
+        q, k_act, v_act, table, lens, segments, bs, window
     )
+    reach = window or bs * cols + seq  # positions back a token may look
     group = heads // kv_heads
     assert q_k.shape == (batch, kv_heads, group * seq, head_dim)
     for b in range(batch):
@@ -76,8 +79,9 @@ def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks():
                     assert torch.equal(q_k[b, g, r], q[b, s, g * group + j])
                     seg = segments[b]
                     live = (torch.arange(bs * cols) < lens[b]) & (seg[s] == 0)
+                    live &= lens[b] + s - torch.arange(bs * cols) < reach
                     assert torch.equal(mask_cache[b, g, r].bool(), live)
-                    sees = (torch.arange(seq) <= s) & (seg == seg[s])
+                    sees = (torch.arange(seq) <= s) & (seg == seg[s]) & (s - torch.arange(seq) < reach)
                     assert torch.equal(mask_active[b, g, r].bool(), sees)
     assert mask_cache.dtype == mask_active.dtype == torch.uint8
 
@@ -140,25 +144,28 @@ def test_write_kernel_matches_the_golden_and_skips_pad_slots(tokens):
 
 
 @pytest.mark.parametrize(
-    "batch,seq,heads,kv_heads,head_dim,block_size,cols",
+    "batch,seq,heads,kv_heads,head_dim,block_size,cols,window",
     [
-        (2, 1, 4, 2, 16, 16, 8),  # plain decode, GQA, one 128-position tile
-        (3, 4, 8, 2, 32, 16, 16),  # speculative decode over two tiles, block boundaries inside
-        (2, 3, 2, 2, 8, 4, 4),  # a 16-position context, smaller than one tile
-        (1, 8, 4, 1, 64, 32, 8),  # all query heads on one kv head
+        (2, 1, 4, 2, 16, 16, 8, None),  # plain decode, GQA, one 128-position tile
+        (3, 4, 8, 2, 32, 16, 16, None),  # speculative decode over two tiles, block boundaries inside
+        (2, 3, 2, 2, 8, 4, 4, None),  # a 16-position context, smaller than one tile
+        (1, 8, 4, 1, 64, 32, 8, None),  # all query heads on one kv head
+        (3, 4, 8, 2, 32, 16, 16, 100),  # a sliding window shorter than the context (Mistral)
     ],
 )
 @pytest.mark.neuron
-def test_attention_kernel_matches_the_golden(batch, seq, heads, kv_heads, head_dim, block_size, cols):
+def test_attention_kernel_matches_the_golden(batch, seq, heads, kv_heads, head_dim, block_size, cols, window):
     nki = pytest.importorskip("nki", reason=NO_NKI)
     q, k_act, v_act, k_cache, v_cache, table, lens, segments = step_case(
         batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=seq
     )
     scale = head_dim**-0.5
-    want = block_kv_torch.block_kv_attention(q, k_act, v_act, k_cache, v_cache, table, lens, segments, scale)
+    want = block_kv_torch.block_kv_attention(
+        q, k_act, v_act, k_cache, v_cache, table, lens, segments, scale, window
+    )
     q_k, k_k, v_k, slots, mask_cache, mask_active = (
         t.numpy()
-        for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, table, lens, segments, block_size)
+        for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, table, lens, segments, block_size, window)
     )
     out = nki.simulate(block_kv_nki.block_kv_attention_kernel)(
         q_k, k_k, v_k, k_cache.numpy(), v_cache.numpy(), slots, mask_cache, mask_active, scale

@@ -17,12 +17,13 @@ REQUIRED_INTS = (
     "num_attention_heads",
     "max_position_embeddings",
 )
-OPTIONAL_INTS = ("num_key_value_heads", "head_dim")  # null or absent: derived from the others
+# null or absent: derived from the others, or (sliding_window) no window
+OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "sliding_window")
 OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta")
 
 
 class ModelConfigError(ValueError):
-    """A model config that cannot describe a Llama model; the message names its source."""
+    """A model config that cannot describe a supported model; the message names its source."""
 
 
 def _is_int(value: object) -> bool:
@@ -43,8 +44,9 @@ def parse_hf_config(raw: object, where: str) -> LlamaConfig:
         value = raw.get(key, 1.0)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ModelConfigError(f"{where}: {key} must be a positive number, got {value!r}")
-    if not isinstance(raw.get("tie_word_embeddings", False), bool):
-        raise ModelConfigError(f"{where}: tie_word_embeddings must be true or false")
+    for key in ("tie_word_embeddings", "attention_bias"):
+        if not isinstance(raw.get(key, False), bool):
+            raise ModelConfigError(f"{where}: {key} must be true or false")
     try:
         return LlamaConfig.from_hf(raw)
     except (ValueError, TypeError, KeyError) as e:

@@ -1,7 +1,9 @@
-"""A Llama-architecture decoder over the paged block-KV cache, one forward for every bucket.
+"""A Llama-family decoder over the paged block-KV cache, one forward for every bucket.
 
 gpt-fast style plain PyTorch with the transformers parameter names, so a Hugging Face state dict
-loads as is. A step runs in three parts that are also the compiled pieces of an artifact:
+loads as is. Llama, Mistral, Qwen2/2.5 and Qwen3 are one decoder with a few switches in the config
+(``ARCHITECTURES``): biases on the attention projections, RMSNorm on each head of q and k, and a
+sliding attention window. A step runs in three parts that are also the compiled pieces of an artifact:
 ``embed`` (token ids and positions -> hidden states and rotary angles), ``decoder_layer`` once per
 layer (a pure function of its inputs and that layer's weights, so ONE compiled layer serves every
 layer), and ``head`` (final norm and LM head on the sampled tokens). Everything is
@@ -25,15 +27,26 @@ from neuron_buckets.core.block_table import check_block_ids
 from neuron_buckets.kernels.dispatch import block_kv_attention, write_kv_cache
 
 ROPE_TYPES = ("default", "llama3")
-# config.json entries that would change the math; any value but the listed one is refused.
-_UNSUPPORTED = {
-    "attention_bias": False,
-    "mlp_bias": False,
-    "hidden_act": "silu",
-    "sliding_window": None,
-    "use_sliding_window": False,
-    "quantization_config": None,
+# model_type -> the transformers class whose math this file reproduces (tests check each one), and
+# what that architecture adds to the Llama decoder.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # attention_bias: biases on q, k, v and o
+    "mistral": "MistralForCausalLM",  # sliding_window: every layer sees the last W positions only
+    "qwen2": "Qwen2ForCausalLM",  # biases on q, k and v, always (Qwen2 and Qwen2.5)
+    "qwen3": "Qwen3ForCausalLM",  # RMSNorm over each head of q and k before RoPE; attention_bias
 }
+# config.json entries that would change the math; any value but the listed one is refused. Keys an
+# architecture's transformers class never reads (Qwen2's attention_bias) are not looked at.
+_UNSUPPORTED = {"hidden_act": "silu", "quantization_config": None}
+_UNSUPPORTED_BY_TYPE: dict[str, dict[str, object]] = {
+    "llama": {"mlp_bias": False, "sliding_window": None, "use_sliding_window": False},
+    "mistral": {},
+    # Qwen's sliding window applies to the layers from max_window_layers on: never one layer for all.
+    "qwen2": {"use_sliding_window": False},
+    "qwen3": {"use_sliding_window": False},
+}
+# Values transformers' config classes assume when config.json leaves a key out.
+_DEFAULTS: dict[str, dict[str, object]] = {"mistral": {"sliding_window": 4096}, "qwen3": {"head_dim": 128}}
 
 
 @dataclass(frozen=True)
@@ -60,8 +73,16 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
+    model_type: str = "llama"  # a key of ARCHITECTURES
+    attention_bias: bool = False  # llama, qwen3: biases on q, k, v and o
+    sliding_window: int | None = None  # mistral: a token sees the W positions ending at its own
 
     def __post_init__(self) -> None:
+        check_model_type(self.model_type)
+        if self.attention_bias and self.model_type not in ("llama", "qwen3"):
+            raise ValueError(f"attention_bias is a llama or qwen3 setting, not {self.model_type}'s")
+        if self.sliding_window is not None and (self.model_type != "mistral" or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window} needs model_type mistral and W >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -70,14 +91,30 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
-        """Read a transformers Llama ``config.json`` dict, old or new rope keys alike."""
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type {hf['model_type']!r} is not supported; only 'llama'")
-        for key, allowed in _UNSUPPORTED.items():
+        """Read a transformers ``config.json`` dict of an ``ARCHITECTURES`` model, old or new rope
+        keys alike; any setting that would change the math and is not modelled here is refused."""
+        model_type = check_model_type(hf.get("model_type", "llama"))
+        hf = {**_DEFAULTS.get(model_type, {}), **hf}
+        for key, allowed in {**_UNSUPPORTED, **_UNSUPPORTED_BY_TYPE[model_type]}.items():
             if hf.get(key, allowed) != allowed:
                 raise ValueError(f"config field {key}={hf[key]!r} is not supported (need {allowed!r})")
+        if model_type != "mistral" and set(hf.get("layer_types") or ()) - {"full_attention"}:
+            raise ValueError(f"config field layer_types={hf['layer_types']!r} is not supported "
+                             "(every layer must be full_attention)")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
@@ -105,16 +142,25 @@ class LlamaConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            model_type=model_type,
+            attention_bias=model_type in ("llama", "qwen3") and hf.get("attention_bias", False),
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
         )
 
     def to_hf(self) -> dict:
-        """The ``config.json`` dict (newer ``rope_parameters`` form) that ``from_hf`` reads back."""
+        """The ``config.json`` dict (newer ``rope_parameters`` form) that ``from_hf`` reads back, and
+        that the architecture's transformers config class reads as the same model."""
         rope: dict = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**rope, **vars(self.rope_scaling), "rope_type": "llama3"}
+        own = {
+            "llama": {"attention_bias": self.attention_bias},
+            "mistral": {"sliding_window": self.sliding_window},
+            "qwen3": {"attention_bias": self.attention_bias},
+        }
         return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
+            "model_type": self.model_type,
+            "architectures": [ARCHITECTURES[self.model_type]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -126,7 +172,15 @@ class LlamaConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
+            **own.get(self.model_type, {}),
         }
+
+
+def check_model_type(model_type: str) -> str:
+    """The config's model_type if this file reproduces it; named first, before any other field."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type {model_type!r} is not supported; use one of {sorted(ARCHITECTURES)}")
+    return model_type
 
 
 def rope_inv_freq(config: LlamaConfig, device: torch.device | str = "cpu") -> Tensor:
@@ -174,7 +228,7 @@ class Step(NamedTuple):
     segment_ids: Tensor  # (T,)
 
 
-# One layer's weights in the order a compiled layer piece takes them, by transformers name.
+# The weights every layer has, by transformers name, in the order a compiled layer piece takes them.
 LAYER_WEIGHTS = (
     "input_layernorm.weight",
     "self_attn.q_proj.weight",
@@ -188,9 +242,22 @@ LAYER_WEIGHTS = (
 )
 
 
-def layer_weight_names(layer: int) -> list[str]:
-    """State-dict names of layer ``layer``'s weights, in ``LAYER_WEIGHTS`` order."""
-    return [f"model.layers.{layer}.{name}" for name in LAYER_WEIGHTS]
+def layer_weight_keys(config: LlamaConfig) -> tuple[str, ...]:
+    """One layer's weights in the order a compiled layer piece takes them: ``LAYER_WEIGHTS``, then
+    the biases and q/k norms of the architecture, by transformers name within the layer."""
+    extra = []
+    if config.qkv_bias:
+        extra += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if config.o_bias:
+        extra.append("self_attn.o_proj.bias")
+    if config.qk_norm:
+        extra += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return (*LAYER_WEIGHTS, *extra)
+
+
+def layer_weight_names(config: LlamaConfig, layer: int) -> list[str]:
+    """State-dict names of layer ``layer``'s weights, in ``layer_weight_keys`` order."""
+    return [f"model.layers.{layer}.{name}" for name in layer_weight_keys(config)]
 
 
 def head_weight_names(config: LlamaConfig) -> list[str]:
@@ -220,25 +287,36 @@ def decoder_layer(
     v_cache: Tensor,
     weights: tuple[Tensor, ...],
 ) -> Tensor:
-    """One decoder layer over one layer's (NB, BS, KVH, D) caches, which it updates in place."""
-    ln1, wq, wk, wv, wo, ln2, w_gate, w_up, w_down = weights
-    c = config
+    """One decoder layer over one layer's (NB, BS, KVH, D) caches, which it updates in place.
+
+    ``weights`` come in ``layer_weight_keys(config)`` order."""
+    c, w = config, dict(zip(layer_weight_keys(config), weights, strict=True))
     tokens, batch = h.shape[0], step.block_table.shape[0]
     seq = tokens // batch
-    x = rms_norm(h, ln1, c.rms_norm_eps)
-    q = apply_rope(F.linear(x, wq).view(tokens, c.num_heads, c.head_dim), cos, sin)
-    k = apply_rope(F.linear(x, wk).view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
-    v = F.linear(x, wv).view(tokens, c.num_kv_heads, c.head_dim)
+    x = rms_norm(h, w["input_layernorm.weight"], c.rms_norm_eps)
+    q = project(x, w, "self_attn.q_proj").view(tokens, c.num_heads, c.head_dim)
+    k = project(x, w, "self_attn.k_proj").view(tokens, c.num_kv_heads, c.head_dim)
+    v = project(x, w, "self_attn.v_proj").view(tokens, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:  # Qwen3: each head of q and k normalised on its own, before the rotation
+        q = rms_norm(q, w["self_attn.q_norm.weight"], c.rms_norm_eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], c.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     write_kv_cache(k, v, k_cache, v_cache, step.slot_mapping)
     kv_shape = (batch, seq, c.num_kv_heads, c.head_dim)
     out = block_kv_attention(
         q.view(batch, seq, c.num_heads, c.head_dim), k.view(kv_shape), v.view(kv_shape),
         k_cache, v_cache, step.block_table, step.cache_lens, step.segment_ids.view(batch, seq),
-        c.head_dim**-0.5,
+        c.head_dim**-0.5, c.sliding_window,
     )
-    h = h + F.linear(out.reshape(tokens, c.num_heads * c.head_dim), wo)
-    x = rms_norm(h, ln2, c.rms_norm_eps)
-    return h + F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    h = h + project(out.reshape(tokens, c.num_heads * c.head_dim), w, "self_attn.o_proj")
+    x = rms_norm(h, w["post_attention_layernorm.weight"], c.rms_norm_eps)
+    gate_up = F.silu(project(x, w, "mlp.gate_proj")) * project(x, w, "mlp.up_proj")
+    return h + project(gate_up, w, "mlp.down_proj")
+
+
+def project(x: Tensor, weights: dict[str, Tensor], name: str) -> Tensor:
+    """The linear layer ``name`` of a layer's weights, with its bias where the architecture has one."""
+    return F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
 
 
 def head(config: LlamaConfig, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor) -> Tensor:
@@ -259,10 +337,13 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -282,10 +363,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.weight_keys = layer_weight_keys(c)
 
     def weights(self) -> tuple[Tensor, ...]:
         params = dict(self.named_parameters())
-        return tuple(params[name] for name in LAYER_WEIGHTS)
+        return tuple(params[name] for name in self.weight_keys)
 
 
 class Backbone(nn.Module):

@@ -19,15 +19,7 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.model.llama import (
-    LAYER_WEIGHTS,
-    DecoderLayer,
-    LlamaConfig,
-    Step,
-    decoder_layer,
-    embed,
-    head,
-)
+from neuron_buckets.model.llama import DecoderLayer, LlamaConfig, Step, decoder_layer, embed, head
 
 Role = Literal["embed", "layer", "head"]
 ROLES: tuple[Role, ...] = ("embed", "layer", "head")
@@ -143,11 +135,9 @@ def dynamic_shapes(shape: PieceShape) -> tuple | None:
 
 
 def layer_weight_shapes(config: LlamaConfig) -> list[torch.Size]:
-    """Shapes of one layer's weights in ``LAYER_WEIGHTS`` order (from a meta-device layer)."""
+    """Shapes of one layer's weights in ``layer_weight_keys`` order (from a meta-device layer)."""
     with torch.device("meta"):
-        layer = DecoderLayer(config)
-    params = dict(layer.named_parameters())
-    return [params[n].shape for n in LAYER_WEIGHTS]
+        return [w.shape for w in DecoderLayer(config).weights()]
 
 
 __all__ = [

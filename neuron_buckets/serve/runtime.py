@@ -65,7 +65,9 @@ class BucketRuntime:
         self.v_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights["model.embed_tokens.weight"]
-        self.layer_weights = [tuple(weights[n] for n in layer_weight_names(i)) for i in range(geo.num_layers)]
+        self.layer_weights = [
+            tuple(weights[n] for n in layer_weight_names(self.config, i)) for i in range(geo.num_layers)
+        ]
         self.head_weights = tuple(weights[n] for n in head_weight_names(self.config))
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
