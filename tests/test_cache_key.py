@@ -23,7 +23,7 @@ from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.pieces import PieceShape
-from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
+from tests.conftest import TINY_CONFIG, save_tiny_llama, save_tiny_model, write_config
 
 
 @pytest.fixture
@@ -112,6 +112,26 @@ def test_moving_the_checkpoint_keeps_the_keys(config, keys_of, tmp_path):
 def test_a_different_model_config_changes_every_key(config, keys_of, tmp_path):
     other = save_tiny_llama(tmp_path / "other-eps", rms_norm_eps=1e-5)
     assert_all_changed(keys_of(config), keys_of(replace(config, model=replace(config.model, path=other))))
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("llama-bias", {}),
+    ("qwen2", {}),
+    ("qwen3", {"head_dim": 16}),  # hidden / heads, as Llama's: only the q/k norms differ
+    ("mistral", {}),
+])
+def test_each_architecture_switch_changes_every_key(config, keys_of, tmp_path, arch, overrides):
+    """Biases, q/k norms and the window change the graphs, so the keys; the shapes stay Llama's."""
+    other = save_tiny_model(tmp_path / "other", arch, **overrides)
+    assert_all_changed(keys_of(config), keys_of(replace(config, model=replace(config.model, path=other))))
+
+
+def test_each_sliding_window_has_its_own_keys(config, keys_of, tmp_path):
+    def keys(window: int) -> dict[PieceShape, str]:
+        model = save_tiny_model(tmp_path / f"w{window}", "mistral", sliding_window=window)
+        return keys_of(replace(config, model=replace(config.model, path=model)))
+
+    assert_all_changed(keys(12), keys(13))
 
 
 def test_adding_a_bucket_keeps_the_other_keys(config, keys_of, compiler_of, hf_model_dir, tmp_path):

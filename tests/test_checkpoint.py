@@ -60,17 +60,46 @@ def test_default_rope_without_scaling():
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope scaling"),
     ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
-    ({"attention_bias": True}, "attention_bias=True"),
     ({"mlp_bias": True}, "mlp_bias=True"),
     ({"sliding_window": 4096}, "sliding_window=4096"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
-    ({"model_type": "mistral"}, "model_type 'mistral'"),
+    ({"model_type": "gemma"}, "model_type 'gemma' is not supported; use one of"),
+    ({"model_type": "gemma", "hidden_act": "gelu"}, "model_type 'gemma'"),  # the type is named first
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=True"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "mistral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
 ])
 def test_unsupported_config_fields_are_refused(field, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig.from_hf({**BASE, **field})
+
+
+@pytest.mark.parametrize("hf, flags", [
+    ({}, (False, False, False, None)),
+    ({"attention_bias": True}, (True, True, False, None)),
+    ({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False},
+     (True, False, False, None)),  # Qwen2.5 checkpoints: a window that is not used
+    ({"model_type": "qwen2", "attention_bias": True}, (True, False, False, None)),  # Qwen2 never reads it
+    ({"model_type": "qwen3", "layer_types": ["full_attention"] * 2}, (False, False, True, None)),
+    ({"model_type": "qwen3", "attention_bias": True}, (True, True, True, None)),
+    ({"model_type": "mistral", "sliding_window": 12}, (False, False, False, 12)),
+    ({"model_type": "mistral", "sliding_window": None}, (False, False, False, None)),
+    ({"model_type": "mistral"}, (False, False, False, 4096)),  # MistralConfig's default
+])
+def test_architecture_switches_read_as_transformers_reads_them(hf, flags):
+    """Each config gives the biases, q/k norms and window its transformers class builds, and
+    ``to_hf`` writes a config that reads back the same."""
+    config = LlamaConfig.from_hf({**BASE, **hf})
+    assert (config.qkv_bias, config.o_bias, config.qk_norm, config.sliding_window) == flags
+    assert LlamaConfig.from_hf(config.to_hf()) == config
+    attn = Llama(config).model.layers[0].self_attn
+    assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None, hasattr(attn, "q_norm")) == flags[:3]
+
+
+def test_qwen3_without_head_dim_has_transformers_default_of_128():
+    assert LlamaConfig.from_hf({**BASE, "model_type": "qwen3"}).head_dim == 128
 
 
 @pytest.mark.parametrize("dtype, shard", [

@@ -66,8 +66,13 @@ def model_copy(hf_model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
         (lambda c: json.dumps({k: v for k, v in c.items() if k != "vocab_size"}), "lacks 'vocab_size'"),
         (lambda c: json.dumps({**c, "vocab_size": "256"}), "vocab_size must be a positive integer"),
         (lambda c: "vocab_size = 256\n", "not valid JSON"),
+        (lambda c: json.dumps({**c, "model_type": "gemma"}), "model_type 'gemma' is not supported"),
+        (lambda c: json.dumps({**c, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}),
+         "use_sliding_window=True is not supported"),
+        (lambda c: json.dumps({**c, "mlp_bias": True}), "mlp_bias=True is not supported"),
     ],
-    ids=["a-list", "no-vocab-size", "vocab-size-string", "not-json"],
+    ids=["a-list", "no-vocab-size", "vocab-size-string", "not-json", "gemma", "qwen2-sliding-layers",
+         "mlp-bias"],
 )
 def test_compile_names_config_json_and_what_is_wrong_with_it(hf_model_dir, tmp_path, edit, message):
     model, config = model_copy(hf_model_dir, tmp_path)
