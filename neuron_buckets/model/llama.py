@@ -41,7 +41,7 @@ _UNSUPPORTED = {"hidden_act": "silu", "quantization_config": None}
 _UNSUPPORTED_BY_TYPE: dict[str, dict[str, object]] = {
     "llama": {"mlp_bias": False, "sliding_window": None, "use_sliding_window": False},
     "mistral": {},
-    # Qwen's sliding window applies to the layers from max_window_layers on: never one layer for all.
+    # Qwen slides only the layers from max_window_layers on, and one compiled layer serves them all.
     "qwen2": {"use_sliding_window": False},
     "qwen3": {"use_sliding_window": False},
 }
