@@ -25,9 +25,9 @@ import torch
 from filelock import FileLock
 
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.serve.engine import generate
 from neuron_buckets.serve.runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_model, write_config
+from tests.test_engine import greedy
 
 pytestmark = pytest.mark.slow  # every test runs compiled graphs
 
@@ -103,7 +103,7 @@ def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir:
     assert not report.failed, [o.error for o in report.failed]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     assert type(hf).__name__.lower().startswith(arch)
-    hf.generation_config.eos_token_id = None  # nb's generate has no stop token: compare full lengths
+    hf.generation_config.eos_token_id = None  # greedy() ignores EOS too: compare full lengths
     return Compiled(arch, dtype, root / "artifact", hf)
 
 
@@ -159,7 +159,7 @@ def test_greedy_tokens_equal_transformers_generate(compiled: Compiled):
     Along transformers' whole path (its tokens fed back), nb's logits of every step are within the
     tolerance, so every decided step would have picked transformers' token too."""
     batch = prompts(PROMPT_LENS, seed=1)
-    got = generate(compiled.runtime(), batch, MAX_NEW)
+    got = greedy(compiled.runtime(), batch, MAX_NEW)
     wants = [hf_greedy(compiled, p) for p in batch]
 
     runtime = compiled.runtime()
