@@ -173,10 +173,13 @@ class EngineLoop:
         try:
             while not (self._stopping and not self.engine.has_unfinished):
                 self._drain(block=not self.engine.has_unfinished and not self._stopping)
-                if self.engine.has_unfinished:
-                    self._record(self.engine.step(), time.monotonic())
+                outputs = self.engine.step() if self.engine.has_unfinished else []
                 self.metrics.running.set(self.engine.num_running)
                 self.metrics.waiting.set(self.engine.num_waiting)
+                # Counted before delivered: a client holding its final output finds it in
+                # /metrics and may send its next request at once without meeting its own slot.
+                for stream, out in self._record(outputs, time.monotonic()):
+                    stream.deliver(out)
         except Exception as e:
             log.exception("the engine loop stopped")
             self.error = e
@@ -194,11 +197,12 @@ class EngineLoop:
                 return
             command()
 
-    def _record(self, outputs: list[RequestOutput], now: float) -> None:
-        """Deliver a step's outputs and record the metrics vLLM records for them."""
+    def _record(self, outputs: list[RequestOutput], now: float) -> list[tuple[RequestStream, RequestOutput]]:
+        """Record what vLLM records for a step's outputs, release finished requests' slots, and
+        say where each output goes."""
+        deliveries = []
         for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
+            if (tracked := self._tracked.get(out.request_id)) is None:
                 continue
             if out.new_token_ids:
                 if tracked.last_token is None:
@@ -210,9 +214,10 @@ class EngineLoop:
                         self.metrics.tpot.observe(per_token)
                 tracked.last_token = now
                 self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            tracked.stream.deliver(out)
             if out.finished:
                 del self._tracked[out.request_id]
                 self._open.release()
                 self.metrics.e2e.observe(now - tracked.arrival)
                 self.metrics.finished(out.finish_reason)
+            deliveries.append((tracked.stream, out))
+        return deliveries
