@@ -71,11 +71,12 @@ def error_response(status: int, message: str) -> JSONResponse:
 
 
 def validation_message(exc: RequestValidationError) -> str:
-    """pydantic's errors as one line: 'body.temperature: Input should be a valid number; ...'."""
+    """pydantic's errors as one line: 'temperature: Input should be a valid number; ...'."""
     parts = []
     for e in exc.errors():
-        where = ".".join(str(p) for p in e["loc"])
-        parts.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+        where = ".".join(str(p) for p in e["loc"] if p != "body")
+        message = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
     return "; ".join(parts)
 
 
