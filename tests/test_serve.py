@@ -19,19 +19,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
 
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
-
-import uvicorn  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from neuron_buckets.cli import app  # noqa: E402
-from neuron_buckets.serve.api_server import ServerLimits, create_app  # noqa: E402
-from neuron_buckets.serve.llm_engine import LLMEngine  # noqa: E402
-from tests.conftest import error_line  # noqa: E402
+from neuron_buckets.cli import app
+from neuron_buckets.serve.api_server import ServerLimits, create_app
+from neuron_buckets.serve.llm_engine import LLMEngine
+from tests.conftest import error_line
+from tests.test_text import text_artifact, text_model  # noqa: F401  (the text model's fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 MODEL = "tiny"
@@ -150,8 +148,8 @@ def engine(compiled_dir: Path) -> LLMEngine:
 
 
 def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_block_back(engine):
-    lengths = [1 + (i * 37) % 60 for i in range(64)]
-    news = [4 + (i * 13) % 40 for i in range(64)]
+    lengths = [1 + (i * 37) % 40 for i in range(64)]
+    news = [2 + (i * 5) % 8 for i in range(64)]
     prompts = [[10 + (i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
     pool = engine.pool
     free = pool.num_free
@@ -278,3 +276,37 @@ def test_nb_serve_serves_until_sigterm_and_finishes_the_open_stream(compiled_dir
 
 def test_nb_serve_refuses_a_directory_that_is_not_an_artifact_in_one_line(tmp_path):
     assert "manifest" in error_line(CliRunner().invoke(app, ["serve", str(tmp_path)]))
+
+
+def test_completions_and_streamed_chat_give_the_text_nb_generate_gives(text_artifact):  # noqa: F811
+    """Greedy and seeded sampling, with and without a stop string: the server's text is the CLI's."""
+    prompt, n = "hello world", 12
+    sampled = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 7}
+
+    def cli(*flags: str, **params) -> str:
+        options = [f"--{k.replace('_', '-')}={v}" for k, v in params.items()]
+        return nb_generate(text_artifact, "--prompt", prompt, f"--max-new-tokens={n}", *flags, *options)
+
+    with serving(LLMEngine.open(text_artifact)) as base:
+        c = client(base)
+
+        def completion(**params) -> str:
+            top_k = {"top_k": params.pop("top_k", 0)}
+            out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, extra_body=top_k, **params)
+            return out.choices[0].text + "\n"
+
+        def chat(**params) -> str:
+            top_k = {"top_k": params.pop("top_k", 0)}
+            stream = c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=n, stream=True,
+                extra_body=top_k, **params,
+            )
+            return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) + "\n"
+
+        greedy = completion(temperature=0)
+        assert greedy.strip() and greedy == cli()
+        stop = greedy[-2]  # the greedy text's last character: the request stops at its first one
+        assert completion(temperature=0, stop=[stop]) == cli(stop=stop)
+        assert completion(**sampled) == cli(**sampled)
+        assert chat(temperature=0) == cli("--chat")
+        assert chat(**sampled) == cli("--chat", **sampled)

@@ -81,7 +81,9 @@ def validation_message(exc: RequestValidationError) -> str:
 
 
 # The status of each error a route may raise; the first type that matches wins.
-STATUS: dict[type[Exception], int] = {ServerBusy: 429, EngineDead: 503, UserError: 400, ValueError: 400}
+STATUS: dict[type[Exception], int] = {
+    ServerBusy: 429, EngineDead: 503, UserError: 400, ValueError: 400, Exception: 500
+}
 
 
 async def on_error(_: Request, e: Exception) -> JSONResponse:
@@ -104,7 +106,7 @@ def sse(events: AsyncIterator[BaseModel]) -> StreamingResponse:
         try:
             async for event in events:
                 yield f"data: {event.model_dump_json()}\n\n"
-        except (EngineDead, UserError, ValueError) as e:
+        except EngineDead as e:
             yield f"data: {error_response(503, str(e)).body.decode()}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -129,12 +131,12 @@ async def last_output(outputs: AsyncIterator[RequestOutput], request: Request) -
 
     result = asyncio.ensure_future(final())
     watcher = asyncio.ensure_future(until_disconnected(request))
-    await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    watcher.cancel()
-    if not result.done():
-        result.cancel()
-        return None
-    return result.result()
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (shutdown timeout): the request is aborted
+        watcher.cancel()
+        result.cancel()  # no effect once it is done
+    return result.result() if result.done() else None
 
 
 class OpenAIServer:
@@ -161,9 +163,14 @@ class OpenAIServer:
         return self.tokenizer.encode(prompt)
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
-        return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        try:
+            return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        except TemplateError as e:  # a template may refuse messages (roles out of order...)
+            raise UserError(f"the chat template refused these messages: {e}") from None
 
     async def respond(
         self,

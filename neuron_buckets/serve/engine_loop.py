@@ -120,8 +120,8 @@ class EngineLoop:
         if not self._open.acquire(blocking=False):
             limit = self.max_open_requests
             raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")
-        stream = RequestStream(asyncio.get_running_loop())
-        self._commands.put(lambda: self._add(stream, encode, params))
+        stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
+        self._commands.put(lambda: self._add(stream, encode, params, arrival))
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -146,15 +146,17 @@ class EngineLoop:
 
     # Everything below runs on the engine thread.
 
-    def _add(self, stream: RequestStream, encode: Encode, params: ParamsFor) -> None:
+    def _add(self, stream: RequestStream, encode: Encode, params: ParamsFor, arrival: float) -> None:
         try:
             prompt_ids = encode()
             stream.request_id = self.engine.add_request(prompt_ids, params(len(prompt_ids)))
-        except (UserError, ValueError) as e:
+        except Exception as e:  # refused; the engine checks before it changes anything
+            if not isinstance(e, UserError | ValueError):
+                log.exception("a request could not be added")
             self._open.release()
             stream.admit(e)
             return
-        self._tracked[stream.request_id] = Tracked(stream, time.monotonic(), len(prompt_ids))
+        self._tracked[stream.request_id] = Tracked(stream, arrival, len(prompt_ids))
         stream.admit(None)
 
     def _drop(self, stream: RequestStream) -> None:

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from neuron_buckets.serve.request_output import RequestOutput
 from neuron_buckets.serve.sampling_params import SamplingParams
@@ -57,6 +57,15 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's fields are nullable, and some clients send null for "not set"."""
+        field = cls.model_fields[info.field_name]
+        if value is None and not field.is_required():
+            return field.get_default(call_default_factory=True)
+        return value
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingRequest:
