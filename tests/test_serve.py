@@ -310,3 +310,17 @@ def test_completions_and_streamed_chat_give_the_text_nb_generate_gives(text_arti
         assert completion(**sampled) == cli(**sampled)
         assert chat(temperature=0) == cli("--chat")
         assert chat(**sampled) == cli("--chat", **sampled)
+
+
+def test_a_failed_step_fails_open_requests_and_health_with_503_but_not_the_server(compiled_dir):
+    class Broken(PausableEngine):
+        def step(self):
+            raise RuntimeError("graph call failed")
+
+    with serving(Broken(LLMEngine.open(compiled_dir))) as base:
+        status, body = post(f"{base}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
+        assert status == 503 and "RuntimeError: graph call failed" in body["error"]["message"]
+        with pytest.raises(urllib.error.HTTPError, match="503"):
+            urllib.request.urlopen(f"{base}/health", timeout=60)
+        status, body = post(f"{base}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
+        assert status == 503

@@ -7,8 +7,8 @@ connection's request goes to the one engine loop (``engine_loop.py``), which bat
 Errors have OpenAI's shape and status codes a client can act on: 400 for a request that can
 never be served (bad fields, too long for ``max_model_len``, no tokenizer or chat template),
 404 for another model's name, 413 for a body over the size limit, 429 when the server already
-holds its limit of open requests, 503 once the engine has failed. Opening the directory loads
-no graph (each loads on first use), so the server listens within a second or so of starting.
+holds its limit of open requests, 503 once the engine has failed. Nothing is compiled at start
+and no graph is loaded before it listens: each loads on first use.
 """
 
 from __future__ import annotations
@@ -124,10 +124,9 @@ async def last_output(outputs: AsyncIterator[RequestOutput], request: Request) -
     aborted, its blocks freed, rather than run to the end for nobody)."""
 
     async def final() -> RequestOutput:
-        async for out in outputs:
-            if out.finished:
-                return out
-        raise EngineDead("the request ended without a final output")
+        async for out in outputs:  # ends with the finished one
+            last = out
+        return last
 
     result = asyncio.ensure_future(final())
     watcher = asyncio.ensure_future(until_disconnected(request))
@@ -267,7 +266,7 @@ def create_app(engine: LLMEngine, model_name: str, limits: ServerLimits = Server
     async def health() -> Response:
         if server.loop.alive:
             return Response(status_code=200)
-        return error_response(503, f"the engine loop stopped: {server.loop.error}")
+        return error_response(503, str(server.loop.dead()))
 
     @app.get("/metrics")
     async def metrics() -> Response:

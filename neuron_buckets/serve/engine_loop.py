@@ -88,7 +88,7 @@ class EngineLoop:
         # Taken when a connection submits, given back by the engine thread when the request is
         # refused or finishes: it bounds the requests queued, waiting and running together.
         self._open = threading.BoundedSemaphore(max_open_requests)
-        self.error: BaseException | None = None
+        self.error: str | None = None  # why the loop stopped, if a step failed
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._tracked: dict[int, Tracked] = {}
         self._stopping = False
@@ -106,6 +106,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def dead(self) -> EngineDead:
+        return EngineDead(f"the engine loop stopped: {self.error or 'the server is shutting down'}")
+
     async def submit(self, encode: Encode, params: ParamsFor) -> RequestStream:
         """Admit one request into the engine, or raise: ``ServerBusy`` over the bound, the engine's
         ``UserError`` or ``ValueError`` for a request that can never complete, ``EngineDead``.
@@ -116,12 +119,14 @@ class EngineLoop:
         engine's detokenizer uses between steps, is not safe to share across threads.
         """
         if not self.alive:
-            raise EngineDead(f"the engine loop stopped: {self.error}")
+            raise self.dead()
         if not self._open.acquire(blocking=False):
             limit = self.max_open_requests
             raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")
         stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
         self._commands.put(lambda: self._add(stream, encode, params, arrival))
+        if not self.alive:  # it died after the check above: the command may never run
+            stream.admit(self.dead())
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -147,6 +152,9 @@ class EngineLoop:
     # Everything below runs on the engine thread.
 
     def _add(self, stream: RequestStream, encode: Encode, params: ParamsFor, arrival: float) -> None:
+        if self.error is not None:
+            stream.admit(self.dead())
+            return
         try:
             prompt_ids = encode()
             stream.request_id = self.engine.add_request(prompt_ids, params(len(prompt_ids)))
@@ -184,9 +192,10 @@ class EngineLoop:
                     stream.deliver(out)
         except Exception as e:
             log.exception("the engine loop stopped")
-            self.error = e
+            self.error = f"{type(e).__name__}: {e}"
             for tracked in self._tracked.values():
-                tracked.stream.deliver(EngineDead(f"the engine failed: {type(e).__name__}: {e}"))
+                tracked.stream.deliver(self.dead())
+            self._drain(block=False)  # requests queued meanwhile are refused
 
     def _drain(self, block: bool) -> None:
         """Run the queued commands; wait for the first one when there is nothing else to do."""
