@@ -215,6 +215,10 @@ def test_refusals_have_openai_error_bodies_and_the_status_a_client_can_act_on(en
         assert (status, body["error"]["message"]) == (400, "n=2 is not supported by nb serve")
         status, body = post(url, {"model": MODEL, "prompt": [1, 2], "top_p": 0})
         assert status == 400 and "top_p" in body["error"]["message"]
+        status, body = post(url, {"model": MODEL, "prompt": "text needs a tokenizer"})
+        assert status == 400 and "no tokenizer" in body["error"]["message"]
+        status, body = post(f"{base}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 400 and "no tokenizer" in body["error"]["message"]
         status, body = post(url, {"model": "gpt-4", "prompt": [1, 2]})
         assert status == 404 and "gpt-4" in body["error"]["message"]
         status, body = post(url, json.dumps({"model": MODEL, "prompt": [1] * 5000}).encode())

@@ -142,7 +142,7 @@ class OpenAIServer:
     """The routes' shared state: the engine loop, the model's name and its tokenizer."""
 
     def __init__(self, engine: LLMEngine, model_name: str, limits: ServerLimits) -> None:
-        self.engine, self.model_name = engine, model_name
+        self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(model_name, lambda: engine.stats)
@@ -162,10 +162,10 @@ class OpenAIServer:
         return self.tokenizer.encode(prompt)
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
-        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
-
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2 (text extra)
+
         try:
             return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
         except TemplateError as e:  # a template may refuse messages (roles out of order...)
@@ -257,7 +257,6 @@ def create_app(engine: LLMEngine, model_name: str, limits: ServerLimits = Server
 
     app = FastAPI(title="nb serve", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    app.state.server = server
 
     for exc_type in (*STATUS, HTTPException, RequestValidationError):
         app.add_exception_handler(exc_type, on_error)
