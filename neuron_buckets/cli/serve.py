@@ -1,0 +1,50 @@
+"""``nb serve``: the OpenAI-compatible server over an artifact directory.
+
+The web stack (FastAPI, uvicorn, prometheus_client) is the optional ``serve`` extra: a machine
+that only compiles never needs it, so it is imported here, when the command runs, and its
+absence is one line saying what to install.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from neuron_buckets.core.errors import UserError
+
+SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
+
+
+def serve(
+    directory: Annotated[Path, typer.Argument(help="Artifact directory")],
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free port)")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The model name clients send (default: DIRECTORY as given)")
+    ] = None,
+    max_open_requests: Annotated[
+        int, typer.Option(min=1, help="Requests queued and running together; more get HTTP 429")
+    ] = 256,
+    max_body_bytes: Annotated[
+        int, typer.Option(min=1, help="Largest request body in bytes; larger get HTTP 413")
+    ] = 1 << 20,
+    shutdown_timeout: Annotated[
+        float, typer.Option(min=0, help="Seconds open requests may take to finish after SIGTERM")
+    ] = 30.0,
+) -> None:
+    """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
+    try:
+        from neuron_buckets.serve.api_server import ServerLimits, run_server
+    except ModuleNotFoundError as e:
+        if e.name not in SERVE_EXTRA:
+            raise
+        raise UserError(f"nb serve needs {e.name}: pip install 'neuron-buckets[serve]'") from None
+    limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
+    run_server(directory, host, port, served_model_name, limits, shutdown_timeout)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the ``nb`` app."""
+    app.command("serve")(serve)

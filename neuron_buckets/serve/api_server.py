@@ -1,0 +1,307 @@
+"""``nb serve``: an OpenAI-compatible HTTP server over one artifact directory (FastAPI + uvicorn).
+
+Routes: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (both stream as
+server-sent events with ``"stream": true``), ``/health`` and ``/metrics`` (Prometheus). Every
+connection's request goes to the one engine loop (``engine_loop.py``), which batches them all.
+
+Errors have OpenAI's shape and status codes a client can act on: 400 for a request that can
+never be served (bad fields, too long for ``max_model_len``, no tokenizer or chat template),
+404 for another model's name, 413 for a body over the size limit, 429 when the server already
+holds its limit of open requests, 503 once the engine has failed. Nothing is compiled at start
+and no graph is loaded before it listens: each loads on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from http import HTTPStatus
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from neuron_buckets.core.errors import UserError
+from neuron_buckets.serve.body_limit import BodyLimit
+from neuron_buckets.serve.engine_loop import Encode, EngineDead, EngineLoop, ServerBusy
+from neuron_buckets.serve.llm_engine import LLMEngine
+from neuron_buckets.serve.metrics import ServerMetrics
+from neuron_buckets.serve.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponseHeader,
+    SamplingRequest,
+    Usage,
+)
+from neuron_buckets.serve.request_output import RequestOutput
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds that keep a flood of clients from growing the server's memory without limit."""
+
+    max_open_requests: int = 256  # queued, waiting for blocks and running, together; more get 429
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are buffered
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    body = ErrorResponse(error=ErrorBody(message=message, type=kind, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    """pydantic's errors as one line: 'temperature: Input should be a valid number; ...'."""
+    parts = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"] if p != "body")
+        message = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
+
+
+# The status of each error a route may raise; the first type that matches wins.
+STATUS: dict[type[Exception], int] = {
+    ServerBusy: 429, EngineDead: 503, UserError: 400, ValueError: 400, Exception: 500
+}
+
+
+async def on_error(_: Request, e: Exception) -> JSONResponse:
+    """Every refusal in OpenAI's error shape."""
+    if isinstance(e, HTTPException):
+        return error_response(e.status_code, str(e.detail))
+    if isinstance(e, RequestValidationError):
+        return error_response(400, validation_message(e))
+    return error_response(next(s for t, s in STATUS.items() if isinstance(e, t)), str(e))
+
+
+def sse(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events as OpenAI streams them: one JSON object per event, then ``[DONE]``.
+
+    A failure after the stream started cannot change the status code any more, so it is sent as
+    an error event, as vLLM does.
+    """
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {event.model_dump_json()}\n\n"
+        except EngineDead as e:
+            yield f"data: {error_response(503, str(e)).body.decode()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def last_output(outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
+    """The request's final output, or None if the client went away first (the request is then
+    aborted, its blocks freed, rather than run to the end for nobody)."""
+
+    async def final() -> RequestOutput:
+        async for out in outputs:  # ends with the finished one
+            last = out
+        return last
+
+    result = asyncio.ensure_future(final())
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (shutdown timeout): the request is aborted
+        watcher.cancel()
+        result.cancel()  # no effect once it is done
+    return result.result() if result.done() else None
+
+
+class OpenAIServer:
+    """The routes' shared state: the engine loop, the model's name and its tokenizer."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, limits: ServerLimits) -> None:
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServerMetrics(model_name, lambda: engine.stats)
+        self.loop = EngineLoop(engine, self.metrics, limits.max_open_requests)
+        self.created = int(time.time())
+
+    def check_model(self, body: SamplingRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise HTTPException(404, f"the model {body.model!r} does not exist; this server serves "
+                                     f"{self.model_name!r}")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise UserError("this artifact has no tokenizer: send the prompt as a list of token ids")
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2 (text extra)
+
+        try:
+            return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        except TemplateError as e:  # a template may refuse messages (roles out of order...)
+            raise UserError(f"the chat template refused these messages: {e}") from None
+
+    async def respond(
+        self,
+        body: SamplingRequest,
+        encode: Encode,
+        request: Request,
+        event: Callable[[RequestOutput], BaseModel | None],
+        usage_event: Callable[[Usage], BaseModel],
+        final: Callable[[RequestOutput], BaseModel],
+        first: BaseModel | None = None,
+    ) -> BaseModel | Response:
+        """Admit a request (or raise the error its status code comes from), then answer with its
+        events as they come (``stream``) or with its ``final`` response."""
+        self.check_model(body)
+        stream = await self.loop.submit(encode, lambda n: body.sampling_params(self.max_model_len - n))
+        outputs = self.loop.outputs(stream)
+        if body.stream:
+
+            async def events() -> AsyncIterator[BaseModel]:
+                if first is not None:
+                    yield first
+                async for out in outputs:
+                    if (e := event(out)) is not None:
+                        yield e
+                    if out.finished and body.include_usage:
+                        yield usage_event(Usage.of(out))
+
+            return sse(events())
+        if (out := await last_output(outputs, request)) is None:
+            return Response(status_code=499)  # nobody reads it: the client closed the connection
+        return final(out)
+
+    async def completion(self, body: CompletionRequest, request: Request) -> BaseModel | Response:
+        header = ResponseHeader.new("cmpl", self.model_name).model_dump()
+
+        def choice(text: str, ids: list[int], out: RequestOutput) -> CompletionChoice:
+            ids_or_none = ids if body.return_token_ids else None
+            return CompletionChoice(text=text, finish_reason=out.finish_reason, token_ids=ids_or_none)
+
+        def event(out: RequestOutput) -> Completion | None:
+            if out.new_text or out.finished or (body.return_token_ids and out.new_token_ids):
+                return Completion(**header, choices=[choice(out.new_text, out.new_token_ids, out)])
+            return None  # a token that adds no text yet (part of a character, a held stop string)
+
+        return await self.respond(
+            body, partial(self.encode, body.prompt), request, event,
+            usage_event=lambda usage: Completion(**header, choices=[], usage=usage),
+            final=lambda out: Completion(
+                **header, choices=[choice(out.text, out.token_ids, out)], usage=Usage.of(out)
+            ),
+        )
+
+    async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
+        header = ResponseHeader.new("chatcmpl", self.model_name).model_dump()
+
+        def event(out: RequestOutput) -> ChatCompletionChunk | None:
+            if not (out.new_text or out.finished):
+                return None
+            delta = ChatDelta(content=out.new_text or None)
+            choice = ChatChunkChoice(delta=delta, finish_reason=out.finish_reason)
+            return ChatCompletionChunk(**header, choices=[choice])
+
+        def final(out: RequestOutput) -> ChatCompletion:
+            message = {"role": "assistant", "content": out.text}
+            choice = ChatChoice(message=message, finish_reason=out.finish_reason)
+            return ChatCompletion(**header, choices=[choice], usage=Usage.of(out))
+
+        role = ChatDelta(role="assistant", content="")
+        return await self.respond(
+            body, partial(self.encode_chat, body), request, event,
+            usage_event=lambda usage: ChatCompletionChunk(**header, choices=[], usage=usage),
+            final=final, first=ChatCompletionChunk(**header, choices=[ChatChunkChoice(delta=role)]),
+        )
+
+
+def create_app(engine: LLMEngine, model_name: str, limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread."""
+    server = OpenAIServer(engine, model_name, limits)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.loop.start()
+        yield
+        await asyncio.to_thread(server.loop.stop)
+
+    app = FastAPI(title="nb serve", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+
+    for exc_type in (*STATUS, HTTPException, RequestValidationError):
+        app.add_exception_handler(exc_type, on_error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.loop.alive:
+            return Response(status_code=200)
+        return error_response(503, str(server.loop.dead()))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, created=server.created, max_model_len=server.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> BaseModel | Response:
+        return await server.completion(body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
+        return await server.chat_completion(body, request)
+
+    return app
+
+
+def run_server(
+    directory: Path,
+    host: str,
+    port: int,
+    model_name: str | None = None,
+    limits: ServerLimits = ServerLimits(),
+    shutdown_timeout: float = 30.0,
+) -> None:
+    """Open the artifact and serve it until SIGINT or SIGTERM.
+
+    On a signal uvicorn stops accepting connections and lets open responses finish for up to
+    ``shutdown_timeout`` seconds; what is still open then is cancelled (and aborted in the
+    engine), and the engine loop ends once the engine has released every request.
+    """
+    engine = LLMEngine.open(directory)
+    app = create_app(engine, model_name or str(directory), limits)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout)
+    uvicorn.Server(config).run()

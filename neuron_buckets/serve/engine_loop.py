@@ -1,0 +1,234 @@
+"""The one thread that drives ``LLMEngine.step()`` for every HTTP connection.
+
+The engine is single-threaded, so it lives on a thread of its own and nothing else touches it:
+connections hand it work as commands on a queue (add a request, drop one), and it hands each
+request's outputs back to the connection's asyncio queue on the event loop. Every step batches
+whatever requests are in the engine at that moment, whichever connection they came from; that
+is continuous batching across HTTP requests, through the runtime's bucket selection and packing.
+
+Commands run in order between steps, so a connection that goes away is aborted (its blocks back
+in the pool) before the next step runs. When idle the thread sleeps on the command queue; it does
+not poll. An exception from a step is a bug or a broken artifact: every open request gets it, the
+loop stops, and ``/health`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from neuron_buckets.core.errors import UserError
+from neuron_buckets.serve.llm_engine import LLMEngine
+from neuron_buckets.serve.metrics import ServerMetrics
+from neuron_buckets.serve.request_output import RequestOutput
+from neuron_buckets.serve.sampling_params import SamplingParams
+
+log = logging.getLogger("nb.serve")
+
+Encode = Callable[[], Sequence[int]]  # a request's prompt ids
+ParamsFor = Callable[[int], SamplingParams]  # its sampling parameters, given its prompt's length
+
+
+class ServerBusy(UserError):
+    """More requests are open than the server's bound; the client should retry later (HTTP 429)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop stopped after an error; nothing more can be served (HTTP 503)."""
+
+
+class RequestStream:
+    """One request as its connection sees it: admitted or refused, then its outputs in order.
+
+    The engine thread fills it through ``loop.call_soon_threadsafe``, so asyncio objects are only
+    ever touched on their own loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.admitted: asyncio.Future[int] = loop.create_future()
+        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.request_id: int | None = None  # set on the engine thread once admitted
+        self.attached = True  # cleared on the engine thread when the connection goes away
+
+    def deliver(self, item: RequestOutput | BaseException) -> None:
+        if self.attached:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+    def admit(self, error: BaseException | None) -> None:
+        def settle() -> None:
+            if self.admitted.done():  # the connection went away while waiting
+                return
+            if error is None:
+                self.admitted.set_result(self.request_id)
+            else:
+                self.admitted.set_exception(error)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+@dataclass
+class Tracked:
+    """What the engine thread keeps per open request: where its outputs go, and its timings."""
+
+    stream: RequestStream
+    arrival: float
+    prompt_tokens: int
+    last_token: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_open_requests: int) -> None:
+        self.engine, self.metrics, self.max_open_requests = engine, metrics, max_open_requests
+        # Taken when a connection submits, given back by the engine thread when the request is
+        # refused or finishes: it bounds the requests queued, waiting and running together.
+        self._open = threading.BoundedSemaphore(max_open_requests)
+        self.error: str | None = None  # why the loop stopped, if a step failed
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._tracked: dict[int, Tracked] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="nb-engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever is still open, let the engine report it, and end the thread."""
+        self._commands.put(self._begin_stop)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def dead(self) -> EngineDead:
+        return EngineDead(f"the engine loop stopped: {self.error or 'the server is shutting down'}")
+
+    async def submit(self, encode: Encode, params: ParamsFor) -> RequestStream:
+        """Admit one request into the engine, or raise: ``ServerBusy`` over the bound, the engine's
+        ``UserError`` or ``ValueError`` for a request that can never complete, ``EngineDead``.
+        Read its outputs with ``outputs``.
+
+        ``encode`` gives the prompt's ids and ``params`` the sampling parameters for a prompt of
+        that many tokens; both run on the engine thread, because the tokenizer, which the
+        engine's detokenizer uses between steps, is not safe to share across threads.
+        """
+        if not self.alive:
+            raise self.dead()
+        if not self._open.acquire(blocking=False):
+            limit = self.max_open_requests
+            raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")
+        stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
+        self._commands.put(lambda: self._add(stream, encode, params, arrival))
+        if not self.alive:  # it died after the check above: the command may never run
+            stream.admit(self.dead())
+        try:
+            await stream.admitted
+        except asyncio.CancelledError:
+            self._commands.put(lambda: self._drop(stream))
+            raise
+        return stream
+
+    async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; stopping early (the client went away, the
+        task was cancelled) aborts it before the engine's next step."""
+        finished = False
+        try:
+            while not finished:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(lambda: self._drop(stream))
+
+    # Everything below runs on the engine thread.
+
+    def _add(self, stream: RequestStream, encode: Encode, params: ParamsFor, arrival: float) -> None:
+        if self.error is not None:
+            stream.admit(self.dead())
+            return
+        try:
+            prompt_ids = encode()
+            stream.request_id = self.engine.add_request(prompt_ids, params(len(prompt_ids)))
+        except Exception as e:  # refused; the engine checks before it changes anything
+            if not isinstance(e, UserError | ValueError):
+                log.exception("a request could not be added")
+            self._open.release()
+            stream.admit(e)
+            return
+        self._tracked[stream.request_id] = Tracked(stream, arrival, len(prompt_ids))
+        stream.admit(None)
+
+    def _drop(self, stream: RequestStream) -> None:
+        """The connection is gone: abort its request if it is still open; the blocks go back now."""
+        stream.attached = False
+        if stream.request_id in self._tracked:
+            self.engine.abort(stream.request_id)
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        for tracked in self._tracked.values():
+            tracked.stream.deliver(EngineDead("the server is shutting down"))
+            self._drop(tracked.stream)
+
+    def _run(self) -> None:
+        try:
+            while not (self._stopping and not self.engine.has_unfinished):
+                self._drain(block=not self.engine.has_unfinished and not self._stopping)
+                outputs = self.engine.step() if self.engine.has_unfinished else []
+                self.metrics.running.set(self.engine.num_running)
+                self.metrics.waiting.set(self.engine.num_waiting)
+                # Counted before delivered: a client holding its final output finds it in
+                # /metrics and may send its next request at once without meeting its own slot.
+                for stream, out in self._record(outputs, time.monotonic()):
+                    stream.deliver(out)
+        except Exception as e:
+            log.exception("the engine loop stopped")
+            self.error = f"{type(e).__name__}: {e}"
+            for tracked in self._tracked.values():
+                tracked.stream.deliver(self.dead())
+            self._drain(block=False)  # requests queued meanwhile are refused
+
+    def _drain(self, block: bool) -> None:
+        """Run the queued commands; wait for the first one when there is nothing else to do."""
+        if block:
+            self._commands.get()()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _record(self, outputs: list[RequestOutput], now: float) -> list[tuple[RequestStream, RequestOutput]]:
+        """Record what vLLM records for a step's outputs, release finished requests' slots, and
+        say where each output goes."""
+        deliveries = []
+        for out in outputs:
+            if (tracked := self._tracked.get(out.request_id)) is None:
+                continue
+            if out.new_token_ids:
+                if tracked.last_token is None:
+                    self.metrics.ttft.observe(now - tracked.arrival)
+                    self.metrics.prompt_tokens.inc(tracked.prompt_tokens)
+                else:
+                    per_token = (now - tracked.last_token) / len(out.new_token_ids)
+                    for _ in out.new_token_ids:
+                        self.metrics.tpot.observe(per_token)
+                tracked.last_token = now
+                self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if out.finished:
+                del self._tracked[out.request_id]
+                self._open.release()
+                self.metrics.e2e.observe(now - tracked.arrival)
+                self.metrics.finished(out.finish_reason)
+            deliveries.append((tracked.stream, out))
+        return deliveries

@@ -1,0 +1,88 @@
+"""The server's Prometheus metrics: vLLM's names where vLLM has one, ``nb:`` for the buckets.
+
+Dashboards and alerts written for ``vllm serve`` read the same series here: requests running and
+waiting, time to first token, time per output token, end-to-end latency, prompt and generation
+token counters and finished requests by reason, all labelled with ``model_name``. What vLLM has
+no name for is the point of nb: per-bucket calls, real and padded tokens and the padding ratio,
+read from the runtime's own counters at scrape time (so they are exactly ``nb generate --stats``).
+Each server owns its registry, so several servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from neuron_buckets.serve.runtime import BucketStats
+
+# vLLM's bucket boundaries, so histograms from both servers can be compared bin by bin.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class BucketCollector(Collector):
+    """Per-bucket counters, read from the runtime's ``BucketStats`` when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, BucketStats]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        calls = CounterMetricFamily("nb:bucket_calls", "Graph calls per bucket", labels=["bucket"])
+        real = CounterMetricFamily("nb:bucket_real_tokens", "Real tokens run per bucket", labels=["bucket"])
+        padded = CounterMetricFamily(
+            "nb:bucket_padded_tokens", "Positions computed per bucket, real and pad", labels=["bucket"]
+        )
+        ratio = GaugeMetricFamily(
+            "nb:bucket_padding_ratio", "(padded - real) / real tokens per bucket", labels=["bucket"]
+        )
+        for name, s in list(self.stats().items()):
+            calls.add_metric([name], s.calls)
+            real.add_metric([name], s.real_tokens)
+            padded.add_metric([name], s.padded_tokens)
+            ratio.add_metric([name], s.padding_ratio)
+        yield from (calls, real, padded, ratio)
+
+
+class ServerMetrics:
+    """Everything ``/metrics`` exposes; the engine thread records, any thread may scrape."""
+
+    def __init__(self, model_name: str, bucket_stats: Callable[[], Mapping[str, BucketStats]]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=self.registry, buckets=buckets).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the engine's decode or prefill")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for blocks or a prefill slot")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token", TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self._success = Counter(
+            "vllm:request_success", "Finished requests by finish reason", [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+        self.registry.register(BucketCollector(bucket_stats))
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(self.model_name, reason or "unknown").inc()
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)
