@@ -5,13 +5,16 @@ runtime passes each call the weights it needs, from its one copy, and the KV cac
 compiled code mutates in place. ``package_constants_in_so=False`` stays fixed so that no user
 flag can bake tensors into a package.
 
-Threads: inductor writes the compiling process's thread count into its C++ (``omp parallel
-num_threads(N)``, and no parallel loop at all when N is 1), and a compile worker runs with a
-share of the cores. Graphs compiled that way would serve single-threaded. ``cpp.dynamic_threads``
-makes the loops take the serving process's thread count instead. Templates that keep per-thread
-scratch buffers (the CPU flex attention kernel) size them by ``cpp.threads`` at compile time and
-index them by the running thread, so that is fixed at an upper bound, ``MAX_THREADS``, not the
-compiling machine's count; a runtime never uses more threads than that.
+Threads: inductor writes the compiling process's thread count into the C++ it generates, and a
+compile worker runs with one share of the cores, so a piece's own loops run on that many threads
+(one, on two cores with two jobs) while the GEMMs it calls use the serving process's threads.
+Measured on a loaded 2-core machine, letting every small loop of a decode step open a parallel
+region (``cpp.dynamic_threads``) made the step several times slower, so pieces keep that. The
+CPU flex attention template is the exception: it sizes per-thread scratch buffers by
+``cpp.threads`` at compile time but runs on the serving process's threads, and corrupts the heap
+when they are more. A piece whose graph holds flex attention is therefore compiled with
+``THREADED_TEMPLATE_CONFIGS``: buffers for up to ``MAX_THREADS`` threads, loops on the serving
+threads; a runtime never uses more threads than that.
 """
 
 from __future__ import annotations
@@ -32,12 +35,9 @@ from torch.utils import _pytree as pytree
 from neuron_buckets.backends.base import GraphFn
 from neuron_buckets.core.cache_dir import default_cache_dir
 
+FIXED_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 MAX_THREADS = 256
-FIXED_CONFIGS = {
-    "aot_inductor.package_constants_in_so": False,
-    "cpp.dynamic_threads": True,
-    "cpp.threads": MAX_THREADS,
-}
+THREADED_TEMPLATE_CONFIGS = {"cpp.dynamic_threads": True, "cpp.threads": MAX_THREADS}
 
 
 @functools.cache
@@ -109,10 +109,7 @@ class InductorBackend:
                 f"compile.flags {unknown} are not torch._inductor.config options (torch {torch.__version__})"
             )
         if clash := {k: v for k, v in flags.items() if k in FIXED_CONFIGS and FIXED_CONFIGS[k] != v}:
-            raise ValueError(
-                f"compile.flags {clash} conflict with what nb fixes (weights outside the package, "
-                "thread counts taken at serving time)"
-            )
+            raise ValueError(f"compile.flags {clash} conflict with the weights-outside-graph design")
         return {**flags, **FIXED_CONFIGS}
 
     def compile(
@@ -120,8 +117,11 @@ class InductorBackend:
     ) -> None:
         with torch.no_grad():
             program = torch.export.export(piece, example, dynamic_shapes=dynamic, strict=False)
+            configs = self.resolved_flags(flags)
+            if _has_flex_attention(program):
+                configs |= THREADED_TEMPLATE_CONFIGS
             torch._inductor.aoti_compile_and_package(
-                program, package_path=str(out_file), inductor_configs=self.resolved_flags(flags)
+                program, package_path=str(out_file), inductor_configs=configs
             )
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
@@ -130,6 +130,11 @@ class InductorBackend:
         index = torch.device(device).index
         compiled = torch._inductor.aoti_load_package(str(path), device_index=-1 if index is None else index)
         return PackageCall(compiled.loader)
+
+
+def _has_flex_attention(program: torch.export.ExportedProgram) -> bool:
+    flex = torch.ops.higher_order.flex_attention
+    return any(node.target is flex for node in program.graph.nodes)
 
 
 class PackageCall:
