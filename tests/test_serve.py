@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -257,7 +258,7 @@ def test_nb_serve_serves_until_sigterm_and_finishes_the_open_stream(compiled_dir
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:
-            if m := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line):
+            if m := re.search(r"serving 'tiny' at (http://127\.0\.0\.1:\d+)", line):
                 break
         else:
             pytest.fail(f"nb serve exited with {proc.wait()} before listening")
@@ -328,3 +329,10 @@ def test_a_failed_step_fails_open_requests_and_health_with_503_but_not_the_serve
             urllib.request.urlopen(f"{base}/health", timeout=60)
         status, body = post(f"{base}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]})
         assert status == 503
+
+
+def test_nb_serve_refuses_a_port_in_use_in_one_line_before_opening_anything(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        line = error_line(CliRunner().invoke(app, ["serve", str(tmp_path), "--port", str(port)]))
+    assert f"cannot listen on 127.0.0.1:{port}" in line

@@ -14,6 +14,8 @@ and no graph is loaded before it listens: each loads on first use.
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -297,11 +299,21 @@ def run_server(
 ) -> None:
     """Open the artifact and serve it until SIGINT or SIGTERM.
 
+    The address is taken first, so a port in use is one error line before any weight is read.
     On a signal uvicorn stops accepting connections and lets open responses finish for up to
     ``shutdown_timeout`` seconds; what is still open then is cancelled (and aborted in the
     engine), and the engine loop ends once the engine has released every request.
     """
-    engine = LLMEngine.open(directory)
-    app = create_app(engine, model_name or str(directory), limits)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout)
-    uvicorn.Server(config).run()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    with sock:
+        model_name = model_name or str(directory)
+        app = create_app(LLMEngine.open(directory), model_name, limits)
+        config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout)
+        address = f"[{host}]" if family == socket.AF_INET6 else host
+        url = f"http://{address}:{sock.getsockname()[1]}"  # the port taken, when 0 asked for any
+        logging.getLogger("uvicorn.error").info("serving %r at %s (CTRL+C to quit)", model_name, url)
+        uvicorn.Server(config).run(sockets=[sock])
