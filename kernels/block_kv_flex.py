@@ -21,10 +21,11 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from neuron_buckets.kernels import block_kv_sdpa
+from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
 from neuron_buckets.kernels.block_kv_torch import gather_context
 
 TILE = 64  # query and key tile of the block mask: a tile pair is skipped when no pair in it may meet
+PAGED_ROWS = 8  # rows of at most this many tokens (decode, speculative drafts) read the cache in place
 
 
 def block_kv_attention(
@@ -41,13 +42,16 @@ def block_kv_attention(
 ) -> Tensor:
     """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
 
-    Rows of at most one tile (decode rows, small prefill buckets) have no tile to skip, so they
-    take the dense fused path, which is faster there (measured); inductor's CPU flex template
-    also fails to compile one-token query rows. The choice is made on static shapes at trace time.
+    Decode rows (at most ``PAGED_ROWS`` tokens) take ``block_kv_paged``, which reads the context
+    in place instead of copying it. Other rows of at most one tile (small prefill buckets) have no
+    tile to skip, so they take the dense fused path, which is faster there (measured); inductor's
+    CPU flex template also fails to compile one-token query rows. The choice is made on static
+    shapes at trace time.
     """
     batch, seq = q.shape[:2]
+    kernel = block_kv_paged if seq <= PAGED_ROWS else block_kv_sdpa
     if seq <= TILE:
-        return block_kv_sdpa.block_kv_attention(
+        return kernel.block_kv_attention(
             q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
         )
     k_ctx, v_ctx, _ = gather_context(k_cache, v_cache, block_table, cache_lens)

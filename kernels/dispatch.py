@@ -2,8 +2,8 @@
 
 The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default (``DEFAULT``)
 the cache write is the golden of ``block_kv_torch`` and the attention the fast path of
-``block_kv_flex`` (block-sparse flex attention for long rows, the fused SDPA call of
-``block_kv_sdpa`` for short ones), which agrees with the golden within float tolerance and
+``block_kv_flex`` (block-sparse flex attention for long rows, the in-place reads of
+``block_kv_paged`` for decode rows, the fused SDPA call of ``block_kv_sdpa`` between), which agrees with the golden within float tolerance and
 compiles to far less work; ``GOLDEN`` is the readable reference every other implementation is
 tested against. A backend with its own kernels (Neuron: the NKI kernels of ``block_kv_nki``)
 installs them with ``use(kernels)`` for the duration of a trace, so the model code is identical on

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
-from neuron_buckets.kernels import block_kv_flex, block_kv_sdpa
+from neuron_buckets.kernels import block_kv_flex, block_kv_paged, block_kv_sdpa
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
 KVH, D = 2, 8
@@ -221,7 +221,7 @@ def test_layer_write_through_a_view_touches_only_that_layer():
 # Eager flex attention (a reference implementation) warns that it is not the compiled kernel;
 # the compiled one runs in every artifact test.
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("kernel", [block_kv_sdpa, block_kv_flex], ids=["sdpa", "flex"])
+@pytest.mark.parametrize("kernel", [block_kv_paged, block_kv_sdpa, block_kv_flex], ids=["paged", "sdpa", "flex"])
 @settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
