@@ -3,13 +3,13 @@
 The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default (``DEFAULT``)
 the cache write is the golden of ``block_kv_torch`` and the attention the fast path of
 ``block_kv_flex`` (block-sparse flex attention for long rows, the in-place reads of
-``block_kv_paged`` for decode rows, the fused SDPA call of ``block_kv_sdpa`` between), which agrees with the golden within float tolerance and
-compiles to far less work; ``GOLDEN`` is the readable reference every other implementation is
-tested against. A backend with its own kernels (Neuron: the NKI kernels of ``block_kv_nki``)
-installs them with ``use(kernels)`` for the duration of a trace, so the model code is identical on
-every backend and the swap is visible in one place. The choice is a plain module global, which
-torch.compile and torch.export trace as a constant; compiles run one per
-process, so no two traces ever share it.
+``block_kv_paged`` for decode rows, the fused SDPA call of ``block_kv_sdpa`` between), which
+agrees with the golden within float tolerance and compiles to far less work; ``GOLDEN`` is the
+readable reference every other implementation is tested against. A backend with its own kernels
+(Neuron: the NKI kernels of ``block_kv_nki``) installs them with ``use(kernels)`` for the duration
+of a trace, so the model code is identical on every backend and the swap is visible in one place.
+The choice is a plain module global, which torch.compile and torch.export trace as a constant;
+compiles run one per process, so no two traces ever share it.
 """
 
 from __future__ import annotations

@@ -221,12 +221,14 @@ def test_layer_write_through_a_view_touches_only_that_layer():
 # Eager flex attention (a reference implementation) warns that it is not the compiled kernel;
 # the compiled one runs in every artifact test.
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("kernel", [block_kv_paged, block_kv_sdpa, block_kv_flex], ids=["paged", "sdpa", "flex"])
+@pytest.mark.parametrize(
+    "kernel", [block_kv_paged, block_kv_sdpa, block_kv_flex], ids=["paged", "sdpa", "flex"]
+)
 @settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
     # rows longer than a flex tile take the block-sparse path, shorter ones the dense one
-    seq=st.integers(1, 6) | st.integers(block_kv_flex.TILE + 1, block_kv_flex.TILE + 40),
+    seq=st.integers(1, 6) | st.integers(block_kv_flex.DENSE_ROWS + 1, block_kv_flex.DENSE_ROWS + 40),
     packed=st.booleans(),
     fill=st.sampled_from([float("nan"), 1e30]),
     window=st.sampled_from([None, 1, 4, 20]),

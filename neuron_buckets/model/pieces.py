@@ -135,7 +135,7 @@ def dynamic_shapes(shape: PieceShape) -> tuple | None:
 
 
 def layer_weight_shapes(config: LlamaConfig) -> list[torch.Size]:
-    """Shapes of one layer's weights in ``layer_weight_keys`` order (from a meta-device layer)."""
+    """Shapes of a layer piece's weight inputs, ``piece_weight_keys`` order (from a meta-device layer)."""
     with torch.device("meta"):
         return [w.shape for w in DecoderLayer(config).weights()]
 

@@ -24,7 +24,7 @@ from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.errors import UserError
 from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
-from neuron_buckets.model.llama import head_weight_names, layer_weight_names
+from neuron_buckets.model.llama import fuse_layer_weights, head_weight_names, layer_weight_keys, unfused_views
 from neuron_buckets.serve.artifact_check import check_servable
 from neuron_buckets.serve.request_check import StepLimits, check_step
 
@@ -65,9 +65,7 @@ class BucketRuntime:
         self.v_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights["model.embed_tokens.weight"]
-        self.layer_weights = [
-            tuple(weights[n] for n in layer_weight_names(self.config, i)) for i in range(geo.num_layers)
-        ]
+        self.layer_weights = [self._fuse_layer(weights, i) for i in range(geo.num_layers)]
         self.head_weights = tuple(weights[n] for n in head_weight_names(self.config))
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
@@ -112,6 +110,15 @@ class BucketRuntime:
         if sha256_file(path) != info.sha256:
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
         return load_file(path, device=self.device)
+
+    def _fuse_layer(self, weights: dict[str, Tensor], layer: int) -> tuple[Tensor, ...]:
+        """Layer ``layer``'s piece inputs; its entries in ``weights`` become views of them, so the
+        fused projections do not hold a second copy of the layer in memory."""
+        prefix = f"model.layers.{layer}."
+        own = {k: weights[prefix + k] for k in layer_weight_keys(self.config)}
+        fused = fuse_layer_weights(self.config, own)
+        weights.update({prefix + k: t for k, t in unfused_views(self.config, fused).items()})
+        return fused
 
     def graph(self, key: str) -> GraphFn:
         """A piece's graph, loaded on first use after checking its file against the manifest."""
