@@ -3,12 +3,14 @@
 Model: the SmolLM2-135M shape (30 layers, hidden 576, 9 heads / 3 kv, ffn 1536, vocab 49152,
 tied), random weights saved by transformers. Workloads: ``fixed`` (8 prompts of 50 tokens) and
 ``mixed`` (16 prompt lengths sampled from a trace, clipped to 400), 32 greedy tokens per request
-in every engine. nb runs a compiled artifact (packed prefill up to 512 tokens and 16 requests,
-decode batches 1, 8 and 16 over context buckets 256 and 512); its start-up is
-``BucketRuntime.open`` with every graph loaded, after the one-time ``nb compile``. Also printed:
-one packed prefill call of the 8x50 prompts against transformers' batched prefill forward,
-and a decode step at a real context of 64 on an artifact with max_model_len 4096 against one
-with 512. vLLM runs in its own virtualenv
+in every engine. nb runs two compiled artifacts: the default grid (packed prefill buckets 64, 256
+and 512 tokens, decode batches 1, 8 and 16 over context buckets 256 and 512) and the grid that
+``nb plan`` chooses for the two workloads' own lengths (prefill, num_seqs and context buckets),
+with a 1024-token step budget (vLLM CPU's default is 4096; on 2 cores 1024 beat 512 and 2048).
+Its start-up is ``BucketRuntime.open`` with every graph loaded, after the one-time ``nb compile``.
+Also printed: one packed prefill call of the 8x50 prompts (in the 512 bucket, and in the planned
+grid's bucket) against transformers' batched prefill forward, and a decode step at a real context
+of 64 on an artifact with max_model_len 4096 against one with 512. vLLM runs in its own virtualenv
 (``--vllm-python``; skipped with a message without it). Prints figures and ratios only: timings
 vary by machine and load, so run it on an idle machine.
 
@@ -26,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,6 +37,10 @@ from real_models import build_smollm  # noqa: E402
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
 
 from neuron_buckets import BucketRuntime, DecodeRow, PrefillChunk, SamplingParams, generate  # noqa: E402
+from neuron_buckets.traffic.planner import PlanOptions, plan  # noqa: E402
+from neuron_buckets.traffic.traces import Trace  # noqa: E402
+
+PLANNED_BUDGET = 1024  # step budget of the planned grid: tokens of one packed prefill call
 
 CONFIG = """
 [model]
@@ -49,6 +56,7 @@ max_num_seqs = 16
 max_num_batched_tokens = {prefill_max}
 num_seqs_buckets = {num_seqs}
 num_batched_tokens_buckets = {prefill}
+{contexts}
 
 [compile]
 backend = "inductor"
@@ -56,10 +64,30 @@ jobs = 2
 """
 
 
+def planned_grid(workloads: list[Workload], max_model_len: int) -> dict[str, str]:
+    """The buckets ``nb plan`` chooses for the workloads' prompt and output lengths (3 prefill and
+    4 context graphs, aligned to the block size), plus a ``PLANNED_BUDGET`` bucket as the step
+    budget: the planner sizes buckets for single prompts, and a packed step holds several."""
+    prompts = [len(p) for wl in workloads for p in wl.prompts]
+    outputs = [wl.max_new_tokens for wl in workloads for _ in wl.prompts]
+    # each workload's requests arrive together, the workloads ten minutes apart (as they run)
+    arrivals = [600.0 * i for i, wl in enumerate(workloads) for _ in wl.prompts]
+    trace = Trace(np.array(prompts), np.array(outputs), np.array(arrivals), "bench workloads")
+    opts = PlanOptions(graphs=3, align=16, max_num_seqs=16, max_model_len=max_model_len, context_graphs=4)
+    doc = plan(trace, opts)
+    prefill = sorted({*doc["prefill"]["buckets"], PLANNED_BUDGET})
+    return dict(
+        num_seqs=str(doc["decode"]["buckets"]),
+        prefill=str(prefill),
+        prefill_max=PLANNED_BUDGET,
+        contexts=f"decode_context_length_buckets = {doc['context']['buckets']}",
+    )
+
+
 def compile_artifact(root: Path, name: str, **fields: object) -> Path:
     """``nb compile`` of one config into ``root/name`` (graphs cached under ``root/cache``)."""
     config = root / f"{name}.toml"
-    config.write_text(CONFIG.format(**fields))
+    config.write_text(CONFIG.format(**{"contexts": "", **fields}))
     out = root / name
     env = {**os.environ, "NB_CACHE_DIR": str(root / "cache")}
     start = time.perf_counter()
@@ -102,12 +130,15 @@ def decode_step_ms(artifact: Path, context: int, repeats: int) -> float:
     return median_ms(lambda: runtime.decode(rows), repeats)
 
 
-def prefill_call_ms(artifact: Path, wl: Workload, repeats: int) -> float:
+def prefill_call_ms(artifact: Path, wl: Workload, repeats: int) -> tuple[float, str]:
+    """One packed prefill call of all the workload's prompts, and the bucket it ran in."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-max(len(p) for p in wl.prompts) // runtime.block_size)
     blocks = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(wl.prompts))]
     chunks = [PrefillChunk(p, 0, b) for p, b in zip(wl.prompts, blocks, strict=True)]
-    return median_ms(lambda: runtime.prefill(chunks), repeats)
+    ms = median_ms(lambda: runtime.prefill(chunks), repeats)
+    (bucket,) = [name for name, stats in runtime.stats.items() if stats.calls]
+    return ms, bucket
 
 
 def main() -> None:
@@ -124,39 +155,49 @@ def main() -> None:
     common = dict(model=model.as_posix(), num_seqs="[1, 8, 16]", prefill="[64, 256, 512]", prefill_max=512)
     artifact = compile_artifact(args.work, "art512", num_blocks=600, max_model_len=512, **common)
     workloads = [fixed(), mixed(args.trace)]
+    grid = planned_grid(workloads, 512)
+    print(f"planned grid: prefill {grid['prefill']}, num_seqs {grid['num_seqs']}, {grid['contexts']}")
+    planned = compile_artifact(args.work, "planned", num_blocks=600, max_model_len=512,
+                               model=model.as_posix(), **grid)
     print(f"SmolLM2-135M shape, 30 layers, float32, {os.cpu_count()} CPUs, median of {args.repeats} runs")
     for wl in workloads:
         lens = [len(p) for p in wl.prompts]
         print(f"\n{wl.name}: {len(lens)} prompts of {min(lens)}-{max(lens)} tokens, {wl.max_new_tokens} new")
-        tokens, seconds, startup = nb_generate(artifact, wl, args.repeats)
-        generated = sum(len(t) for t in tokens)
-        rates = {"nb": generated / seconds}
-        print(f"  nb            {rates['nb']:7.1f} tok/s  (start-up {startup:.2f} s)", flush=True)
+        rates, outputs = {}, {}
+        for name, art in (("nb", planned), ("nb default", artifact)):
+            outputs[name], seconds, startup = nb_generate(art, wl, args.repeats)
+            rates[name] = sum(len(t) for t in outputs[name]) / seconds
+            print(f"  {name:14s}{rates[name]:7.1f} tok/s  (start-up {startup:.2f} s)", flush=True)
+        generated = sum(len(t) for t in outputs["nb"])
         hf_tokens, runs = transformers_generate_runs(model, wl.prompts, wl.max_new_tokens,
                                                      repeats=args.repeats)
         rates["transformers"] = generated / statistics.median(runs)
-        equal = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
+        equal = {n: sum(a == b for a, b in zip(t, hf_tokens, strict=True)) for n, t in outputs.items()}
         hf_rate = rates["transformers"]
-        print(f"  transformers  {hf_rate:7.1f} tok/s  (greedy tokens equal {equal}/{len(tokens)})")
+        n = len(hf_tokens)
+        print(f"  transformers  {hf_rate:7.1f} tok/s  (greedy tokens equal: nb {equal['nb']}/{n}, "
+              f"nb default {equal['nb default']}/{n})")
         if args.vllm_python:
             peer = run_vllm(args.vllm_python, model, wl, args.work, ["--repeats", str(args.repeats)])
             rates["vllm"] = peer["tok_s"]
             print(f"  vLLM CPU      {rates['vllm']:7.1f} tok/s  (start-up {peer['startup_s']:.0f} s)")
         else:
             print("  vLLM CPU      skipped: pass --vllm-python VENV/bin/python")
-        for peer_name in ("vllm", "transformers"):
-            if peer_name in rates:
-                print(f"  nb / {peer_name}: {rates['nb'] / rates[peer_name]:.2f}x")
+        for name in ("nb", "nb default"):
+            for peer_name in ("vllm", "transformers"):
+                if peer_name in rates:
+                    print(f"  {name} / {peer_name}: {rates[name] / rates[peer_name]:.2f}x")
     wl = fixed()
-    nb_ms = prefill_call_ms(artifact, wl, args.repeats)
     hf_ms = statistics.median(transformers_prefill_ms(model, wl.prompts, repeats=args.repeats))
-    print(f"\nprefill of 8x50 prompts: nb one packed call {nb_ms:.0f} ms, transformers batched "
-          f"forward {hf_ms:.0f} ms, nb / transformers time {nb_ms / hf_ms:.2f}x")
+    print(f"\nprefill of 8x50 prompts in one call: transformers batched forward {hf_ms:.0f} ms")
+    for art in (planned, artifact):
+        nb_ms, bucket = prefill_call_ms(art, wl, args.repeats)
+        print(f"  nb {art.name} artifact, {bucket}: {nb_ms:.0f} ms, "
+              f"nb / transformers time {nb_ms / hf_ms:.2f}x")
     long = compile_artifact(args.work, "art4096", num_blocks=600, max_model_len=4096, **common)
     short_ms, long_ms = decode_step_ms(artifact, 64, 20), decode_step_ms(long, 64, 20)
     print(f"decode step, batch 8, real context 64: max_model_len 512 {short_ms:.1f} ms, "
           f"4096 {long_ms:.1f} ms ({long_ms / short_ms - 1:+.0%}; target within 15%)")
-
 
 if __name__ == "__main__":
     main()
