@@ -7,6 +7,7 @@ workers share the graph cache (under a file lock), so the second worker only lin
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+from typer.testing import CliRunner
 
 TINY_LLAMA = dict(
     vocab_size=256,
@@ -233,3 +235,49 @@ def s3_bucket(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     name = f"nb-{tmp_path.name.lower().replace('_', '-')[-40:].strip('-')}-{free_port()}"
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+# The text model of test_text.py and test_serve.py: a tiny Llama with a byte-level BPE tokenizer.
+TEXT_PROMPT = "hello world"
+TEXT_MAX_NEW = 12
+TEXT_EAGER = TINY_CONFIG.replace('"inductor"', '"eager"')
+
+
+def first_new(tokens: list[int], start: int = 2) -> int:
+    """The first position from ``start`` whose token did not occur before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], int]:
+    """(model directory, transformers' greedy tokens for TEXT_PROMPT without a stop, the step whose
+    token was made the end-of-sequence id)."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("text-llama")
+    tok = tiny_tokenizer()
+    tok.save_pretrained(directory)
+    save_tiny_llama(directory, vocab_size=len(tok), bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    model.generation_config.eos_token_id = None  # the greedy run to pick an end-of-sequence id from
+    ids = torch.tensor([tok.encode(TEXT_PROMPT)])
+    with torch.no_grad():
+        mask = torch.ones_like(ids)
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=TEXT_MAX_NEW)
+    greedy = out[0, ids.shape[1] :].tolist()
+    k = first_new(greedy, start=3)
+    generation = directory / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [greedy[k]]}))
+    return directory, greedy, k
+
+
+@pytest.fixture(scope="module")
+def text_artifact(text_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("text-artifact")
+    config = write_config(tmp, text_model[0], TEXT_EAGER)
+    from neuron_buckets.cli import app
+
+    args = ["compile", str(config), "--out", str(tmp / "art"), "--cache-dir", str(tmp / "c")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return tmp / "art"

@@ -16,7 +16,7 @@ from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.serve.llm_engine import LLMEngine, generate
 from neuron_buckets.serve.runtime import BucketRuntime
 from neuron_buckets.serve.sampling_params import SamplingParams
-from tests.conftest import TINY_CONFIG, write_config
+from tests.conftest import TINY_CONFIG, first_new, write_config
 from tests.test_engine import make_prompts
 
 PROMPTS = make_prompts((6, 40, 11), seed=3)  # the 40-token prompt is prefilled in two chunks
@@ -44,11 +44,6 @@ def alone(artifact: Path) -> list[list[int]]:
 def engine_of(artifact: Path, **kwargs) -> LLMEngine:
     runtime = BucketRuntime.open(artifact)
     return LLMEngine(runtime, pool=BlockPool(runtime.num_blocks, runtime.block_size), **kwargs)
-
-
-def first_new(tokens: list[int], start: int = 2) -> int:
-    """The first position from ``start`` whose token did not occur before it."""
-    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
 
 
 def test_the_artifact_carries_the_model_directorys_eos_id(artifact):

@@ -30,7 +30,6 @@ from neuron_buckets.cli import app
 from neuron_buckets.serve.api_server import ServerLimits, create_app
 from neuron_buckets.serve.llm_engine import LLMEngine
 from tests.conftest import error_line
-from tests.test_text import text_artifact, text_model  # noqa: F401  (the text model's fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 MODEL = "tiny"

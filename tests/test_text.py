@@ -12,55 +12,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
 from neuron_buckets.cli import app
 from neuron_buckets.serve.tokenizer import Tokenizer
 from neuron_buckets.serve.verify import file_problems
-from tests.conftest import TINY_CONFIG, error_line, save_tiny_llama, tiny_tokenizer, write_config
-from tests.test_llm_engine import first_new
+from tests.conftest import TEXT_EAGER, TEXT_MAX_NEW, TEXT_PROMPT, error_line, tiny_tokenizer, write_config
 
-PROMPT = "hello world"
-MAX_NEW = 12
-EAGER = TINY_CONFIG.replace('"inductor"', '"eager"')
+PROMPT, MAX_NEW, EAGER = TEXT_PROMPT, TEXT_MAX_NEW, TEXT_EAGER
 
 
 def nb(*args: object):
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], int]:
-    """(model directory, transformers' greedy tokens for PROMPT without a stop, the step whose
-    token was made the end-of-sequence id)."""
-    import transformers
-
-    directory = tmp_path_factory.mktemp("text-llama")
-    tok = tiny_tokenizer()
-    tok.save_pretrained(directory)
-    save_tiny_llama(directory, vocab_size=len(tok), bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    model = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
-    model.generation_config.eos_token_id = None  # the greedy run to pick an end-of-sequence id from
-    ids = torch.tensor([tok.encode(PROMPT)])
-    with torch.no_grad():
-        mask = torch.ones_like(ids)
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW)
-    greedy = out[0, ids.shape[1] :].tolist()
-    k = first_new(greedy, start=3)
-    generation = directory / "generation_config.json"
-    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [greedy[k]]}))
-    return directory, greedy, k
-
-
-@pytest.fixture(scope="module")
-def text_artifact(text_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("text-artifact")
-    config = write_config(tmp, text_model[0], EAGER)
-    result = nb("compile", config, "--out", tmp / "art", "--cache-dir", tmp / "c")
-    assert result.exit_code == 0, result.output
-    return tmp / "art"
 
 
 def test_compile_copies_the_tokenizer_and_records_the_eos_id(text_model, text_artifact):
