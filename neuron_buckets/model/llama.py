@@ -304,9 +304,11 @@ def unfused_views(config: LlamaConfig, fused: Sequence[Tensor]) -> dict[str, Ten
     views = {}
     for key, tensor in zip(piece_weight_keys(config), fused, strict=True):
         name, kind = key.rsplit(".", 1)
-        parts = FUSED_PROJECTIONS.get(name, (name,))
-        pieces = tensor.split(projection_sizes(config, name)) if name in FUSED_PROJECTIONS else (tensor,)
-        views.update({f"{p}.{kind}": t for p, t in zip(parts, pieces, strict=True)})
+        if name in FUSED_PROJECTIONS:
+            parts = tensor.split(projection_sizes(config, name))
+            views.update(zip((f"{p}.{kind}" for p in FUSED_PROJECTIONS[name]), parts, strict=True))
+        else:
+            views[key] = tensor
     return views
 
 
