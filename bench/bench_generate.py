@@ -199,5 +199,6 @@ def main() -> None:
     print(f"decode step, batch 8, real context 64: max_model_len 512 {short_ms:.1f} ms, "
           f"4096 {long_ms:.1f} ms ({long_ms / short_ms - 1:+.0%}; target within 15%)")
 
+
 if __name__ == "__main__":
     main()
