@@ -3,7 +3,7 @@
 NxD Inference samples inside the graph to avoid moving (rows x vocab) logits off a device. On
 CPU the logits are already in host memory, so what decides is the cost of sampling itself next
 to the step. This times, for real vocabulary and hidden sizes (random weights), the head piece's
-work (final RMSNorm and the LM-head matmul) for a batch of rows, and ``serve/sampler.py`` on its
+work (final RMSNorm and the LM-head matmul) for a batch of rows, and ``engine/sampler.py`` on its
 logits for each kind of request, and prints the bytes a device would have to move. Peaked logits
 (scaled x10, as a trained model's usually are) let top-p stop at the 1024 largest candidates;
 flat ones make it sort the whole vocabulary. Prints figures only; nothing is asserted.
@@ -17,8 +17,8 @@ import timeit
 import torch
 import torch.nn.functional as F
 
-from neuron_buckets.serve.sampler import sample
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.sampler import sample
+from neuron_buckets.engine.sampling_params import SamplingParams
 
 SHAPES = {"SmolLM2-135M": (576, 49152), "Qwen2.5-0.5B": (896, 151936), "Llama-3.2-1B": (2048, 128256)}
 CASES = {

@@ -20,7 +20,7 @@ _PUBLIC = {
     "Bucket": "neuron_buckets.core.bucket",
     "NoBucketFits": "neuron_buckets.core.bucket",
     "select_bucket": "neuron_buckets.core.bucket",
-    "BlockPool": "neuron_buckets.core.block_pool",
+    "BlockPool": "neuron_buckets.engine.block_pool",
     "PrefillChunk": "neuron_buckets.core.padding",
     "DecodeRow": "neuron_buckets.core.padding",
     "StepInputs": "neuron_buckets.core.padding",
@@ -31,13 +31,13 @@ _PUBLIC = {
     "Manifest": "neuron_buckets.artifact.manifest",
     "ManifestError": "neuron_buckets.artifact.manifest",
     "read_manifest": "neuron_buckets.artifact.manifest",
-    "BucketRuntime": "neuron_buckets.serve.runtime",
-    "ArtifactError": "neuron_buckets.serve.runtime",
-    "LLMEngine": "neuron_buckets.serve.llm_engine",
-    "generate": "neuron_buckets.serve.llm_engine",
-    "SamplingParams": "neuron_buckets.serve.sampling_params",
-    "RequestOutput": "neuron_buckets.serve.request_output",
-    "Tokenizer": "neuron_buckets.serve.tokenizer",
+    "BucketRuntime": "neuron_buckets.runtime.bucket_runtime",
+    "ArtifactError": "neuron_buckets.runtime.bucket_runtime",
+    "LLMEngine": "neuron_buckets.engine.llm_engine",
+    "generate": "neuron_buckets.engine.llm_engine",
+    "SamplingParams": "neuron_buckets.engine.sampling_params",
+    "RequestOutput": "neuron_buckets.engine.request_output",
+    "Tokenizer": "neuron_buckets.engine.tokenizer",
     "Compiler": "neuron_buckets.compile.compiler",
 }
 
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
     from neuron_buckets.artifact.manifest import Manifest, ManifestError, read_manifest
     from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import Config, ConfigError, enumerate_grid, load_config
-    from neuron_buckets.core.block_pool import BlockPool
     from neuron_buckets.core.block_table import (
         NULL_BLOCK_ID,
         PAD_SLOT_ID,
@@ -86,11 +85,12 @@ if TYPE_CHECKING:
     from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
     from neuron_buckets.core.masks import gen_cache_mask
     from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs
-    from neuron_buckets.serve.llm_engine import LLMEngine, generate
-    from neuron_buckets.serve.request_output import RequestOutput
-    from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
-    from neuron_buckets.serve.sampling_params import SamplingParams
-    from neuron_buckets.serve.tokenizer import Tokenizer
+    from neuron_buckets.engine.block_pool import BlockPool
+    from neuron_buckets.engine.llm_engine import LLMEngine, generate
+    from neuron_buckets.engine.request_output import RequestOutput
+    from neuron_buckets.engine.sampling_params import SamplingParams
+    from neuron_buckets.engine.tokenizer import Tokenizer
+    from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 
 
 def __getattr__(name: str) -> Any:

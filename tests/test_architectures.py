@@ -25,7 +25,7 @@ import torch
 from filelock import FileLock
 
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.serve.runtime import BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_model, write_config
 from tests.test_engine import greedy
 
@@ -187,7 +187,7 @@ def test_greedy_tokens_equal_transformers_generate(compiled: Compiled):
 def test_nb_verify_passes(compiled: Compiled):
     """``nb verify``: each bucket's graphs against nb's eager model in the same dtype, over random
     steps and caches."""
-    from neuron_buckets.serve.verify import verify_graphs
+    from neuron_buckets.runtime.verify import verify_graphs
 
     checks = verify_graphs(compiled.directory)
     assert len(checks) == 2 and all(c.ok for c in checks), checks

@@ -2,8 +2,8 @@
 
 import pytest
 
-from neuron_buckets.core.block_pool import BlockPool, OutOfBlocks
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
+from neuron_buckets.engine.block_pool import BlockPool, OutOfBlocks
 
 
 def test_null_block_is_never_handed_out():

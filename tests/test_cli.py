@@ -182,7 +182,7 @@ def test_compile_with_the_neuron_backend_fails_at_once_with_an_install_hint(tmp_
 def test_buckets_share_piece_files_and_the_one_weights_copy(eager_dir):
     """The dynamic embed and head are one file each that every bucket references; pieces hold
     no weights: every layer call gets its views of the runtime's one weights dict."""
-    from neuron_buckets.serve.runtime import BucketRuntime
+    from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
     doc = read_manifest_dict(eager_dir)
     for role in ("embed", "head"):

@@ -46,7 +46,7 @@ from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk
 from neuron_buckets.model.pieces import PieceShape
-from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')

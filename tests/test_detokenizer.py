@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.serve.detokenizer import Detokenizer
-from neuron_buckets.serve.tokenizer import Tokenizer
+from neuron_buckets.engine.detokenizer import Detokenizer
+from neuron_buckets.engine.tokenizer import Tokenizer
 from tests.conftest import tiny_tokenizer
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_buckets.core.block_pool import BlockPool
-from neuron_buckets.serve.llm_engine import LLMEngine, generate
-from neuron_buckets.serve.request_check import RequestError
-from neuron_buckets.serve.runtime import BucketRuntime
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.llm_engine import LLMEngine, generate
+from neuron_buckets.engine.request_check import RequestError
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import write_config
 from tests.test_traces import CONV, needs_traces
 

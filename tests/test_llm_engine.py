@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from neuron_buckets.artifact.manifest import read_manifest
-from neuron_buckets.core.block_pool import BlockPool
-from neuron_buckets.serve.llm_engine import LLMEngine, generate
-from neuron_buckets.serve.runtime import BucketRuntime
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.llm_engine import LLMEngine, generate
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, first_new, write_config
 from tests.test_engine import make_prompts
 

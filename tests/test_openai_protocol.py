@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from neuron_buckets.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_fields_map_to_the_engine_parameters_and_chat_without_max_tokens_fills_the_room():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill, split_long
-from neuron_buckets.core.request import Request
-from neuron_buckets.core.scheduler import Scheduler
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill, split_long
 
 DECODE = [Bucket("decode", b, 1, c) for c in (64, 256) for b in (1, 4)]
 

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.engine.block_pool import BlockPool
 
 
 def test_seed_prefill_100_tokens_padded_to_128():

@@ -26,7 +26,7 @@ from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import load_config
 from neuron_buckets.core.padding import PrefillChunk
-from neuron_buckets.serve.runtime import BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, error_line, free_port, write_config
 
 pytestmark = pytest.mark.xdist_group("ray")

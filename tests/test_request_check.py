@@ -12,8 +12,8 @@ import torch
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import load_config
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.serve.llm_engine import generate
-from neuron_buckets.serve.runtime import BucketRuntime
+from neuron_buckets.engine.llm_engine import generate
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, write_config
 
 pytestmark = pytest.mark.slow  # the inductor runtime needs the compiled session artifact

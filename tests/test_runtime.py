@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_buckets.serve.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
+from neuron_buckets.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([3.0, 2.5, 2.2, 1.9, 1.5, 1.2, 0.8, 0.5, 0.1, -0.3, -1.0, -2.0])[torch.randperm(12)]
 DRAWS = 20_000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.sampling_params import SamplingParams
 
 
 def test_lists_from_json_become_tuples_and_one_stop_string_a_tuple_of_one():

@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
-from neuron_buckets.serve.api_server import ServerLimits, create_app
-from neuron_buckets.serve.llm_engine import LLMEngine
+from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.server.api_server import ServerLimits, create_app
 from tests.conftest import error_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.padding import PrefillChunk
-from neuron_buckets.serve.runtime import BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
 pytestmark = pytest.mark.slow  # the session's compiled inductor artifact
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 GraphFn = Callable[..., Any]
 

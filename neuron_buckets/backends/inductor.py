@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from neuron_buckets.backends.base import GraphFn
-from neuron_buckets.core.cache_dir import default_cache_dir
+from neuron_buckets.utils.cache_dir import default_cache_dir
 
 MAX_THREADS = 256
 FIXED_CONFIGS = {

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
-from neuron_buckets.core.ascii_int import in_int64, parse_ascii_int
-from neuron_buckets.core.errors import UserError, brief
+from neuron_buckets.utils.ascii_int import in_int64, parse_ascii_int
+from neuron_buckets.utils.errors import UserError, brief
 
 out = Console(markup=False)
 err = Console(stderr=True, markup=False)

@@ -16,11 +16,11 @@ import typer
 from rich.table import Table
 
 from neuron_buckets.cli.console import err, int_list
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 if TYPE_CHECKING:  # the serve stage loads on first use, keeping every other `nb` command cheap
-    from neuron_buckets.serve.llm_engine import LLMEngine
-    from neuron_buckets.serve.request_output import RequestOutput
+    from neuron_buckets.engine.llm_engine import LLMEngine
+    from neuron_buckets.engine.request_output import RequestOutput
 
 
 def finish_detail(o: RequestOutput, eos: frozenset[int], max_tokens: int) -> str:
@@ -95,10 +95,10 @@ def generate(
 ) -> None:
     """Generate through the runtime (continuous batching, packed and chunked prefill): text for
     --prompt, token ids for --prompt-ids; says why each request finished."""
-    from neuron_buckets.serve.llm_engine import LLMEngine
-    from neuron_buckets.serve.runtime import BucketRuntime
-    from neuron_buckets.serve.sampling_params import SamplingParams
-    from neuron_buckets.serve.tokenizer import Tokenizer
+    from neuron_buckets.engine.llm_engine import LLMEngine
+    from neuron_buckets.engine.sampling_params import SamplingParams
+    from neuron_buckets.engine.tokenizer import Tokenizer
+    from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
     if bool(prompt) == bool(prompt_ids):
         raise UserError("give the prompts as text (--prompt) or as token ids (--prompt-ids): one of the two")

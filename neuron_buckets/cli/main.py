@@ -99,7 +99,7 @@ def compile_(
 
     from neuron_buckets.cli.progress import CompileProgress
     from neuron_buckets.compile.compiler import Compiler
-    from neuron_buckets.core.cache_dir import default_cache_dir
+    from neuron_buckets.utils.cache_dir import default_cache_dir
 
     cfg = load_config(config)
     options = (("jobs", jobs), ("backend", backend), ("device", device), ("executor", executor))
@@ -184,7 +184,7 @@ def verify(
     trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
 ) -> None:
     """Check every file's sha256 and the schema, then run each bucket against the eager model."""
-    from neuron_buckets.serve.verify import file_problems, verify_graphs
+    from neuron_buckets.runtime.verify import file_problems, verify_graphs
 
     problems = file_problems(directory)
     for p in problems:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
 
@@ -36,7 +36,7 @@ def serve(
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
     try:
-        from neuron_buckets.serve.api_server import ServerLimits, run_server
+        from neuron_buckets.server.api_server import ServerLimits, run_server
     except ModuleNotFoundError as e:
         if e.name not in SERVE_EXTRA:
             raise

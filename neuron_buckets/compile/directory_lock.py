@@ -13,7 +13,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 LOCK_FILE = ".nb-lock"
 HOLDER_FILE = ".nb-lock.pid"  # beside the lock: filelock truncates the lock file on every try

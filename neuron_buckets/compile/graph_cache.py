@@ -13,7 +13,7 @@ from pathlib import Path
 
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
-from neuron_buckets.core.cache_dir import default_cache_dir
+from neuron_buckets.utils.cache_dir import default_cache_dir
 
 Damaged = Callable[[str], None]  # told of each damaged entry that is discarded
 

@@ -18,7 +18,7 @@ from typing import Any
 from neuron_buckets.compile.executor import Submit
 from neuron_buckets.compile.worker import CompileTask, compile_piece
 from neuron_buckets.config.memory import human
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 INSTALL = "pip install 'neuron-buckets[ray]' (the same Ray version on every node)"
 CONNECT_TIMEOUT_S = 10

@@ -33,7 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from neuron_buckets.artifact.manifest import sha256_file
 from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 RECORD_NAME = re.compile(r"([0-9a-f]{64})\.(\w+)\.json")
 GRAPH_NAME = re.compile(rf"[0-9a-f]{{64}}\.[0-9a-f]{{{SHA_IN_NAME}}}\.\w+")

@@ -1,2 +1,3 @@
-"""Block-KV semantics with no model in them: block tables, slot mapping, masks, step padding,
-buckets and the block pool. Every other stage builds on these; they import no other stage."""
+"""The graph contract: block tables and slot mapping, masks, step padding (`StepInputs`) and
+buckets. Compiled pieces depend on this code, so it is hashed into every piece's cache key; it
+imports no other stage."""

@@ -1,7 +1,7 @@
 """What the runtime will do with a trace: its scheduler and packing replayed on lengths alone.
 
-The replay drives the engine's own scheduler (``core/scheduler.py``) and the runtime's own
-packing (``core/packing.py``) with dummy tokens, so its per-bucket calls, real and padded tokens
+The replay drives the engine's own scheduler (``engine/scheduler.py``) and the runtime's own
+packing (``runtime/packing.py``) with dummy tokens, so its per-bucket calls, real and padded tokens
 are the runtime's counters for the same requests submitted together (``generate`` with every
 prompt at once, each running to its output length, as with ``ignore_eos``; arrival times are not
 replayed here). Unlike the per-request figures beside it, this is the padding of packed steps:
@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill
-from neuron_buckets.core.request import Request
-from neuron_buckets.core.scheduler import Chunks, Scheduler
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.scheduler import Chunks, Scheduler
+from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill
 
 
 @dataclass

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from neuron_buckets.core.ascii_int import parse_ascii_int
-from neuron_buckets.core.errors import brief
+from neuron_buckets.utils.ascii_int import parse_ascii_int
+from neuron_buckets.utils.errors import brief
 
 # (prompt column, output column, format name); the first pair present in the header wins.
 LENGTH_COLUMNS = (

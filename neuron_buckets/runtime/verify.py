@@ -17,7 +17,7 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.llama import Llama
-from neuron_buckets.serve.runtime import ArtifactError, BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 
 # The largest difference allowed, relative to the largest magnitude of the eager result (at least 1):
 # half precision rounds in proportion to the values, so logits of 5 differ more than logits of 1.

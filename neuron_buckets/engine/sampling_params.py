@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from neuron_buckets.serve.request_check import is_int
+from neuron_buckets.runtime.step_check import is_int
 
 
 @dataclass(frozen=True)

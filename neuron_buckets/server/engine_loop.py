@@ -22,11 +22,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from neuron_buckets.core.errors import UserError
-from neuron_buckets.serve.llm_engine import LLMEngine
-from neuron_buckets.serve.metrics import ServerMetrics
-from neuron_buckets.serve.request_output import RequestOutput
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.engine.request_output import RequestOutput
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.server.metrics import ServerMetrics
+from neuron_buckets.utils.errors import UserError
 
 log = logging.getLogger("nb.serve")
 

@@ -21,12 +21,12 @@ from torch import Tensor
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest, sha256_file
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.errors import UserError
-from neuron_buckets.core.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.model.llama import fuse_layer_weights, head_weight_names, layer_weight_keys, unfused_views
-from neuron_buckets.serve.artifact_check import check_servable
-from neuron_buckets.serve.request_check import StepLimits, check_step
+from neuron_buckets.runtime.artifact_check import check_servable
+from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill, split_long
+from neuron_buckets.runtime.step_check import StepLimits, check_step
+from neuron_buckets.utils.errors import UserError
 
 
 class ArtifactError(UserError, RuntimeError):

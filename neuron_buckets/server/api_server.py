@@ -32,12 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from neuron_buckets.core.errors import UserError
-from neuron_buckets.serve.body_limit import BodyLimit
-from neuron_buckets.serve.engine_loop import Encode, EngineDead, EngineLoop, ServerBusy
-from neuron_buckets.serve.llm_engine import LLMEngine
-from neuron_buckets.serve.metrics import ServerMetrics
-from neuron_buckets.serve.openai_protocol import (
+from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.engine.request_output import RequestOutput
+from neuron_buckets.server.body_limit import BodyLimit
+from neuron_buckets.server.engine_loop import Encode, EngineDead, EngineLoop, ServerBusy
+from neuron_buckets.server.metrics import ServerMetrics
+from neuron_buckets.server.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -55,7 +55,7 @@ from neuron_buckets.serve.openai_protocol import (
     SamplingRequest,
     Usage,
 )
-from neuron_buckets.serve.request_output import RequestOutput
+from neuron_buckets.utils.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest, sha256_file
-from neuron_buckets.core.errors import UserError
+from neuron_buckets.utils.errors import UserError
 
 
 class Tokenizer:

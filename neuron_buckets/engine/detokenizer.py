@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from neuron_buckets.serve.tokenizer import Tokenizer
+from neuron_buckets.engine.tokenizer import Tokenizer
 
 UNFINISHED = "\ufffd"  # what a decoder gives for the first bytes of a character still to come
 

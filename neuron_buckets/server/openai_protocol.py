@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from neuron_buckets.serve.request_output import RequestOutput
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.request_output import RequestOutput
+from neuron_buckets.engine.sampling_params import SamplingParams
 
 # A field nb does not implement, and the value that means "not used" (sent by many clients).
 UNSUPPORTED: dict[str, Any] = {

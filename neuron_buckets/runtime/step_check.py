@@ -19,10 +19,8 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.core.bucket import NoBucketFits
-from neuron_buckets.core.errors import UserError
 from neuron_buckets.core.padding import PrefillChunk
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -62,33 +60,6 @@ def check_token_ids(values: Sequence[int] | Tensor, vocab_size: int, what: str) 
     ids = _int_list(values, f"{what} token ids")
     if bad := [t for t in ids if not 0 <= t < vocab_size]:
         raise ValueError(f"{what} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    return ids
-
-
-class RequestError(UserError, ValueError):
-    """A request that could never complete: refused when it is added, before anything runs."""
-
-
-def check_request(
-    prompt: Sequence[int] | Tensor, max_tokens: int, limits: StepLimits, pool: BlockPool, what: str
-) -> list[int]:
-    """The prompt's ids as ints, or a RequestError naming ``what``: empty, ids outside the
-    vocabulary, longer than max_model_len with its ``max_tokens``, or more blocks than the pool."""
-    try:
-        ids = check_token_ids(prompt, limits.vocab_size, what)
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-    if not ids:
-        raise RequestError(f"{what} is empty; every prompt needs at least one token")
-    total = len(ids) + max_tokens
-    if total > limits.max_model_len:
-        raise RequestError(
-            f"{what}: {len(ids)} prompt tokens + max_tokens {max_tokens} = {total} exceeds "
-            f"max_model_len {limits.max_model_len}"
-        )
-    usable = pool.num_blocks - 1  # block 0 is the null block
-    if (need := pool.blocks_for(total - 1)) > usable:
-        raise RequestError(f"{what} needs {need} blocks of {pool.block_size} tokens, the pool has {usable}")
     return ids
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from neuron_buckets.serve.sampling_params import SamplingParams
+from neuron_buckets.engine.sampling_params import SamplingParams
 
 
 def repetition_penalty(logits: Tensor, penalty: Tensor, histories: Sequence[Sequence[int]]) -> Tensor:

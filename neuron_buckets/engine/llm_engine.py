@@ -1,12 +1,12 @@
 """The step-wise engine over a ``BucketRuntime``: add requests, step, read what each step produced.
 
-nano-vllm's ``LLMEngine`` in miniature, over the bookkeeping of ``core/scheduler.py``: each step
+nano-vllm's ``LLMEngine`` in miniature, over the bookkeeping of ``engine/scheduler.py``: each step
 prefills one packed call (a continuing prompt first, then newly admitted ones, up to the token
 budget), then decodes every request whose prompt is complete in one batch (the runtime splits
 it over the decode buckets). Blocks are taken per step for the tokens actually written, never
 for padding. A request ends at an end-of-sequence token, one of its stop tokens or strings, its
 ``max_tokens``, or an abort, and gives its blocks back at once. Requests may be added and
-aborted between steps. Tokens are picked on the host (``serve/sampler.py``), each request with
+aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each request with
 its own parameters and random generator.
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
@@ -25,17 +25,17 @@ from pathlib import Path
 
 import torch
 
-from neuron_buckets.core.block_pool import BlockPool
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.core.request import Request
-from neuron_buckets.core.scheduler import Chunks, Scheduler
-from neuron_buckets.serve.detokenizer import Detokenizer
-from neuron_buckets.serve.request_check import RequestError, check_request
-from neuron_buckets.serve.request_output import RequestOutput
-from neuron_buckets.serve.runtime import BucketRuntime, BucketStats
-from neuron_buckets.serve.sampler import sample
-from neuron_buckets.serve.sampling_params import SamplingParams
-from neuron_buckets.serve.tokenizer import Tokenizer
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.detokenizer import Detokenizer
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.request_check import RequestError, check_request
+from neuron_buckets.engine.request_output import RequestOutput
+from neuron_buckets.engine.sampler import sample
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.scheduler import Chunks, Scheduler
+from neuron_buckets.engine.tokenizer import Tokenizer
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime, BucketStats
 
 
 @dataclass

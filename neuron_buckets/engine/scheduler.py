@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from neuron_buckets.core.block_pool import BlockPool
-from neuron_buckets.core.request import Request
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.request import Request
 
 Chunks = list[tuple[Request, int]]
 

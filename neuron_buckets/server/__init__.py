@@ -1,0 +1,1 @@
+"""`nb serve`: the OpenAI-compatible HTTP server over one engine loop, its wire format and metrics."""
