@@ -126,11 +126,13 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
     fit, held = trace.split(opts.holdout_split) if opts.holdout_split else (trace, None)
     baseline = powers_of_two_baseline(fit.prompt_lens.max())
     sets = optimal_sets(fit.prompt_lens, opts.graphs, opts.align, opts.max_num_batched_tokens)
-    decode = _plan_decode(fit, opts)
+    decode, context = _plan_decode(fit, opts), plan_contexts(fit, opts)
     num_seqs = tuple(decode["buckets"]) if decode else ()
-    decode_seconds = sum(g.seconds for g in cost.graphs((), num_seqs)) if cost else None
+    contexts = tuple(context["buckets"]) if context else None  # None: the manifest's own
+    # the grid compiles every num_seqs bucket at every context bucket
+    decode_seconds = sum(g.seconds for g in cost.graphs((), num_seqs, contexts)) if cost else None
     distinct = [s for i, s in enumerate(sets) if i == 0 or s != sets[i - 1]]  # k with a gain
-    pareto = [_pareto_row(fit, s, cost, decode_seconds) for s in distinct]
+    pareto = [_pareto_row(fit, s, cost, contexts, decode_seconds) for s in distinct]
     chosen = _within_budget(pareto, opts.max_compile_seconds)
     buckets = tuple(chosen["buckets"])
     prefill = padding_stats(fit.prompt_lens, buckets).to_json("requests", "tokens")
@@ -139,7 +141,7 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
         "max_num_batched_tokens": buckets[-1],
         "baseline": padding_stats(fit.prompt_lens, baseline).to_json("requests", "tokens"),
     }
-    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto, "context": plan_contexts(fit, opts)}
+    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto, "context": context}
     out["compile_seconds"] = chosen["total_compile_seconds"]
     if held is not None:
         out["holdout"] = _holdout(held, opts, buckets, baseline, decode)
@@ -202,7 +204,11 @@ def _decode_json(conc: Concurrency, buckets: tuple[int, ...], baseline: tuple[in
 
 
 def _pareto_row(
-    fit: Trace, buckets: tuple[int, ...], cost: CompileCost | None, decode_seconds: float | None
+    fit: Trace,
+    buckets: tuple[int, ...],
+    cost: CompileCost | None,
+    contexts: tuple[int, ...] | None,
+    decode_seconds: float | None,
 ) -> dict:
     stats = padding_stats(fit.prompt_lens, buckets)
     row = {
@@ -215,7 +221,7 @@ def _pareto_row(
         "total_compile_seconds": None,
     }
     if cost is not None:
-        graphs = cost.graphs(buckets, ())
+        graphs = cost.graphs(buckets, (), contexts)  # prefill graphs span the largest context
         row["compile_seconds"] = sum(g.seconds for g in graphs)
         row["graph_bytes"] = sum(g.bytes for g in graphs)
         row["total_compile_seconds"] = row["compile_seconds"] + (decode_seconds or 0.0)
