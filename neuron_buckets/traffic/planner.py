@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neuron_buckets.config import CacheConfig
-from neuron_buckets.config.loader import default_contexts
+from neuron_buckets.config.buckets import default_contexts
 from neuron_buckets.core.bucket import powers_of_two
 from neuron_buckets.traffic.compile_cost import CompileCost
 from neuron_buckets.traffic.padding_stats import Concurrency, padding_stats, replay_decode
@@ -190,7 +189,7 @@ def plan_contexts(fit: Trace, opts: PlanOptions) -> dict | None:
         return None
     # the largest bucket must be max_model_len itself (a grid rule): a zero-weight item there
     contexts, rows = np.append(contexts, top), np.append(rows, 0)
-    baseline = default_contexts(CacheConfig(block_size=opts.align, max_model_len=top))
+    baseline = default_contexts(opts.align, top)
     chosen = optimal_sets(contexts, opts.context_graphs or len(baseline), opts.align, top, rows)[-1]
     stats = padding_stats(contexts, chosen, rows).to_json("rows", "positions")
     return stats | {
