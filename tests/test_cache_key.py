@@ -11,7 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+import tomllib
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from neuron_buckets.backends.eager import EagerBackend
 from neuron_buckets.backends.inductor import InductorBackend
 from neuron_buckets.compile import cache_key
 from neuron_buckets.compile.compiler import Compiler
-from neuron_buckets.config import Config, load_config
+from neuron_buckets.config import CacheConfig, CompileConfig, Config, load_config, parse_config
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.pieces import PieceShape
 from tests.conftest import TINY_CONFIG, save_tiny_llama, save_tiny_model, write_config
@@ -164,7 +165,8 @@ def test_max_model_len_alone_changes_no_graph(config, keys_of):
     """Only buckets whose ctx moves with max_model_len are rebuilt (ctx bounds the graph)."""
     short = replace(config, buckets=replace(config.buckets, decode_context_length_buckets=(64, 128)))
     long = replace(
-        with_cache(short, max_model_len=256),
+        short,
+        cache=replace(short.cache, max_model_len=256),
         buckets=replace(short.buckets, decode_context_length_buckets=(64, 256)),
     )
     before, after = keys_of(short), keys_of(long)
@@ -198,6 +200,34 @@ def test_cache_dtype_and_geometry_change_every_key(config, keys_of, change):
 )
 def test_backend_device_and_flags_change_every_key(config, keys_of, change):
     assert_all_changed(keys_of(config), keys_of(with_compile(config, **change)))
+
+
+# A value other than the tiny config's for every setting of the sections a key could depend on.
+OTHER_VALUE = {
+    "cache": {"block_size": 16, "num_blocks": 32, "max_model_len": 256, "dtype": "bfloat16"},
+    "compile": {
+        "backend": "eager", "jobs": 1, "device": "cuda", "flags": {"compile_threads": 1},
+        "executor": "ray", "task_cpus": 4, "retries": 0,
+    },
+}  # fmt: skip
+SETTINGS = [(s, f) for s in (CacheConfig, CompileConfig) for f in fields(s)]
+
+
+@pytest.mark.parametrize(("section", "setting"), SETTINGS, ids=[f"{s.SECTION}.{f.name}" for s, f in SETTINGS])
+def test_each_setting_changes_the_keys_exactly_as_its_field_declares(
+    hf_model_dir, tmp_path, keys_of, section, setting
+):
+    """``graph=True`` beside a field: every key changes with it; ``graph=False``: no key of a piece
+    that both grids hold does (a new max_model_len brings pieces of its own ctx, nothing else)."""
+    raw = tomllib.loads(TINY_CONFIG.format(model=hf_model_dir))
+    before = keys_of(parse_config(raw))
+    raw.setdefault(section.SECTION, {})[setting.name] = OTHER_VALUE[section.SECTION][setting.name]
+    after = keys_of(parse_config(raw))
+    if setting.metadata["graph"]:
+        assert_all_changed(before, after)
+    else:
+        assert {s: after[s] for s in before if s in after} == {s: before[s] for s in after if s in before}
+        assert set(before) & set(after), "the two grids share no piece: nothing was compared"
 
 
 def test_jobs_do_not_change_the_keys(config, keys_of):
@@ -265,3 +295,57 @@ def test_editing_a_kernel_source_changes_every_key(config, keys_of, tmp_path, mo
     assert keys_of(config) == before, "an identical copy must hash the same"
     golden.write_text(golden.read_text() + "\n# a changed kernel\n")
     assert_all_changed(before, keys_of(config))
+
+
+# What shapes a compiled graph, written out here rather than read from cache_key: the model, the
+# graph contract (core), the kernels, the compile worker and the backend's own module.
+GRAPH_SHAPING = ("model/", "core/", "kernels/", "compile/worker.py", "backends/inductor.py")
+
+
+@pytest.fixture
+def package_copy(tmp_path, monkeypatch) -> Path:
+    """A byte-identical copy of the whole package (its links followed) that the key reads instead
+    of the real one, to edit any file without touching git."""
+    real = cache_key.backend_source_digest(InductorBackend())
+    copy = Path(shutil.copytree(
+        cache_key.PACKAGE_ROOT, tmp_path / "neuron_buckets", ignore=shutil.ignore_patterns("__pycache__")
+    ))  # fmt: skip
+    monkeypatch.setattr(cache_key, "PACKAGE_ROOT", copy)
+    assert cache_key.backend_source_digest(InductorBackend()) == real, "an identical copy must hash the same"
+    return copy
+
+
+def edit(path: Path) -> None:
+    path.write_text(path.read_text() + "\n# edited\n")
+
+
+def test_the_source_digest_hashes_exactly_the_code_that_shapes_a_graph(package_copy):
+    """Every file of the package edited in turn: only the graph-shaping ones move the digest."""
+    backend = InductorBackend()
+    before = cache_key.backend_source_digest(backend)
+    moved = set()
+    for path in package_copy.rglob("*.py"):
+        text = path.read_text()
+        edit(path)
+        if cache_key.backend_source_digest(backend) != before:
+            moved.add(path.relative_to(package_copy).as_posix())
+        path.write_text(text)
+    every = {p.relative_to(package_copy).as_posix() for p in package_copy.rglob("*.py")}
+    assert moved == {f for f in every if f.startswith(GRAPH_SHAPING)}
+    assert {"utils/errors.py", "engine/scheduler.py", "runtime/bucket_runtime.py"} <= every - moved
+
+
+def test_editing_engine_server_or_errors_keeps_every_key_and_model_or_kernels_changes_every_key(
+    config, keys_of, package_copy
+):
+    before = keys_of(config)
+    for path in [*package_copy.glob("engine/*.py"), *package_copy.glob("server/*.py")]:
+        edit(path)
+    edit(package_copy / "utils" / "errors.py")
+    assert keys_of(config) == before
+    for graph_code in ("model/llama.py", "kernels/block_kv_torch.py"):
+        path = package_copy / graph_code
+        text = path.read_text()
+        edit(path)
+        assert_all_changed(before, keys_of(config))
+        path.write_text(text)

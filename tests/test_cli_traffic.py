@@ -12,6 +12,7 @@ import pytest
 from test_traces import CODE, CONV, needs_traces
 from typer.testing import CliRunner
 
+from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import validate
 from neuron_buckets.cli import app
 from neuron_buckets.config import parse_config
@@ -100,20 +101,15 @@ def test_inspect_reads_buckets_from_a_config_or_the_embedded_default(tmp_path: P
     assert nb_json("inspect", "--trace", CONV)["prefill"]["buckets"] == [32, 64, 128]
 
 
-def write_manifest(directory: Path) -> Path:
-    """A schema-valid artifact manifest: prefill 512/1024 and decode 1/2 compiled, all ok.
+SHARED = [("embed", "embed", 0.5, 1000), ("head", "head", 1.5, 2000)]  # (role, name, seconds, bytes)
 
-    Every bucket runs the shared embed (0.5 s, 1000 bytes) and head (1.5 s, 2000 bytes) pieces and
-    a layer piece of its own, so a bucket costs its layer plus 2 s and 3000 bytes.
-    """
-    shared = [("embed", "embed", 0.5, 1000), ("head", "head", 1.5, 2000)]
-    layers = [  # (kind, batch, seq, layer piece, its seconds, its bytes)
-        ("prefill", 2, 512, "layer_t512_b1_c4096", 8.0, 512000),
-        ("prefill", 2, 1024, "layer_t1024_b1_c4096", 16.0, 1024000),
-        ("decode", 1, 1, "layer_t1_b1_c4096", 2.0, 1000),
-        ("decode", 2, 1, "layer_t2_b2_c4096", 3.0, 2000),
-    ]
-    names = [*shared, *(("layer", name, secs, size) for _, _, _, name, secs, size in layers)]
+
+def manifest_of(layers: list[tuple[str, int, int, int, float, int]], max_model_len: int) -> dict:
+    """A schema-valid artifact manifest whose buckets all compiled: one per ``(kind, batch, seq,
+    ctx, layer seconds, layer bytes)``, each with a layer piece of its own beside the shared embed
+    (0.5 s, 1000 bytes) and head (1.5 s, 2000 bytes), so a bucket costs its layer plus 2 s and
+    3000 bytes."""
+    names = [*SHARED, *(("layer", f"layer_{i}", secs, size) for i, (*_, secs, size) in enumerate(layers))]
     pieces = {
         f"{i:016x}": {
             "role": role, "name": name, "file": f"graphs/{i:016x}.pt2", "sha256": "0" * 64, "bytes": size,
@@ -123,14 +119,14 @@ def write_manifest(directory: Path) -> Path:
     }  # fmt: skip
     buckets = [
         {
-            "kind": kind, "batch": batch, "seq": seq, "ctx": 4096, "status": "ok", "error": None,
+            "kind": kind, "batch": batch, "seq": seq, "ctx": ctx, "status": "ok", "error": None,
             "pieces": {"embed": f"{0:016x}", "head": f"{1:016x}", "layer": f"{i + 2:016x}"},
         }
-        for i, (kind, batch, seq, *_) in enumerate(layers)
+        for i, (kind, batch, seq, ctx, *_) in enumerate(layers)
     ]  # fmt: skip
     manifest = {
         "schema_version": 2,
-        "toolchain": {"name": "neuron-buckets", "version": "0.2.0"},
+        "toolchain": {"name": "neuron-buckets", "version": __version__},
         "created": "2024-01-01T00:00:00+00:00",
         "backend": {
             "name": "eager", "device": "cpu", "versions": {"torch": "2", "compiler": "-"}, "flags": {},
@@ -138,15 +134,26 @@ def write_manifest(directory: Path) -> Path:
         "model": {"source": "embedded-default", "config": {}, "dtype": "float32"},
         "weights": {"file": "weights.safetensors", "sha256": "0" * 64, "bytes": 1},
         "cache": {
-            "block_size": 16, "num_blocks": 64, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
-            "dtype": "float32", "max_model_len": 4096,
+            "block_size": 16, "num_blocks": max_model_len // 16 + 1, "num_layers": 2, "num_kv_heads": 2,
+            "head_dim": 16, "dtype": "float32", "max_model_len": max_model_len,
         },
         "decode": {"speculation_length": 0, "max_num_seqs": 2, "max_num_batched_tokens": 1024},
         "pieces": pieces,
         "buckets": buckets,
     }  # fmt: skip
-    validate(manifest)
-    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return validate(manifest)
+
+
+def write_manifest(directory: Path, manifest: dict | None = None) -> Path:
+    """``manifest`` (by default: prefill 512/1024 and decode 1/2 at ctx 4096) as the manifest of
+    the artifact directory ``directory``."""
+    default = [  # (kind, batch, seq, ctx, layer seconds, layer bytes)
+        ("prefill", 2, 512, 4096, 8.0, 512000),
+        ("prefill", 2, 1024, 4096, 16.0, 1024000),
+        ("decode", 1, 1, 4096, 2.0, 1000),
+        ("decode", 2, 1, 4096, 3.0, 2000),
+    ]
+    (directory / "manifest.json").write_text(json.dumps(manifest or manifest_of(default, 4096)))
     return directory
 
 
@@ -157,13 +164,35 @@ def test_inspect_takes_buckets_and_compile_costs_from_a_manifest(tmp_path: Path)
     graphs = {(g["kind"], g["batch"], g["seq"]): g for g in doc["graphs"]}
     # a bucket costs its three pieces, the shared embed and head included: 16 + 0.5 + 1.5 s
     assert graphs[("prefill", 1, 1024)] == {
-        "kind": "prefill", "batch": 1, "seq": 1024, "seconds": 18.0, "bytes": 1027000, "measured": True
+        "kind": "prefill", "batch": 1, "seq": 1024, "ctx": 4096, "seconds": 18.0, "bytes": 1027000,
+        "measured": True,
     }  # fmt: skip
     assert (graphs[("decode", 2, 1)]["seconds"], graphs[("decode", 2, 1)]["bytes"]) == (5.0, 5000)
     doc = nb_json("inspect", "--trace", CODE, "--manifest", tmp_path, "--prefill-buckets", "512,2048")
     guess = doc["graphs"][1]  # 2048 was not compiled: a line through the measured graphs
     assert (guess["seq"], guess["measured"]) == (2048, False)
     assert guess["seconds"] > 18.0 and guess["bytes"] > 1027000
+
+
+def test_decode_buckets_differing_only_in_context_keep_their_own_compile_cost(tmp_path: Path) -> None:
+    """Each (batch, ctx) decode graph is priced with its own pieces: a longer context is another
+    graph, which neither replaces nor is replaced by the shorter one's measurement."""
+    layers = [
+        ("prefill", 2, 512, 512, 8.0, 8000),
+        ("decode", 1, 1, 256, 2.0, 100),
+        ("decode", 1, 1, 512, 4.0, 200),
+        ("decode", 2, 1, 256, 3.0, 300),
+        ("decode", 2, 1, 512, 6.0, 400),
+    ]
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n100,5\n300,7\n")
+    artifact = write_manifest(tmp_path, manifest_of(layers, 512))
+    graphs = nb_json("inspect", "--trace", trace, "--manifest", artifact)["graphs"]
+    decode = sorted(
+        (g["batch"], g.get("ctx"), g["seconds"], g["bytes"]) for g in graphs if g["kind"] == "decode"
+    )
+    assert decode == [(1, 256, 4.0, 3100), (1, 512, 6.0, 3200), (2, 256, 5.0, 3300), (2, 512, 8.0, 3400)]
+    assert all(g["measured"] for g in graphs)
 
 
 def test_a_schema_version_1_manifest_is_refused_with_the_way_out(tmp_path: Path) -> None:

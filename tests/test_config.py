@@ -1,10 +1,26 @@
 """Config loading: the embedded default, strategies, and one clear error per bad key."""
 
+from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from neuron_buckets.config import ConfigError, load_config
+from neuron_buckets.artifact.manifest import CacheGeometry
+from neuron_buckets.config import (
+    BucketConfig,
+    CacheConfig,
+    CompileConfig,
+    Config,
+    ConfigError,
+    ModelSource,
+    load_config,
+    parse_config,
+)
+from neuron_buckets.config.loader import SECTIONS
+from neuron_buckets.runtime.artifact_check import _geometry_problem
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -112,7 +128,7 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
         ("[compile]\nretries = -1", "compile.retries must be a non-negative integer, got -1"),
         ("[buckets]\nmax_num_seqs = 0", "buckets.max_num_seqs must be positive, got 0"),
         ("[buckets]\nspeculation_length = -1", "buckets.speculation_length must be a non-negative integer"),
-        ("[buckets]\nspeculation_length = 256", "speculation_length must be below cache.max_model_len"),
+        ("[buckets]\nspeculation_length = 256", "speculation_length must be below"),
         ("[buckets]\nnum_seqs_buckets = [1, 2]", r"num_seqs_buckets must equal 4, got \[1, 2\]"),
         ("[buckets]\nnum_seqs_buckets = [2, 1, 4]", "buckets.num_seqs_buckets must be strictly ascending"),
         ("[buckets]\nnum_seqs_buckets = [0, 4]", "buckets.num_seqs_buckets must be positive integers"),
@@ -148,3 +164,60 @@ def test_missing_and_unreadable_files(tmp_path):
     bad.write_bytes(b"# caf\xe9\n")
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(bad)
+
+
+def test_the_dataclass_defaults_are_the_loaders():
+    """One set of defaults: a config built in code without arguments is an empty file's."""
+    built = Config(ModelSource(), CacheConfig(), BucketConfig(), CompileConfig())
+    assert built == parse_config({})
+    assert built.buckets.num_batched_tokens_buckets == (128,)  # derived, as from a file
+    assert built.buckets.decode_context_length_buckets == (256,)
+    linear = BucketConfig(max_num_seqs=8, num_seqs_buckets={"strategy": "linear", "min": 2, "step": 2})
+    assert linear.num_seqs_buckets == (2, 4, 6, 8)  # a strategy table in code, as in a file
+
+
+def with_buckets(**buckets) -> Config:
+    return Config(ModelSource(), CacheConfig(), BucketConfig(**buckets), CompileConfig())
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: CacheConfig(num_blocks=1), "cache.num_blocks=1 cannot hold one sequence .* at least 17"),
+        (lambda: CacheConfig(block_size="16"), "cache.block_size must be a non-negative integer, got '16'"),
+        (lambda: BucketConfig(max_num_seqs=0), "buckets.max_num_seqs must be positive, got 0"),
+        (lambda: BucketConfig(num_seqs_buckets=(1, 2)), r"num_seqs_buckets must equal 4, got \[1, 2\]"),
+        (lambda: BucketConfig(num_seqs_buckets={"strategy": "exp"}), "strategy must be 'powers_of_two' or"),
+        (lambda: CompileConfig(executor="dask"), "compile.executor must be one of .* got 'dask'"),
+        (lambda: CompileConfig(flags=5), "compile.flags must be a table"),
+        (lambda: ModelSource(path=5), "model.path must be a string"),
+        (lambda: with_buckets(speculation_length=256), "speculation_length must be below"),
+        (lambda: with_buckets(decode_context_length_buckets=(40, 256)), "40 is not a multiple of cache"),
+    ],
+)  # fmt: skip
+def test_sections_built_in_code_check_themselves_as_the_file_does(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_every_setting_declares_whether_it_shapes_a_graph():
+    for section in SECTIONS.values():
+        for f in fields(section):
+            assert isinstance(f.metadata.get("graph"), bool), f"{section.SECTION}.{f.name}"
+
+
+@given(
+    block_size=st.sampled_from([1, 8, 16, 96]),
+    num_blocks=st.integers(2, 80),
+    max_model_len=st.integers(1, 2048),
+)
+def test_the_config_and_the_artifact_check_apply_one_geometry_rule(block_size, num_blocks, max_model_len):
+    """A cache the config refuses is an artifact the runtime refuses, with the same words."""
+    try:
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len)
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)
+    geometry = CacheGeometry(block_size, num_blocks, 2, 2, 16, "float32", max_model_len)
+    assert _geometry_problem(geometry, shape, []) == refused

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cli_traffic import manifest_of, write_manifest
 from test_traces import CODE, CONV, needs_traces
 
+from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.traffic import planner
-from neuron_buckets.traffic.compile_cost import CompileCost
+from neuron_buckets.traffic.compile_cost import CompileCost, load_manifest_buckets
 from neuron_buckets.traffic.padding_stats import _fifo_starts, padding_stats, replay_decode
 from neuron_buckets.traffic.planner import (
     PlanError,
@@ -174,7 +176,7 @@ def _lengths_only(prompts: list[int]) -> Trace:
 
 def test_compile_budget_picks_among_the_per_k_optima() -> None:
     trace = _lengths_only([100, 200, 300, 400, 500, 600])
-    ten_per_graph = CompileCost({}, (0.0, 10.0), (0.0, 1000.0))
+    ten_per_graph = CompileCost({}, (0.0, 10.0), (0.0, 1000.0), contexts=(1024,))
     doc = plan(trace, PlanOptions(graphs=5, align=100, max_compile_seconds=35), ten_per_graph)
     assert len(doc["prefill"]["buckets"]) == 3 and doc["compile_seconds"] == 30.0
     assert [r["compile_seconds"] for r in doc["pareto"]] == [10.0, 20.0, 30.0, 40.0, 50.0]
@@ -184,12 +186,38 @@ def test_compile_budget_picks_among_the_per_k_optima() -> None:
         plan(trace, PlanOptions(graphs=5, max_compile_seconds=5))
 
 
+def test_the_compile_budget_prices_a_decode_graph_per_batch_size_and_context(tmp_path) -> None:
+    """The grid compiles every num_seqs bucket at every context bucket, so the plan's decode
+    compile time is that many graphs, each at its own shape (here every graph costs exactly 2 s
+    plus 0.01 s per token, so measured and fitted prices agree)."""
+    shapes = [
+        Bucket("prefill", 4, 256, 1024), Bucket("prefill", 4, 1024, 1024),
+        *(Bucket("decode", b, 1, c) for c in (256, 1024) for b in (1, 2, 4)),
+    ]  # fmt: skip
+    # (kind, batch, seq, ctx, layer seconds, layer bytes): 0.01 s and 10 bytes a token
+    layers = [(b.kind, b.batch, b.seq, b.ctx, 0.01 * b.tokens, 10 * b.tokens) for b in shapes]
+    cost = load_manifest_buckets(write_manifest(tmp_path, manifest_of(layers, 1024))).cost
+    rng = np.random.default_rng(0)
+    trace = Trace(rng.integers(50, 800, 60), np.full(60, 120), np.arange(60) * 0.5, "t")
+    doc = plan(trace, PlanOptions(graphs=3, align=16, max_num_seqs=4, max_model_len=1024), cost)
+    num_seqs, contexts = doc["decode"]["buckets"], doc["context"]["buckets"]
+    assert len(num_seqs) > 1 and len(contexts) > 1
+    decode_seconds = len(contexts) * sum(2 + 0.01 * b for b in num_seqs)
+    for row in doc["pareto"]:
+        assert row["total_compile_seconds"] - row["compile_seconds"] == pytest.approx(decode_seconds)
+
+
 def test_compile_cost_uses_measurements_then_a_fitted_line() -> None:
-    cost = CompileCost({("prefill", 1, 128): (7.0, 900)}, (0.01, 2.0), (10.0, 0.0), decode_seq=2)
-    assert cost.estimate("prefill", 1, 128).measured
-    guess = cost.estimate("prefill", 1, 1000)
+    measured = {Bucket("prefill", 1, 128, 512): (7.0, 900)}
+    cost = CompileCost(measured, (0.01, 2.0), (10.0, 0.0), contexts=(256, 512), decode_seq=2)
+    assert cost.estimate(Bucket("prefill", 1, 128, 512)).measured
+    guess = cost.estimate(Bucket("prefill", 1, 1000, 512))
     assert (guess.seconds, guess.bytes, guess.measured) == (12.0, 10000, False)
-    assert cost.shapes([128], [4]) == [("prefill", 1, 128), ("decode", 4, 2)]
+    assert not cost.estimate(Bucket("prefill", 1, 128, 1024)).measured  # another context: another graph
+    assert cost.shapes([128], [4]) == [  # prefill over the largest context, decode at each
+        Bucket("prefill", 1, 128, 512), Bucket("decode", 4, 2, 256), Bucket("decode", 4, 2, 512)
+    ]
+    assert cost.shapes([], [4], contexts=(1024,)) == [Bucket("decode", 4, 2, 1024)]
 
 
 def test_decode_replay_small_example() -> None:

@@ -1,37 +1,39 @@
 """Content-addressed keys: a piece's graph is reused exactly when nothing that shapes it changed.
 
 The key hashes the model config, the source of the code that builds the graph (model, kernels,
-example inputs, the compile worker and the backend), the piece's role and shape, the
+the graph contract in core, the compile worker and the backend), the piece's role and shape, the
 cache geometry and dtype, the backend with its compiler/torch versions, flags and device. Weights
 are not in it: graphs take them at load time, so new weights of the same model reuse every graph;
-nor is max_model_len: each bucket's own ctx bounds its graph.
+nor is any setting its config section declares ``graph=False`` (max_model_len: each bucket's own
+ctx bounds its graph). The engine, the runtime, the server and the utilities are not hashed
+either: editing a scheduler or an error message recompiles nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from neuron_buckets.backends import Backend
+from neuron_buckets.config import CacheConfig
+from neuron_buckets.config.setting import not_in_graph
 from neuron_buckets.model.pieces import PieceShape
 
-# Cache settings that no graph depends on: a bucket's own ctx bounds what it attends over.
-_NOT_IN_GRAPH = ("max_model_len",)
+# The installed package: kernels/ is reached through the link in it, as imports reach it.
+PACKAGE_ROOT = Path(__file__).parent.parent
 # Code whose text decides what a compiled graph computes or how it is traced (the backend's own
-# module is added by the caller): the model, the core step semantics, the compile worker, and
-# every kernel (goldens and NKI sources), so that editing any of them invalidates cached graphs.
-_GRAPH_SOURCE_PACKAGES = ("neuron_buckets.model", "neuron_buckets.core", "neuron_buckets.kernels")
-_GRAPH_SOURCE_FILES = (Path(__file__).with_name("worker.py"),)
+# module is added by the caller), relative to the package: the model, the graph contract (core),
+# every kernel (goldens and NKI sources) and the compile worker, so that editing any of them
+# invalidates cached graphs.
+GRAPH_SOURCES = ("model", "core", "kernels", "compile/worker.py")
 
 
 def package_sources() -> list[Path]:
     """The graph-shaping files of the installed package, found without importing them."""
-    dirs = [Path(find_spec(name).origin).parent for name in _GRAPH_SOURCE_PACKAGES]
-    return [*(p for d in dirs for p in d.rglob("*.py")), *_GRAPH_SOURCE_FILES]
+    paths = [PACKAGE_ROOT / name for name in GRAPH_SOURCES]
+    return [s for p in paths for s in (p.rglob("*.py") if p.is_dir() else [p])]
 
 
 def graph_sources(extra: tuple[Path, ...] = ()) -> list[Path]:
@@ -54,7 +56,8 @@ def source_digest(extra: tuple[Path, ...] = ()) -> str:
 def backend_source_digest(backend: Backend) -> str:
     """``source_digest`` with the backend's own module: what the driver keys with and what every
     worker, on whatever node, checks it would compile."""
-    return source_digest(extra=(Path(sys.modules[type(backend).__module__].__file__),))
+    module = type(backend).__module__.split(".")  # neuron_buckets.backends.<name>
+    return source_digest(extra=(PACKAGE_ROOT.joinpath(*module[1:]).with_suffix(".py"),))
 
 
 def graph_key(
@@ -69,7 +72,7 @@ def graph_key(
     material = {
         "piece": [piece.role, piece.tokens, piece.rows, piece.ctx, piece.samples],
         "model_config": model_config,
-        "cache": {k: v for k, v in cache.items() if k not in _NOT_IN_GRAPH},
+        "cache": {k: v for k, v in cache.items() if k not in not_in_graph(CacheConfig)},
         "backend": backend,
         "sources": sources,
     }

@@ -1,11 +1,15 @@
-"""The TOML config, one module per section (as vLLM's config package), loaded and checked in
-``loader``; ``grid`` turns a config into the buckets ``nb compile`` builds."""
+"""The TOML config, one module per section (as vLLM's config package). Each section checks its
+own values and declares beside each field whether it shapes a graph (``setting``); ``config``
+joins the sections, ``loader`` reads TOML into them, and ``grid`` turns a config into the buckets
+``nb compile`` builds."""
 
 from neuron_buckets.config.buckets import BucketConfig
 from neuron_buckets.config.cache import DTYPES, CacheConfig
 from neuron_buckets.config.compile import BACKENDS, EXECUTORS, CompileConfig
+from neuron_buckets.config.config import Config
+from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.grid import enumerate_grid
-from neuron_buckets.config.loader import Config, ConfigError, load_config, parse_config
+from neuron_buckets.config.loader import load_config, parse_config
 from neuron_buckets.config.model import ModelSource
 
 __all__ = [

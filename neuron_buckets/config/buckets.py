@@ -1,15 +1,54 @@
-"""``[buckets]``: the step shapes that get a compiled graph (vLLM-neuron's names)."""
+"""``[buckets]``: the step shapes that get a compiled graph (vLLM-neuron's names).
+
+Each list left out (None) is derived: ``num_seqs_buckets`` powers of two up to ``max_num_seqs``,
+``num_batched_tokens_buckets`` the one bucket ``max_num_batched_tokens``, and the decode contexts
+``default_contexts`` of the cache. No field is a graph setting: they decide which buckets exist,
+and each piece's key holds its own shape.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from neuron_buckets.config.bucket_sizes import bucket_sizes
+from neuron_buckets.config.setting import check_positive, check_types, setting
+from neuron_buckets.core.bucket import powers_of_two
+
+# Below this, a smaller context saves less attention than another set of decode graphs costs.
+MIN_DEFAULT_CONTEXT = 256
+
+
+def default_contexts(block_size: int, max_model_len: int) -> tuple[int, ...]:
+    """Decode contexts that keep a step's attention near its real context: powers of two from
+    ``MIN_DEFAULT_CONTEXT`` (a block multiple) up to ``max_model_len``."""
+    lo = -(-MIN_DEFAULT_CONTEXT // block_size) * block_size
+    if lo >= max_model_len:
+        return (max_model_len,)
+    return tuple(c for c in powers_of_two(lo, max_model_len) if c % block_size == 0)
 
 
 @dataclass(frozen=True)
 class BucketConfig:
-    max_num_seqs: int = 4
-    max_num_batched_tokens: int = 128
-    num_seqs_buckets: tuple[int, ...] = (1, 2, 4)
-    num_batched_tokens_buckets: tuple[int, ...] = (32, 64, 128)
-    speculation_length: int = 0
-    decode_context_length_buckets: tuple[int, ...] = (256,)
+    SECTION: ClassVar[str] = "buckets"
+
+    max_num_seqs: int = setting(4, graph=False)  # requests in a decode call or a packed prefill
+    max_num_batched_tokens: int = setting(128, graph=False)  # the token budget of a prefill step
+    num_seqs_buckets: tuple[int, ...] | None = setting(None, graph=False)  # decode batch sizes
+    num_batched_tokens_buckets: tuple[int, ...] | None = setting(None, graph=False)  # prefill tokens
+    speculation_length: int = setting(0, graph=False)
+    # Bounded by the cache, so ``Config`` derives, expands (a list or strategy table until then) and
+    # checks it.
+    decode_context_length_buckets: tuple[int, ...] | None = setting(None, graph=False)
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        self._derive("num_seqs_buckets", seqs, tuple(powers_of_two(1, seqs)))
+        self._derive("num_batched_tokens_buckets", tokens, (tokens,))
+
+    def _derive(self, name: str, last: int, default: tuple[int, ...]) -> None:
+        spec = getattr(self, name)
+        sizes = default if spec is None else bucket_sizes(f"{self.SECTION}.{name}", spec, last)
+        object.__setattr__(self, name, sizes)

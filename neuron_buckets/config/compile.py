@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from neuron_buckets.config.setting import check_choice, check_positive, check_types, setting
 
 BACKENDS = ("inductor", "eager", "neuron")
 EXECUTORS = ("local", "ray")
@@ -11,10 +13,18 @@ EXECUTORS = ("local", "ray")
 
 @dataclass(frozen=True)
 class CompileConfig:
-    backend: str = "inductor"
-    jobs: int = 1  # local worker processes
-    device: str = "cpu"
-    flags: dict[str, Any] = field(default_factory=dict)
-    executor: str = "local"  # "local" worker processes, or "ray" tasks on a cluster
-    task_cpus: int = 1  # CPUs each Ray task declares (and torch threads it uses)
-    retries: int = 2  # times a piece whose worker or node died is compiled again
+    SECTION: ClassVar[str] = "compile"
+
+    backend: str = setting("inductor", graph=True)
+    jobs: int = setting(1, graph=False)  # local worker processes
+    device: str = setting("cpu", graph=True)
+    flags: dict[str, Any] = setting(graph=True, factory=dict)  # keyed as the backend resolves them
+    executor: str = setting("local", graph=False)  # "local" worker processes, or "ray" tasks on a cluster
+    task_cpus: int = setting(1, graph=False)  # CPUs each Ray task declares (and torch threads it uses)
+    retries: int = setting(2, graph=False)  # times a piece whose worker or node died is compiled again
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        check_choice(self, "backend", BACKENDS)
+        check_choice(self, "executor", EXECUTORS)
+        check_positive(self, "jobs", "task_cpus")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from neuron_buckets.config.loader import Config
+from neuron_buckets.config.config import Config
 from neuron_buckets.core.bucket import Bucket
 
 

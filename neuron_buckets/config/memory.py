@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
+from neuron_buckets.config.config import Config
 from neuron_buckets.config.grid import enumerate_grid
-from neuron_buckets.config.loader import Config
 from neuron_buckets.core.bucket import Bucket
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from neuron_buckets.artifact.manifest import MANIFEST, CacheGeometry, Manifest, ManifestError
+from neuron_buckets.config.cache import geometry_problem
 from neuron_buckets.config.memory import check_memory, serving_needs
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.hf_config import parse_hf_config
@@ -24,14 +25,10 @@ def _geometry_problem(cache: CacheGeometry, model: LlamaConfig, buckets: list[Bu
     expected = {k: getattr(model, k) for k in ("num_layers", "num_kv_heads", "head_dim")}
     if wrong := {k: getattr(cache, k) for k, v in expected.items() if getattr(cache, k) != v}:
         return f"cache geometry {wrong} does not match the model config {expected}"
-    block_size, max_len = cache.block_size, cache.max_model_len
-    if max_len % block_size or cache.num_blocks - 1 < max_len // block_size:
-        return (
-            f"cache of {cache.num_blocks} blocks of {block_size} cannot hold one sequence of "
-            f"max_model_len {max_len} beside the null block"
-        )
+    if problem := geometry_problem(cache):
+        return problem
     for b in buckets:
-        if b.ctx > max_len or b.ctx % block_size:
+        if b.ctx > cache.max_model_len or b.ctx % cache.block_size:
             return f"bucket {b.name} has ctx {b.ctx} outside the cache"
     return None
 

@@ -3,7 +3,9 @@
 Every extra bucket is another graph to compile (minutes each on Neuron) and to keep on disk, so a
 plan trades padding against these. A bucket the manifest holds uses its measured numbers; any
 other is estimated from a least-squares line in tokens per graph (batch x seq) fitted to the
-manifest's successful buckets, so the estimate is only as good as the manifest it came from.
+manifest's successful buckets, so the estimate is only as good as the manifest it came from (and
+blind to a graph's context: only measured buckets tell two contexts apart). Buckets are keyed by
+their whole shape, ctx included: decode graphs that differ only in context are different graphs.
 A bucket's cost is the sum of its three pieces (embed, layer, head), shared pieces counted in
 each bucket that uses them: the upper bound of what adding or dropping it changes.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from neuron_buckets.artifact.manifest import BucketRecord, ManifestError, read_manifest
+from neuron_buckets.core.bucket import Bucket
 
 
 @dataclass(frozen=True)
@@ -28,25 +31,36 @@ class GraphCost:
 
 @dataclass(frozen=True)
 class CompileCost:
-    measured: dict[tuple[str, int, int], tuple[float, int]]  # (kind, batch, seq) -> (s, bytes)
+    """Measured costs by bucket (prefill ones with batch 1: a packed prefill graph is known by its
+    tokens), a line in tokens for the rest, and the artifact's own decode contexts."""
+
+    measured: dict[Bucket, tuple[float, int]]  # -> (seconds, bytes)
     seconds_line: tuple[float, float]  # (slope per token, intercept)
     bytes_line: tuple[float, float]
+    contexts: tuple[int, ...]  # decode context buckets, ascending; the last is max_model_len
     decode_seq: int = 1  # tokens per request in the manifest's decode graphs
 
-    def estimate(self, kind: str, batch: int, seq: int) -> GraphCost:
-        if (hit := self.measured.get((kind, batch, seq))) is not None:
+    def estimate(self, bucket: Bucket) -> GraphCost:
+        if (hit := self.measured.get(bucket)) is not None:
             return GraphCost(hit[0], hit[1], True)
-        tokens = seq if kind == "prefill" else batch * seq
-        seconds = max(0.0, self.seconds_line[0] * tokens + self.seconds_line[1])
-        size = max(0.0, self.bytes_line[0] * tokens + self.bytes_line[1])
+        seconds = max(0.0, self.seconds_line[0] * bucket.tokens + self.seconds_line[1])
+        size = max(0.0, self.bytes_line[0] * bucket.tokens + self.bytes_line[1])
         return GraphCost(seconds, int(round(size)), False)
 
-    def shapes(self, prefill: Sequence[int], num_seqs: Sequence[int]) -> list[tuple[str, int, int]]:
-        """(kind, batch, seq) of a bucket set: prefill graphs (keyed by tokens alone), then decode."""
-        return [("prefill", 1, s) for s in prefill] + [("decode", b, self.decode_seq) for b in num_seqs]
+    def shapes(
+        self, prefill: Sequence[int], num_seqs: Sequence[int], contexts: Sequence[int] | None = None
+    ) -> list[Bucket]:
+        """The graphs of a bucket set, as the grid builds them: prefill graphs over the largest
+        context, then every decode batch size at every context (by default the artifact's)."""
+        contexts = tuple(contexts or self.contexts)
+        return [Bucket("prefill", 1, s, contexts[-1]) for s in prefill] + [
+            Bucket("decode", b, self.decode_seq, c) for c in contexts for b in num_seqs
+        ]
 
-    def graphs(self, prefill: Sequence[int], num_seqs: Sequence[int]) -> list[GraphCost]:
-        return [self.estimate(*shape) for shape in self.shapes(prefill, num_seqs)]
+    def graphs(
+        self, prefill: Sequence[int], num_seqs: Sequence[int], contexts: Sequence[int] | None = None
+    ) -> list[GraphCost]:
+        return [self.estimate(b) for b in self.shapes(prefill, num_seqs, contexts)]
 
 
 @dataclass(frozen=True)
@@ -74,19 +88,20 @@ def load_manifest_buckets(directory: str | Path) -> ManifestBuckets:
     if not ok:
         raise ManifestError(f"{directory}: no bucket compiled successfully, nothing to fit costs to")
 
-    def key(e: BucketRecord) -> tuple[str, int, int]:
-        return (e.kind, 1, e.seq) if e.kind == "prefill" else (e.kind, e.batch, e.seq)
+    def key(e: BucketRecord) -> Bucket:
+        return Bucket(e.kind, 1 if e.kind == "prefill" else e.batch, e.seq, e.ctx)
 
     def cost(e: BucketRecord) -> tuple[float, int]:
         pieces = [manifest.pieces[k] for k in e.pieces.values()]
         return sum(p.compile_seconds for p in pieces), sum(p.bytes for p in pieces)
 
     measured = {key(e): cost(e) for e in ok}
-    tokens = np.array([e.seq if e.kind == "prefill" else e.batch * e.seq for e in ok], dtype=np.float64)
-    seconds = np.array([measured[key(e)][0] for e in ok], dtype=np.float64)
-    size = np.array([measured[key(e)][1] for e in ok], dtype=np.float64)
+    tokens = np.array([b.tokens for b in measured], dtype=np.float64)
+    seconds = np.array([s for s, _ in measured.values()], dtype=np.float64)
+    size = np.array([n for _, n in measured.values()], dtype=np.float64)
+    contexts = sorted({e.ctx for e in entries if e.kind == "decode"} | {manifest.cache.max_model_len})
     decode_seq = 1 + manifest.decode.speculation_length
-    fitted = CompileCost(measured, _line(tokens, seconds), _line(tokens, size), decode_seq)
+    fitted = CompileCost(measured, _line(tokens, seconds), _line(tokens, size), tuple(contexts), decode_seq)
     return ManifestBuckets(
         prefill=tuple(sorted({e.seq for e in entries if e.kind == "prefill"})),
         num_seqs=tuple(sorted({e.batch for e in entries if e.kind == "decode"})),

@@ -198,8 +198,5 @@ def inspect_trace(
     doc["decode"] = conc.to_json(num_seqs) if conc is not None and conc.peak else None
     doc["graphs"] = None
     if cost is not None:
-        doc["graphs"] = [
-            {"kind": k, "batch": b, "seq": s, **asdict(cost.estimate(k, b, s))}
-            for k, b, s in cost.shapes(prefill, num_seqs)
-        ]
+        doc["graphs"] = [asdict(b) | asdict(cost.estimate(b)) for b in cost.shapes(prefill, num_seqs)]
     return doc

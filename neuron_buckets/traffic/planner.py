@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neuron_buckets.config import CacheConfig
-from neuron_buckets.config.loader import default_contexts
+from neuron_buckets.config.buckets import default_contexts
 from neuron_buckets.core.bucket import powers_of_two
 from neuron_buckets.traffic.compile_cost import CompileCost
 from neuron_buckets.traffic.padding_stats import Concurrency, padding_stats, replay_decode
@@ -126,11 +125,13 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
     fit, held = trace.split(opts.holdout_split) if opts.holdout_split else (trace, None)
     baseline = powers_of_two_baseline(fit.prompt_lens.max())
     sets = optimal_sets(fit.prompt_lens, opts.graphs, opts.align, opts.max_num_batched_tokens)
-    decode = _plan_decode(fit, opts)
+    decode, context = _plan_decode(fit, opts), plan_contexts(fit, opts)
     num_seqs = tuple(decode["buckets"]) if decode else ()
-    decode_seconds = sum(g.seconds for g in cost.graphs((), num_seqs)) if cost else None
+    contexts = tuple(context["buckets"]) if context else None  # None: the manifest's own
+    # the grid compiles every num_seqs bucket at every context bucket
+    decode_seconds = sum(g.seconds for g in cost.graphs((), num_seqs, contexts)) if cost else None
     distinct = [s for i, s in enumerate(sets) if i == 0 or s != sets[i - 1]]  # k with a gain
-    pareto = [_pareto_row(fit, s, cost, decode_seconds) for s in distinct]
+    pareto = [_pareto_row(fit, s, cost, contexts, decode_seconds) for s in distinct]
     chosen = _within_budget(pareto, opts.max_compile_seconds)
     buckets = tuple(chosen["buckets"])
     prefill = padding_stats(fit.prompt_lens, buckets).to_json("requests", "tokens")
@@ -139,7 +140,7 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
         "max_num_batched_tokens": buckets[-1],
         "baseline": padding_stats(fit.prompt_lens, baseline).to_json("requests", "tokens"),
     }
-    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto, "context": plan_contexts(fit, opts)}
+    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto, "context": context}
     out["compile_seconds"] = chosen["total_compile_seconds"]
     if held is not None:
         out["holdout"] = _holdout(held, opts, buckets, baseline, decode)
@@ -188,7 +189,7 @@ def plan_contexts(fit: Trace, opts: PlanOptions) -> dict | None:
         return None
     # the largest bucket must be max_model_len itself (a grid rule): a zero-weight item there
     contexts, rows = np.append(contexts, top), np.append(rows, 0)
-    baseline = default_contexts(CacheConfig(block_size=opts.align, max_model_len=top))
+    baseline = default_contexts(opts.align, top)
     chosen = optimal_sets(contexts, opts.context_graphs or len(baseline), opts.align, top, rows)[-1]
     stats = padding_stats(contexts, chosen, rows).to_json("rows", "positions")
     return stats | {
@@ -202,7 +203,11 @@ def _decode_json(conc: Concurrency, buckets: tuple[int, ...], baseline: tuple[in
 
 
 def _pareto_row(
-    fit: Trace, buckets: tuple[int, ...], cost: CompileCost | None, decode_seconds: float | None
+    fit: Trace,
+    buckets: tuple[int, ...],
+    cost: CompileCost | None,
+    contexts: tuple[int, ...] | None,
+    decode_seconds: float | None,
 ) -> dict:
     stats = padding_stats(fit.prompt_lens, buckets)
     row = {
@@ -215,7 +220,7 @@ def _pareto_row(
         "total_compile_seconds": None,
     }
     if cost is not None:
-        graphs = cost.graphs(buckets, ())
+        graphs = cost.graphs(buckets, (), contexts)  # prefill graphs span the largest context
         row["compile_seconds"] = sum(g.seconds for g in graphs)
         row["graph_bytes"] = sum(g.bytes for g in graphs)
         row["total_compile_seconds"] = row["compile_seconds"] + (decode_seconds or 0.0)

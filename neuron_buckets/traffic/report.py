@@ -36,9 +36,16 @@ def _table(title: str, columns: list[str]) -> Table:
 
 
 def _padding_table(title: str, section: dict, graphs: list[dict] | None, kind: str) -> Table:
-    """One row per bucket: calls, real and padded work, padding, compile cost when known."""
+    """One row per bucket: calls, real and padded work, padding, compile cost when known (of a
+    decode batch size: its graphs at every context)."""
     unit, key, calls = ("tokens", "seq", "calls") if kind == "prefill" else ("rows", "batch", "steps")
-    cost = {g[key]: g for g in graphs or () if g["kind"] == kind}
+    cost: dict[int, dict] = {}
+    for g in graphs or ():
+        if g["kind"] == kind:
+            row = cost.setdefault(g[key], {"seconds": 0.0, "bytes": 0, "measured": True})
+            row["seconds"] += g["seconds"]
+            row["bytes"] += g["bytes"]
+            row["measured"] &= g["measured"]
     columns = [key, calls, f"real {unit}", f"padded {unit}", "padding", "compile s", "bytes"]
     table = _table(title, columns)
     for b in section["per_bucket"]:

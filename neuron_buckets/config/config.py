@@ -1,0 +1,37 @@
+"""The whole config: its four sections, and the rules that join them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from neuron_buckets.config.bucket_sizes import bucket_sizes
+from neuron_buckets.config.buckets import BucketConfig, default_contexts
+from neuron_buckets.config.cache import CacheConfig
+from neuron_buckets.config.compile import CompileConfig
+from neuron_buckets.config.config_error import ConfigError
+from neuron_buckets.config.model import ModelSource
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSource
+    cache: CacheConfig
+    buckets: BucketConfig
+    compile: CompileConfig
+
+    def __post_init__(self) -> None:
+        """Decode contexts and speculation against the cache: derived when left out, and each
+        context a whole number of blocks, the last ``max_model_len``."""
+        b, c, key = self.buckets, self.cache, "buckets.decode_context_length_buckets"
+        spec = b.decode_context_length_buckets
+        if spec is None:
+            contexts = default_contexts(c.block_size, c.max_model_len)
+        else:
+            contexts = bucket_sizes(key, spec, c.max_model_len)
+        for ctx in contexts:
+            if ctx % c.block_size:
+                raise ConfigError(f"{key}: {ctx} is not a multiple of cache.block_size={c.block_size}")
+        if b.speculation_length + 1 > c.max_model_len:
+            raise ConfigError("buckets.speculation_length must be below cache.max_model_len")
+        if contexts != spec:
+            object.__setattr__(self, "buckets", replace(b, decode_context_length_buckets=contexts))
