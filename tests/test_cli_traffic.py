@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_traces import CODE, CONV, needs_traces
+from test_traces import CODE, CONV
 from typer.testing import CliRunner
 
 from neuron_buckets import __version__
@@ -58,7 +58,6 @@ def check_exact(section: dict, prompts: list[int]) -> None:
     assert [b["calls"] for b in section["per_bucket"]] == calls
 
 
-@needs_traces
 @pytest.mark.parametrize("path", [CODE, CONV], ids=["code", "conv"])
 def test_plan_json_is_exact_and_beats_powers_of_two(path: Path) -> None:
     prompts = prompts_of(path)
@@ -75,7 +74,6 @@ def test_plan_json_is_exact_and_beats_powers_of_two(path: Path) -> None:
     assert prefill["padding_ratio"] <= 0.6 * prefill["baseline"]["padding_ratio"]
 
 
-@needs_traces
 def test_inspect_json_is_exact_for_explicit_buckets() -> None:
     buckets = [256, 1024, 2048, 4096]
     doc = nb_json("inspect", "--trace", CODE, "--prefill-buckets", ",".join(map(str, buckets)))
@@ -87,7 +85,6 @@ def test_inspect_json_is_exact_for_explicit_buckets() -> None:
     assert doc["graphs"] is None
 
 
-@needs_traces
 def test_inspect_reads_buckets_from_a_config_or_the_embedded_default(tmp_path: Path) -> None:
     config = tmp_path / "nb.toml"
     config.write_text(
@@ -157,7 +154,6 @@ def write_manifest(directory: Path, manifest: dict | None = None) -> Path:
     return directory
 
 
-@needs_traces
 def test_inspect_takes_buckets_and_compile_costs_from_a_manifest(tmp_path: Path) -> None:
     doc = nb_json("inspect", "--trace", CODE, "--manifest", write_manifest(tmp_path))
     assert doc["prefill"]["buckets"] == [512, 1024] and doc["decode"]["buckets"] == [1, 2]
@@ -207,7 +203,6 @@ def test_a_schema_version_1_manifest_is_refused_with_the_way_out(tmp_path: Path)
     assert "schema_version 1" in message and "run nb compile again" in message
 
 
-@needs_traces
 def test_plan_under_a_compile_budget(tmp_path: Path) -> None:
     manifest = write_manifest(tmp_path)
     free = nb_json("plan", "--trace", CODE, "--graphs", 7, "--manifest", manifest)
@@ -219,7 +214,6 @@ def test_plan_under_a_compile_budget(tmp_path: Path) -> None:
     assert doc["prefill"]["buckets"] == free["pareto"][2]["buckets"]
 
 
-@needs_traces
 def test_plan_toml_snippet_is_a_valid_config() -> None:
     doc = nb_json(
         "plan", "--trace", CONV, "--graphs", 6, "--align", 16, "--max-num-batched-tokens", 8192,
@@ -234,7 +228,6 @@ def test_plan_toml_snippet_is_a_valid_config() -> None:
     assert all(b % 16 == 0 for b in doc["prefill"]["buckets"])
 
 
-@needs_traces
 def test_plan_holdout_and_rich_output(tmp_path: Path) -> None:
     result = nb("plan", "--trace", CONV, "--graphs", 8, "--holdout-split", 0.8)
     assert result.exit_code == 0, result.output
@@ -245,7 +238,6 @@ def test_plan_holdout_and_rich_output(tmp_path: Path) -> None:
     assert doc["holdout"]["eval_requests"] == 19366 - round(0.8 * 19366)
 
 
-@needs_traces
 def test_inspect_rich_output_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "lengths.png"
     result = nb("inspect", "--trace", CODE, "--prefill-buckets", "1024,4096", "--plot", png)

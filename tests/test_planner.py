@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli_traffic import manifest_of, write_manifest
-from test_traces import CODE, CONV, needs_traces
+from test_traces import CODE, CONV
 
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.traffic import planner
@@ -134,7 +134,6 @@ def test_largest_bucket_rules() -> None:
         largest_bucket(100, 0, None)
 
 
-@needs_traces
 @pytest.mark.parametrize("path", [CODE, CONV], ids=["code", "conv"])
 def test_plan_beats_powers_of_two_at_the_same_number_of_graphs(path) -> None:
     trace = load_trace(path)
@@ -150,7 +149,6 @@ def test_plan_beats_powers_of_two_at_the_same_number_of_graphs(path) -> None:
     assert len(decode["buckets"]) <= len(decode["baseline"]["buckets"])
 
 
-@needs_traces
 def test_dp_on_the_conversation_trace_is_fast() -> None:
     lengths = load_trace(CONV).prompt_lens
     start = time.perf_counter()
@@ -158,7 +156,6 @@ def test_dp_on_the_conversation_trace_is_fast() -> None:
     assert time.perf_counter() - start < 5.0  # generous; bench/bench_plan.py prints the figure
 
 
-@needs_traces
 def test_holdout_fits_on_early_requests_and_reports_the_rest() -> None:
     trace = load_trace(CONV)
     doc = plan(trace, PlanOptions(graphs=8, holdout_split=0.75))
@@ -249,7 +246,6 @@ def test_fifo_replay_invariants(arrive, data, slots) -> None:
             assert np.sum((start < start[i]) & (end >= start[i])) == slots
 
 
-@needs_traces
 def test_replay_decodes_every_output_token() -> None:
     trace = load_trace(CODE)
     for slots in (4, 64):
@@ -277,7 +273,6 @@ def test_decode_contexts_count_every_decoded_token(requests, max_model_len) -> N
     assert dict(zip(contexts.tolist(), rows.tolist(), strict=True)) == want
 
 
-@needs_traces
 def test_context_plan_attends_fewer_positions_than_the_default_set() -> None:
     trace = load_trace(CONV)
     doc = plan_contexts(trace, PlanOptions(graphs=1, align=64, max_model_len=4096))
