@@ -26,7 +26,6 @@ import argparse
 import os
 import struct
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_artifact, decode_step_ms, median_ms, prefill_call_ms  # noqa: E402
-from real_models import SMOLLM2_135M, build_smollm  # noqa: E402
+from real_models import SMOLLM2_135M, add_size_args, build_smollm  # noqa: E402
 from workloads import TOKEN_LOW, Workload  # noqa: E402
 
 TOKENS = 512  # the step budget: a full prefill call
@@ -88,13 +87,7 @@ def weight_bytes(model: Path) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    tmp, env = Path(tempfile.gettempdir()), os.environ.get
-    parser.add_argument("--models", type=Path, default=Path(env("NB_BENCH_MODELS", tmp / "nb-bench-models")),
-                        help="random-weight model directories (default: $NB_BENCH_MODELS)")
-    parser.add_argument("--work", type=Path, default=Path(env("NB_BENCH_WORK", tmp / "nb-bench-generate")),
-                        help="artifact and graph cache (default: bench_generate's, whose art512 is reused)")
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--tiny", action="store_true", help="2 layers, few repeats: checks the script only")
+    add_size_args(parser, "nb-bench-generate", "3 repeats")  # bench_generate's folder: its art512
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     if args.tiny:

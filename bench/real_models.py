@@ -8,10 +8,13 @@ compared token for token.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
 import shutil
 import string
+import tempfile
 from pathlib import Path
 
 MARKER = "nb-bench-model.json"
@@ -99,3 +102,16 @@ def build_smollm(out_dir: Path, num_layers: int = 30, seed: int = 0, tokenizer: 
         word_tokenizer(config.vocab_size).save_pretrained(out_dir)
     marker.write_text(json.dumps(spec))
     return out_dir
+
+
+def add_size_args(parser: argparse.ArgumentParser, work: str, tiny: str) -> None:
+    """The arguments every real-scale bench takes: where its models and its ``work`` folder (under
+    the temporary directory, or ``$NB_BENCH_MODELS`` and ``$NB_BENCH_WORK``) are, the layer count,
+    and ``--tiny`` (2 layers and less work: ``tiny`` says what else it shrinks)."""
+    tmp, env = Path(tempfile.gettempdir()), os.environ.get
+    parser.add_argument("--models", type=Path, default=Path(env("NB_BENCH_MODELS", tmp / "nb-bench-models")),
+                        help="random-weight model directories (default: $NB_BENCH_MODELS)")
+    parser.add_argument("--work", type=Path, default=Path(env("NB_BENCH_WORK", tmp / work)),
+                        help=f"artifacts, graph cache, logs, results (default: $NB_BENCH_WORK, else {work})")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--tiny", action="store_true", help=f"2 layers, {tiny}: checks the script only")
