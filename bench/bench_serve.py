@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from real_models import add_size_args, build_smollm  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
 CLIENT = Path(__file__).parent / "vllm_bench_client.py"
+Server = AbstractContextManager[subprocess.Popen]  # a server process, up while the block runs
 SERVED = "smollm2"  # the model name both servers answer to
 OUTPUT_LEN = 32
 LIMITS = ("--max-num-seqs", "16", "--max-num-batched-tokens", "512")  # vLLM's side of nb's artifact
@@ -108,11 +110,11 @@ def serve_artifact(work: Path, model: Path, args: argparse.Namespace) -> Path:
                             contexts=contexts)
 
 
-def nb_server(artifact: Path, port: int, log: Path):
+def nb_server(artifact: Path, port: int, log: Path) -> Server:
     return serving(nb_serve_command(artifact, port, SERVED), dict(os.environ), port, log)
 
 
-def vllm_server(python: Path, model: Path, port: int, log: Path):
+def vllm_server(python: Path, model: Path, port: int, log: Path) -> Server:
     cmd = vllm_serve_command(python, model, port, "--served-model-name", SERVED, *LIMITS)
     return serving(cmd, vllm_env(), port, log)
 
@@ -122,7 +124,9 @@ def loads(args: argparse.Namespace) -> list[Load]:
     return [Load(w, c, max(8, per * c)) for w in args.workloads for c in args.concurrency]
 
 
-def run_server(name: str, server, port: int, model: Path, args: argparse.Namespace) -> dict[Load, dict]:
+def run_server(
+    name: str, server: Server, port: int, model: Path, args: argparse.Namespace
+) -> dict[Load, dict]:
     """Every load against one server, started once; the client's result per load."""
     results = {}
     with server:
