@@ -44,8 +44,9 @@ def word_tokenizer(vocab_size: int = int(SMOLLM2_135M["vocab_size"])):
     send text, and the server encodes it and detokenizes every generated id. Id 0 is
     ``<|endoftext|>`` (SmolLM2's BOS and EOS, not added to prompts), then the 256 byte symbols, then
     space-prefixed lowercase words of 1 to 4 letters. Every multi-byte token starts a word, so
-    decoding ids and encoding the text again gives the same ids (almost always): load generators
-    that build prompts from random ids (vLLM's ``random`` dataset) get the lengths they ask for.
+    random ids decode to text that encodes back to about as many ids (300 give 300 to 302): load
+    generators that build prompts from random ids (vLLM's ``random`` dataset) get the lengths they
+    ask for.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
