@@ -22,6 +22,7 @@ from neuron_buckets.model.checkpoint import (
 )
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.model.model_config import LlamaConfig, RopeScaling
+from neuron_buckets.model.weights import LayerWeights, layer_shapes
 
 BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -32,7 +33,7 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 def last_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     """Our logits for the last of ``ids``, prefilled in one padded step over blocks 3, 1, 2."""
-    k = torch.zeros(model.cache_shape(8, 16), dtype=model.weights.dtype)
+    k = torch.zeros(model.cache_shape(8, 16), dtype=model.weights.embed.dtype)
     step = pad_prefill([PrefillChunk(ids, 0, [3, 1, 2])], Bucket("prefill", 1, 48, 48), 16)
     with torch.no_grad():
         return model(*step.args(), k, k.clone())[0]
@@ -165,3 +166,35 @@ def test_weights_round_trip_through_one_file_and_into_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(last_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hf", [
+    {"model_type": "llama"},
+    {"model_type": "llama", "attention_bias": True, "tie_word_embeddings": True},
+    {"model_type": "qwen2"},
+    {"model_type": "qwen3", "head_dim": 16, "attention_bias": True},
+    {"model_type": "mistral", "sliding_window": 8},
+])
+def test_weights_fuse_once_at_load_and_split_back_to_the_checkpoint_names(hf):
+    """Every architecture's biases and norms land in their LayerWeights field (q/k/v and gate/up
+    stacked in order), a layer piece's flat inputs rebuild the same record, and saving gives back
+    exactly the checkpoint's tensors by their transformers names."""
+    config = LlamaConfig.from_hf({**BASE, **hf})
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(s, generator=gen) for n, s in checkpoint_shapes(config).items()}
+    weights = load_weights(config, dict(tensors))
+    layer = weights.layers[1]
+    prefix = "model.layers.1."
+    want_qkv = [tensors[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(layer.qkv, torch.cat(want_qkv))
+    assert torch.equal(layer.gate_up, torch.cat([tensors[prefix + "mlp.gate_proj.weight"],
+                                                 tensors[prefix + "mlp.up_proj.weight"]]))
+    assert (layer.qkv_bias is not None, layer.o_bias is not None, layer.q_norm is not None) == (
+        config.qkv_bias, config.o_bias, config.qk_norm)
+    assert LayerWeights.of(config, layer.tensors()) == layer
+    assert [tuple(t.shape) for t in layer.tensors()] == layer_shapes(config)
+    back = checkpoint_tensors(config, weights)
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    assert (weights.lm_head is None) == config.tie_word_embeddings
+    assert weights.head[1] is (weights.embed if config.tie_word_embeddings else weights.lm_head)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
-import torch
 from torch import Tensor
 
 from neuron_buckets.model.model_config import LlamaConfig
@@ -21,7 +20,8 @@ from neuron_buckets.model.model_config import LlamaConfig
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer. Field order is the compiled layer piece's weight-input order."""
+    """One decoder layer. Field order is the compiled layer piece's weight-input order, which
+    graphs already compiled into artifacts take: reordering it needs a manifest schema bump."""
 
     input_norm: Tensor  # (hidden,)
     qkv: Tensor  # (H*D + 2*KVH*D, hidden): q, k and v projections stacked
@@ -66,10 +66,6 @@ class ModelWeights:
         yield self.norm
         if self.lm_head is not None:
             yield self.lm_head
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
 
 
 def part_shapes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], ...]]:
