@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
+from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import gather_context
 
 # Query and key tile of the block mask: a tile pair is skipped when no pair in it may meet. On the
@@ -38,9 +39,7 @@ def block_kv_attention(
     v_active: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_table: Tensor,
-    cache_lens: Tensor,
-    segment_ids: Tensor,
+    step: AttentionStep,
     scale: float,
     window: int | None = None,
 ) -> Tensor:
@@ -55,20 +54,19 @@ def block_kv_attention(
     batch, seq = q.shape[:2]
     kernel = block_kv_paged if seq <= PAGED_ROWS else block_kv_sdpa
     if seq <= DENSE_ROWS:
-        return kernel.block_kv_attention(
-            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
-        )
-    k_ctx, v_ctx, _ = gather_context(k_cache, v_cache, block_table, cache_lens)
+        return kernel.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
+    k_ctx, v_ctx, _ = gather_context(k_cache, v_cache, step)
     s_ctx = k_ctx.shape[1]
 
     def may_attend(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         # Keys are the row's context (ki < s_ctx) followed by the step's own tokens.
-        step = (ki - s_ctx).clamp(min=0)
-        own = (ki >= s_ctx) & (step <= qi) & (segment_ids[b, step] == segment_ids[b, qi])
-        context = (ki < cache_lens[b]) & (segment_ids[b, qi] == 0)
-        if window is not None:  # segment 0's token qi sits at position cache_lens[b] + qi
-            own = own & (qi - step < window)
-            context = context & (cache_lens[b] + qi - ki < window)
+        own_ki = (ki - s_ctx).clamp(min=0)
+        segments, cache_len = step.segment_ids[b], step.cache_lens[b]
+        own = (ki >= s_ctx) & (own_ki <= qi) & (segments[own_ki] == segments[qi])
+        context = (ki < cache_len) & (segments[qi] == 0)
+        if window is not None:  # segment 0's token qi sits at position cache_len + qi
+            own = own & (qi - own_ki < window)
+            context = context & (cache_len + qi - ki < window)
         return own | context
 
     mask = create_block_mask(

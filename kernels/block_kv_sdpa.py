@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from neuron_buckets.core.masks import gen_segment_masks
+from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import gather_context
 
 
@@ -26,9 +27,7 @@ def block_kv_attention(
     v_active: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_table: Tensor,
-    cache_lens: Tensor,
-    segment_ids: Tensor,
+    step: AttentionStep,
     scale: float,
     window: int | None = None,
 ) -> Tensor:
@@ -41,19 +40,21 @@ def block_kv_attention(
 
     def step_only(q: Tensor, k_active: Tensor, v_active: Tensor, *_: Tensor) -> Tensor:
         cached = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
-        _, active_mask = gen_segment_masks(cached, segment_ids, window)
+        _, active_mask = gen_segment_masks(cached, step.segment_ids, window)
         return _attend(q, k_active, v_active, active_mask, scale)
 
     def with_context(q: Tensor, k_active: Tensor, v_active: Tensor, k_cache: Tensor, v_cache: Tensor,
                      block_table: Tensor, cache_lens: Tensor) -> Tensor:
-        k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, block_table, cache_lens)
-        ctx_mask, active_mask = gen_segment_masks(cached, segment_ids, window)
+        # torch.cond hands a branch its operands: the step is rebuilt from them, not closed over.
+        own = step._replace(block_table=block_table, cache_lens=cache_lens)
+        k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, own)
+        ctx_mask, active_mask = gen_segment_masks(cached, step.segment_ids, window)
         keys = torch.cat([k_ctx.to(q.dtype), k_active], dim=1)
         values = torch.cat([v_ctx.to(q.dtype), v_active], dim=1)
         return _attend(q, keys, values, torch.cat([ctx_mask, active_mask], dim=-1), scale)
 
-    operands = (q, k_active, v_active, k_cache, v_cache, block_table, cache_lens)
-    return torch.cond(cache_lens.max() > 0, with_context, step_only, operands)
+    operands = (q, k_active, v_active, k_cache, v_cache, step.block_table, step.cache_lens)
+    return torch.cond(step.cache_lens.max() > 0, with_context, step_only, operands)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -11,19 +11,20 @@ Contract (shapes per layer; B rows of S tokens, NB blocks of BS slots, KVH kv he
   ``slot_mapping[t]`` (block ``slot // BS``, offset ``slot % BS``) of the (NB, BS, KVH, D) caches,
   in place. Slot -1 (a pad token) writes nothing: every cache byte stays as it was, including the
   null block's.
-- ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, block_table, cache_lens,
-  segment_ids, scale, window=None)``: a row's S tokens are one or more requests laid end to end,
-  told apart by ``segment_ids`` (B, S). Token s sees step token u iff u <= s and both are in the same
-  segment (each request causal, requests blind to each other). Segment 0 alone continues the
-  row's cached context: positions below ``cache_lens[b]`` of the blocks in ``block_table[b]``
-  (logical position p lives in block ``block_table[b, p // BS]``). A decode row is one segment
-  (all zeros); a packed prefill step is one row whose segments are its requests, only the first
-  of which may continue a cached prompt. Table entries of -1 read the null block 0 and are
-  masked, as are all positions at or beyond the cache length, so whatever the cache holds there
-  (garbage, NaN, another request's data) never reaches the output. Every token sees at least
-  itself, so no softmax row is empty. With a sliding ``window`` W (Mistral), a token sees only
-  the W positions ending at its own, in the context and in the step alike (segment 0's token s sits
-  at position ``cache_lens[b] + s``); the window is a constant of the compiled graph.
+- ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None)``, with
+  ``step`` an ``AttentionStep`` of ``block_table``, ``cache_lens`` and ``segment_ids``: a row's S
+  tokens are one or more requests laid end to end, told apart by ``segment_ids`` (B, S). Token s
+  sees step token u iff u <= s and both are in the same segment (each request causal, requests blind
+  to each other). Segment 0 alone continues the row's cached context: positions below
+  ``cache_lens[b]`` of the blocks in ``block_table[b]`` (logical position p lives in block
+  ``block_table[b, p // BS]``). A decode row is one segment (all zeros); a packed prefill step is
+  one row whose segments are its requests, only the first of which may continue a cached prompt.
+  Table entries of -1 read the null block 0 and are masked, as are all positions at or beyond the
+  cache length, so whatever the cache holds there (garbage, NaN, another request's data) never
+  reaches the output. Every token sees at least itself, so no softmax row is empty. With a sliding
+  ``window`` W (Mistral), a token sees only the W positions ending at its own, in the context and in
+  the step alike (segment 0's token s sits at position ``cache_lens[b] + s``); the window is a
+  constant of the compiled graph.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
+from neuron_buckets.kernels.attention_step import AttentionStep
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -51,18 +53,16 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         cache.index_put_(index, values)
 
 
-def gather_context(
-    k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cache_lens: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+def gather_context(k_cache: Tensor, v_cache: Tensor, step: AttentionStep) -> tuple[Tensor, Tensor, Tensor]:
     """Each row's cached K/V, (B, M * BS, KVH, D), zero beyond ``cache_lens``, and that mask (B, M * BS).
 
     -1 table entries read the null block and are masked. 0 * NaN is NaN, so masking scores alone
     is not enough: whatever the cache holds past a row's length is zeroed before any matmul.
     """
-    batch, cols = block_table.shape
+    batch, cols = step.block_table.shape
     s_ctx = cols * k_cache.shape[1]
-    blocks = block_table.clamp(min=0)
-    cached = gen_cache_mask(cache_lens, 1, 1, s_ctx)[:, 0, 0]
+    blocks = step.block_table.clamp(min=0)
+    cached = gen_cache_mask(step.cache_lens, 1, 1, s_ctx)[:, 0, 0]
     valid = cached[:, :, None, None]
     shape = (batch, s_ctx, *k_cache.shape[2:])
     k_ctx = torch.where(valid, k_cache[blocks].reshape(shape), 0)
@@ -76,9 +76,7 @@ def block_kv_attention(
     v_active: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_table: Tensor,
-    cache_lens: Tensor,
-    segment_ids: Tensor,
+    step: AttentionStep,
     scale: float,
     window: int | None = None,
 ) -> Tensor:
@@ -94,9 +92,9 @@ def block_kv_attention(
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_active.shape[2]
     group = num_heads // num_kv_heads
-    k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, block_table, cache_lens)
+    k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, step)
     s_ctx = cached.shape[1]
-    ctx_mask, active_mask = gen_segment_masks(cached, segment_ids, window)  # (B, S, s_ctx), (B, S, S)
+    ctx_mask, active_mask = gen_segment_masks(cached, step.segment_ids, window)  # (B, S, s_ctx), (B, S, S)
 
     # (B, KVH, group, S, D) x (B, KVH, 1, D, L): GQA by broadcasting, no repeated K/V.
     qg = q.reshape(batch, seq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).float()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from neuron_buckets.kernels import block_kv_flex, block_kv_torch
+from neuron_buckets.kernels.attention_step import AttentionStep
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,9 @@ def block_kv_attention(
     v_active: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_table: Tensor,
-    cache_lens: Tensor,
-    segment_ids: Tensor,
+    step: AttentionStep,
     scale: float,
     window: int | None = None,
 ) -> Tensor:
     """Paged attention over the block table plus the step's own tokens, with the active kernels."""
-    return _active.block_kv_attention(
-        q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
-    )
+    return _active.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
 from neuron_buckets.kernels import block_kv_torch
+from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_nki import MAX_CTX, PMAX, jitted
 from neuron_buckets.kernels.dispatch import KernelSet
 
@@ -36,8 +37,7 @@ def context_slots(block_table: Tensor, cache_lens: Tensor, block_size: int) -> T
 
 
 def attention_kernel_inputs(
-    q: Tensor, k_active: Tensor, v_active: Tensor, block_table: Tensor, cache_lens: Tensor,
-    segment_ids: Tensor, bs: int, window: int | None = None,
+    q: Tensor, k_active: Tensor, v_active: Tensor, step: AttentionStep, bs: int, window: int | None = None
 ) -> tuple[Tensor, ...]:
     """The kernel's q, k_active, v_active, ctx_slots, mask_cache, mask_active from golden inputs.
 
@@ -47,10 +47,10 @@ def attention_kernel_inputs(
     batch, seq, num_heads, head_dim = q.shape
     kv_heads = k_active.shape[2]
     rows = num_heads // kv_heads * seq
-    ctx = block_table.shape[1] * bs
+    ctx = step.block_table.shape[1] * bs
     q_k = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, rows, head_dim).contiguous()
-    cached = gen_cache_mask(cache_lens, 1, 1, ctx)[:, 0, 0]
-    context, active = gen_segment_masks(cached, segment_ids, window)  # (B, S, ctx), (B, S, S)
+    cached = gen_cache_mask(step.cache_lens, 1, 1, ctx)[:, 0, 0]
+    context, active = gen_segment_masks(cached, step.segment_ids, window)  # (B, S, ctx), (B, S, S)
     group = num_heads // kv_heads
 
     def per_row(mask: Tensor) -> Tensor:  # (B, S, L) -> (B, KVH, group * S, L), the kernel's rows
@@ -62,7 +62,7 @@ def attention_kernel_inputs(
         q_k,
         k_active.permute(0, 2, 1, 3).contiguous(),
         v_active.permute(0, 2, 1, 3).contiguous(),
-        context_slots(block_table, cache_lens, bs),
+        context_slots(step.block_table, step.cache_lens, bs),
         per_row(context).to(torch.uint8),
         per_row(active).to(torch.uint8),
     )
@@ -85,9 +85,7 @@ def block_kv_attention(
     v_active: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_table: Tensor,
-    cache_lens: Tensor,
-    segment_ids: Tensor,
+    step: AttentionStep,
     scale: float,
     window: int | None = None,
 ) -> Tensor:
@@ -98,13 +96,11 @@ def block_kv_attention(
     compiles from its torch ops like the rest of the graph.
     """
     batch, seq, num_heads, head_dim = q.shape
-    if not attention_kernel_fits(q.shape, k_active.shape[2], block_table.shape[1] * k_cache.shape[1]):
-        return block_kv_torch.block_kv_attention(
-            q, k_active, v_active, k_cache, v_cache, block_table, cache_lens, segment_ids, scale, window
-        )
+    if not attention_kernel_fits(q.shape, k_active.shape[2], step.block_table.shape[1] * k_cache.shape[1]):
+        return block_kv_torch.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     _, attend = jitted()
     q_k, k_act, v_act, slots, mask_cache, mask_active = attention_kernel_inputs(
-        q, k_active, v_active, block_table, cache_lens, segment_ids, k_cache.shape[1], window
+        q, k_active, v_active, step, k_cache.shape[1], window
     )
     out = attend(q_k, k_act, v_act, k_cache, v_cache, slots, mask_cache, mask_active, float(scale))
     return out.reshape(batch, num_heads, seq, head_dim).permute(0, 2, 1, 3)

@@ -263,7 +263,7 @@ def test_editing_the_model_source_changes_every_key(config, keys_of, tmp_path, m
     before = keys_of(config)
     copies = copy_sources(tmp_path, monkeypatch)
     assert keys_of(config) == before, "an identical copy must hash the same"
-    model_py = next(p for p in copies if p.name == "llama.py")
+    model_py = next(p for p in copies if p.name == "model_config.py")
     text = model_py.read_text()
     edited = text.replace("rms_norm_eps: float = 1e-6", "rms_norm_eps: float = 1e-5")
     assert edited != text

@@ -12,13 +12,17 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk, pad_prefill
 from neuron_buckets.model.checkpoint import (
     DEFAULT_CONFIG,
+    checkpoint_shapes,
+    checkpoint_tensors,
     default_model,
     load_model,
     load_weights,
     read_state_dict,
     save_weights,
 )
-from neuron_buckets.model.llama import Llama, LlamaConfig, RopeScaling
+from neuron_buckets.model.llama import Llama
+from neuron_buckets.model.model_config import LlamaConfig, RopeScaling
+from neuron_buckets.model.weights import LayerWeights, layer_shapes
 
 BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -29,7 +33,7 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
 
 def last_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     """Our logits for the last of ``ids``, prefilled in one padded step over blocks 3, 1, 2."""
-    k = torch.zeros(model.cache_shape(8, 16), dtype=next(model.parameters()).dtype)
+    k = torch.zeros(model.cache_shape(8, 16), dtype=model.weights.embed.dtype)
     step = pad_prefill([PrefillChunk(ids, 0, [3, 1, 2])], Bucket("prefill", 1, 48, 48), 16)
     with torch.no_grad():
         return model(*step.args(), k, k.clone())[0]
@@ -94,8 +98,9 @@ def test_architecture_switches_read_as_transformers_reads_them(hf, flags):
     config = LlamaConfig.from_hf({**BASE, **hf})
     assert (config.qkv_bias, config.o_bias, config.qk_norm, config.sliding_window) == flags
     assert LlamaConfig.from_hf(config.to_hf()) == config
-    attn = Llama(config).model.layers[0].self_attn
-    assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None, hasattr(attn, "q_norm")) == flags[:3]
+    names = checkpoint_shapes(config)
+    has = ("self_attn.q_proj.bias", "self_attn.o_proj.bias", "self_attn.q_norm.weight")
+    assert tuple(f"model.layers.0.{n}" in names for n in has) == flags[:3]
 
 
 def test_qwen3_without_head_dim_has_transformers_default_of_128():
@@ -117,7 +122,7 @@ def test_tied_checkpoint_directory_loads_as_transformers_runs_it(tmp_path, dtype
                      ["weight_map"].values())
         assert len(shards) > 1
     model = load_model(tmp_path)  # float32, from the stored dtype
-    assert model.lm_head is None and model.config.tie_word_embeddings
+    assert model.weights.lm_head is None and model.config.tie_word_embeddings
     ids = torch.randint(0, 256, (37,)).tolist()
     # Reload rather than hf.float(): .to(dtype) also rounded transformers' rotary buffer.
     ref_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -129,22 +134,22 @@ def test_tied_checkpoint_directory_loads_as_transformers_runs_it(tmp_path, dtype
 
 
 def test_missing_or_misshapen_weights_are_named(tmp_path):
-    model = Llama(LlamaConfig.from_hf(BASE))
-    weights = dict(model.state_dict())
+    config = LlamaConfig.from_hf(BASE)
+    full = {name: torch.zeros(shape) for name, shape in checkpoint_shapes(config).items()}
+    weights = dict(full)
     del weights["model.norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
-        load_weights(model, weights)
-    weights = {**model.state_dict(), "lm_head.weight": torch.zeros(255, 64)}
+        load_weights(config, weights)
+    weights = {**full, "lm_head.weight": torch.zeros(255, 64)}
     with pytest.raises(ValueError, match=r"lm_head.weight has shape \(255, 64\)"):
-        load_weights(model, weights)
+        load_weights(config, weights)
     with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
         read_state_dict(tmp_path)
 
 
 def test_default_model_is_deterministic_with_lively_logits():
     a, b = default_model(), default_model()
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                 b.state_dict().values(), strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.weights.tensors(), b.weights.tensors(), strict=True))
     logits = last_logits(a, list(range(1, 30)))
     assert logits.std() > 0.5  # clearly separated: greedy decoding is not a coin toss
 
@@ -153,11 +158,43 @@ def test_weights_round_trip_through_one_file_and_into_transformers(tmp_path):
     """The artifact's weights.safetensors holds transformers names: HF loads it as is."""
     model = default_model()
     save_weights(model, tmp_path / "weights.safetensors")
-    again = load_weights(Llama(DEFAULT_CONFIG), tmp_path / "weights.safetensors")
+    again = Llama(DEFAULT_CONFIG, load_weights(DEFAULT_CONFIG, tmp_path / "weights.safetensors"))
     ids = [5, 9, 200, 3, 77]
     assert torch.equal(last_logits(again, ids), last_logits(model, ids))
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DEFAULT_CONFIG.to_hf())).eval()
-    hf.load_state_dict(model.state_dict(), strict=True)
+    hf.load_state_dict(checkpoint_tensors(model.config, model.weights), strict=True)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(last_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hf", [
+    {"model_type": "llama"},
+    {"model_type": "llama", "attention_bias": True, "tie_word_embeddings": True},
+    {"model_type": "qwen2"},
+    {"model_type": "qwen3", "head_dim": 16, "attention_bias": True},
+    {"model_type": "mistral", "sliding_window": 8},
+])
+def test_weights_fuse_once_at_load_and_split_back_to_the_checkpoint_names(hf):
+    """Every architecture's biases and norms land in their LayerWeights field (q/k/v and gate/up
+    stacked in order), a layer piece's flat inputs rebuild the same record, and saving gives back
+    exactly the checkpoint's tensors by their transformers names."""
+    config = LlamaConfig.from_hf({**BASE, **hf})
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: torch.randn(s, generator=gen) for n, s in checkpoint_shapes(config).items()}
+    weights = load_weights(config, dict(tensors))
+    layer = weights.layers[1]
+    prefix = "model.layers.1."
+    want_qkv = [tensors[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(layer.qkv, torch.cat(want_qkv))
+    assert torch.equal(layer.gate_up, torch.cat([tensors[prefix + "mlp.gate_proj.weight"],
+                                                 tensors[prefix + "mlp.up_proj.weight"]]))
+    assert (layer.qkv_bias is not None, layer.o_bias is not None, layer.q_norm is not None) == (
+        config.qkv_bias, config.o_bias, config.qk_norm)
+    assert LayerWeights.of(config, layer.tensors()) == layer
+    assert [tuple(t.shape) for t in layer.tensors()] == layer_shapes(config)
+    back = checkpoint_tensors(config, weights)
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    assert (weights.lm_head is None) == config.tie_word_embeddings
+    assert weights.head[1] is (weights.embed if config.tie_word_embeddings else weights.lm_head)

@@ -198,7 +198,7 @@ def test_buckets_share_piece_files_and_the_one_weights_copy(eager_dir):
     assert len(runtime.loaded) == 6
     for key in runtime.loaded:
         assert list(runtime.graph(key).piece.parameters()) == []
-    shared = {t.data_ptr() for t in runtime.weights.values()}
+    shared = {t.data_ptr() for t in runtime.weights.tensors()}
     assert len(runtime.layer_weights) == runtime.config.num_layers
     for layer in runtime.layer_weights:
         assert {t.data_ptr() for t in layer} <= shared

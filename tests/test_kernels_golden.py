@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
 from neuron_buckets.kernels import block_kv_flex, block_kv_paged, block_kv_sdpa
+from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
 KVH, D = 2, 8
@@ -112,8 +113,8 @@ def run_attention(case, cache_lens, scale=0.3, table=None, window=None):
     q, k_act, v_act, k_cache, v_cache, base_table, _, _ = case
     table = remap_null_block_to_sentinel(base_table) if table is None else table
     segments = torch.zeros(q.shape[:2], dtype=torch.int64)  # one request per row
-    return block_kv_attention(q, k_act, v_act, k_cache, v_cache, table,
-                              torch.tensor(cache_lens), segments, scale, window)
+    step = AttentionStep(table, torch.tensor(cache_lens), segments)
+    return block_kv_attention(q, k_act, v_act, k_cache, v_cache, step, scale, window)
 
 
 @settings(max_examples=25, deadline=None)
@@ -192,8 +193,8 @@ def test_packed_segments_attend_like_separate_requests(window):
     case = paged_case([cached], first + second, bs, 3, 4, seed=5)
     q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
     segments = torch.tensor([[0] * first + [1] * second])
-    out = block_kv_attention(q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table),
-                             torch.tensor([cached]), segments, 0.3, window)
+    step = AttentionStep(remap_null_block_to_sentinel(table), torch.tensor([cached]), segments)
+    out = block_kv_attention(q, k_act, v_act, k_cache, v_cache, step, 0.3, window)
     end = cached + first
     ref_first = dense_reference(q[0, :first], k_seq[0, :end], v_seq[0, :end], cached, 0.3, window)
     ref_second = dense_reference(q[0, first:], k_act[0, first:], v_act[0, first:], 0, 0.3, window)
@@ -246,8 +247,8 @@ def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packe
     if packed:  # requests end to end in each row: sorted segment ids, segment 0 first
         segments = torch.randint(0, 3, (len(lens), seq), generator=gen).sort(dim=1).values
         segments -= segments[:, :1].clone()
-    args = (q, k_act, v_act, k_cache, v_cache, remap_null_block_to_sentinel(table), torch.tensor(lens),
-            segments, 0.3, window)
+    step = AttentionStep(remap_null_block_to_sentinel(table), torch.tensor(lens), segments)
+    args = (q, k_act, v_act, k_cache, v_cache, step, 0.3, window)
     want = block_kv_attention(*args)
     got = kernel.block_kv_attention(*args)
     assert torch.isfinite(got).all()

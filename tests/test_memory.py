@@ -62,5 +62,5 @@ def test_the_estimates_count_the_real_cache_and_weights():
     assert cache_bytes(DEFAULT_CONFIG, config.cache.num_blocks, config.cache.block_size, "float32") == (
         2 * torch.zeros(shape).nbytes
     )
-    params = sum(p.nbytes for p in default_model(torch.bfloat16).parameters())
+    params = sum(t.nbytes for t in default_model(torch.bfloat16).weights.tensors())
     assert weights_bytes(DEFAULT_CONFIG, "bfloat16") == params

@@ -11,7 +11,8 @@ from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.kernels import dispatch
 from neuron_buckets.model.checkpoint import load_weights
-from neuron_buckets.model.llama import Llama, LlamaConfig
+from neuron_buckets.model.llama import Llama
+from neuron_buckets.model.model_config import LlamaConfig
 from tests.conftest import ARCHITECTURES, tiny_hf_model
 
 BS, NUM_BLOCKS, CTX = 8, 48, 64
@@ -29,7 +30,8 @@ def hf_model(arch: str = "llama", **overrides) -> transformers.PreTrainedModel:
 
 
 def ours_from(hf: transformers.PreTrainedModel) -> Llama:
-    return load_weights(Llama(LlamaConfig.from_hf(hf.config.to_dict())), hf.state_dict()).eval()
+    config = LlamaConfig.from_hf(hf.config.to_dict())
+    return Llama(config, load_weights(config, hf.state_dict()))
 
 
 class Session:

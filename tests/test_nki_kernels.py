@@ -14,6 +14,7 @@ import torch
 from neuron_buckets.backends.neuron import offset_to_layer
 from neuron_buckets.core.block_table import compute_slot_mapping
 from neuron_buckets.kernels import block_kv_nki, block_kv_torch, nki_ops
+from neuron_buckets.kernels.attention_step import AttentionStep
 
 NO_NKI = (
     "needs the nki package (AWS Neuron SDK 2.29+, NKI 0.3) to run nki.simulate: "
@@ -42,7 +43,7 @@ def step_case(batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=0):
     k_act = torch.randn(batch, seq, kv_heads, head_dim, generator=g)
     v_act = torch.randn(batch, seq, kv_heads, head_dim, generator=g)
     segments = torch.zeros(batch, seq, dtype=torch.int64)  # decode rows: one request each
-    return q, k_act, v_act, k_cache, v_cache, table, lens, segments
+    return q, k_act, v_act, k_cache, v_cache, AttentionStep(table, lens, segments)
 
 
 def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
@@ -62,10 +63,11 @@ def test_context_slots_follow_the_block_table_and_stop_at_the_cache_length():
 def test_kernel_inputs_group_query_heads_by_kv_head_with_matching_masks(window):
     """The kernel's masks are the golden's, sliding window included: it needs no window itself."""
     batch, seq, heads, kv_heads, head_dim, bs, cols = 2, 3, 4, 2, 8, 4, 2
-    q, k_act, v_act, *_, table, lens, _ = step_case(batch, seq, heads, kv_heads, head_dim, bs, cols)
+    q, k_act, v_act, _, _, step = step_case(batch, seq, heads, kv_heads, head_dim, bs, cols)
     segments = torch.tensor([[0, 0, 0], [0, 1, 1]])  # row 1 packs two requests
+    lens = step.cache_lens
     q_k, k_k, v_k, slots, mask_cache, mask_active = nki_ops.attention_kernel_inputs(
-        q, k_act, v_act, table, lens, segments, bs, window
+        q, k_act, v_act, step._replace(segment_ids=segments), bs, window
     )
     reach = window or bs * cols + seq  # positions back a token may look
     group = heads // kv_heads
@@ -156,16 +158,13 @@ def test_write_kernel_matches_the_golden_and_skips_pad_slots(tokens):
 @pytest.mark.neuron
 def test_attention_kernel_matches_the_golden(batch, seq, heads, kv_heads, head_dim, block_size, cols, window):
     nki = pytest.importorskip("nki", reason=NO_NKI)
-    q, k_act, v_act, k_cache, v_cache, table, lens, segments = step_case(
+    q, k_act, v_act, k_cache, v_cache, step = step_case(
         batch, seq, heads, kv_heads, head_dim, block_size, cols, seed=seq
     )
     scale = head_dim**-0.5
-    want = block_kv_torch.block_kv_attention(
-        q, k_act, v_act, k_cache, v_cache, table, lens, segments, scale, window
-    )
+    want = block_kv_torch.block_kv_attention(q, k_act, v_act, k_cache, v_cache, step, scale, window)
     q_k, k_k, v_k, slots, mask_cache, mask_active = (
-        t.numpy()
-        for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, table, lens, segments, block_size, window)
+        t.numpy() for t in nki_ops.attention_kernel_inputs(q, k_act, v_act, step, block_size, window)
     )
     out = nki.simulate(block_kv_nki.block_kv_attention_kernel)(
         q_k, k_k, v_k, k_cache.numpy(), v_cache.numpy(), slots, mask_cache, mask_active, scale

@@ -42,7 +42,7 @@ class EagerBackend:
         out_file.write_text(json.dumps({"piece": type(piece).__name__, "input_shapes": shapes}))
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
-        from neuron_buckets.model.llama import LlamaConfig
+        from neuron_buckets.model.model_config import LlamaConfig
         from neuron_buckets.model.pieces import PIECES
 
         spec = json.loads(path.read_text())

@@ -53,7 +53,7 @@ from neuron_buckets.compile.worker import CompileTask, Toolchain
 from neuron_buckets.config import Config, enumerate_grid
 from neuron_buckets.config.memory import check_compile_memory, compile_job_bytes
 from neuron_buckets.model.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
-from neuron_buckets.model.llama import LlamaConfig
+from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
 
 

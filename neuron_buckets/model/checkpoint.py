@@ -1,10 +1,11 @@
 """Weights in and out: Hugging Face style checkpoint directories and the artifact's one file.
 
 A checkpoint directory holds ``config.json`` plus ``model.safetensors`` or a sharded
-``model.safetensors.index.json``, with the transformers parameter names (which ``Llama`` uses
-itself), in float32, float16 or bfloat16. transformers is never imported: safetensors reads the
-tensors. The artifact stores the weights once (``save_weights``) and every bucket graph shares
-them (``load_weights``).
+``model.safetensors.index.json``, with the transformers parameter names, in float32, float16 or
+bfloat16. transformers is never imported: safetensors reads the tensors. The names live here
+only (``LAYER_PARTS``): loading turns them into the fused ``ModelWeights`` the model computes
+with, saving turns them back. The artifact stores the weights once, by the same names
+(``save_weights``), and every bucket graph shares them (``load_weights``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from neuron_buckets.model.hf_config import parse_hf_config
-from neuron_buckets.model.llama import Llama, LlamaConfig
+from neuron_buckets.model.llama import Llama
+from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
+from neuron_buckets.model.weights import LayerWeights, ModelWeights, part_shapes
 
 DEFAULT_CONFIG = LlamaConfig(
     vocab_size=512,
@@ -37,8 +39,23 @@ DEFAULT_SEED = 0
 # Large enough that two layers of random weights still give clearly separated logits.
 DEFAULT_INIT_STD = 0.1
 LOADABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every tensor it allocates
 # Buffers some older checkpoints stored; recomputed from the config here.
 _DERIVED = ".rotary_emb.inv_freq"
+# Each ``LayerWeights`` field -> the checkpoint tensors (names within ``model.layers.N.``) it
+# stacks, in ``part_shapes`` order.
+LAYER_PARTS = {
+    "input_norm": ("input_layernorm.weight",),
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o": ("self_attn.o_proj.weight",),
+    "post_norm": ("post_attention_layernorm.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "o_bias": ("self_attn.o_proj.bias",),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
+}
 
 
 class CheckpointError(ValueError):
@@ -103,63 +120,108 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     return tensors
 
 
-def load_weights(model: Llama, weights: str | Path | dict[str, Tensor], share: bool = False) -> Llama:
-    """Load a state dict (or one safetensors file) into ``model`` strictly.
+def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``config`` holds, by transformers name, with its shape."""
+    c = config
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        for field, parts in part_shapes(c).items():
+            shapes.update(zip((f"model.layers.{i}.{n}" for n in LAYER_PARTS[field]), parts, strict=True))
+    shapes["model.norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
 
-    By default the tensors are copied and cast to the model's dtype; ``share=True`` makes the
-    model use them as they are (build it on the ``meta`` device), so several models can share one
-    copy. A tied model has no ``lm_head``, so a checkpoint's redundant ``lm_head.weight`` is
-    dropped; any other missing, unexpected or misshapen tensor is an error that names it.
+
+def load_weights(
+    config: LlamaConfig, tensors: str | Path | dict[str, Tensor], dtype: torch.dtype | None = None
+) -> ModelWeights:
+    """The model's weights from a state dict (or one safetensors file) by transformers name.
+
+    Checked strictly: a tied model has no ``lm_head``, so a checkpoint's redundant
+    ``lm_head.weight`` is dropped; any other missing, unexpected or misshapen tensor is an error
+    that names it. Cast to ``dtype`` if given. A tensor that fuses nothing is used as it is, not
+    copied, unless it is not ``ALIGNMENT``-aligned (safetensors' are not): CPU BLAS picks its
+    kernels by alignment, so an unaligned weight rounds differently, and a model read back from
+    its file would not compute what the model that wrote it did. The tensors are taken out of
+    ``tensors`` as each layer is fused, so a checkpoint's layers are never held twice.
     """
-    if not isinstance(weights, dict):
-        weights = load_file(Path(weights))
-    weights = {k: v for k, v in weights.items() if not k.endswith(_DERIVED)}
-    if model.lm_head is None:
-        weights.pop("lm_head.weight", None)
-    bad = sorted(k for k, v in weights.items() if v.dtype not in LOADABLE_DTYPES)
+    if not isinstance(tensors, dict):
+        tensors = load_file(Path(tensors))
+    for key in [k for k in tensors if k.endswith(_DERIVED)]:
+        del tensors[key]
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    bad = sorted(k for k, v in tensors.items() if v.dtype not in LOADABLE_DTYPES)
     if bad:
         raise ValueError(f"tensors {bad} have unsupported dtypes; use one of {LOADABLE_DTYPES}")
-    expected = model.state_dict()
-    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected)
+    expected = checkpoint_shapes(config)
+    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    for name, tensor in weights.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(weights, strict=True, assign=share)
-    return model
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+
+    def take(name: str) -> Tensor:
+        tensor = tensors.pop(name)
+        tensor = tensor if dtype is None else tensor.to(dtype)
+        return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
+
+    def layer(i: int) -> LayerWeights:
+        fused = {}
+        for field in part_shapes(config):
+            parts = [take(f"model.layers.{i}.{n}") for n in LAYER_PARTS[field]]
+            fused[field] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return LayerWeights(**fused)
+
+    embed = take("model.embed_tokens.weight")
+    layers = tuple(layer(i) for i in range(config.num_layers))
+    lm_head = None if config.tie_word_embeddings else take("lm_head.weight")
+    return ModelWeights(embed, layers, take("model.norm.weight"), lm_head)
+
+
+def checkpoint_tensors(config: LlamaConfig, weights: ModelWeights) -> dict[str, Tensor]:
+    """``weights`` by transformers name, fused tensors split back into views of themselves."""
+    out = {"model.embed_tokens.weight": weights.embed}
+    for i, layer in enumerate(weights.layers):
+        for field, parts in part_shapes(config).items():
+            pieces = getattr(layer, field).split([p[0] for p in parts])
+            out.update(zip((f"model.layers.{i}.{n}" for n in LAYER_PARTS[field]), pieces, strict=True))
+    out["model.norm.weight"] = weights.norm
+    if weights.lm_head is not None:
+        out["lm_head.weight"] = weights.lm_head
+    return out
 
 
 def save_weights(model: Llama, file: str | Path) -> None:
-    """Write every parameter once, by its transformers name, into one safetensors file.
+    """Write every weight once, by its transformers name, into one safetensors file.
 
     A failed write (a full disk) is an OSError, like every other write nb makes.
     """
+    tensors = checkpoint_tensors(model.config, model.weights)
     try:
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(file))
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(file))
     except SafetensorError as e:
         raise OSError(str(e)) from None
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama:
     """Build the model of a Hugging Face style directory, weights cast to ``dtype``."""
-    model = Llama(read_config(path)).to(dtype)
-    return load_weights(model, read_state_dict(path)).eval()
+    config = read_config(path)
+    return Llama(config, load_weights(config, read_state_dict(path), dtype))
 
 
 def default_model(dtype: torch.dtype = torch.float32) -> Llama:
     """The embedded default: ``DEFAULT_CONFIG`` with deterministic seeded weights."""
-    model = Llama(DEFAULT_CONFIG)
     gen = torch.Generator().manual_seed(DEFAULT_SEED)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, DEFAULT_INIT_STD, generator=gen)
-    return model.to(dtype).eval()
+    tensors = {}
+    for name, shape in checkpoint_shapes(DEFAULT_CONFIG).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape)
+        else:
+            tensors[name] = torch.empty(shape).normal_(0.0, DEFAULT_INIT_STD, generator=gen)
+    return Llama(DEFAULT_CONFIG, load_weights(DEFAULT_CONFIG, tensors, dtype))
 
 
 def model_config_of(source: Path | None) -> LlamaConfig:
@@ -181,11 +243,13 @@ def weights_fingerprint(source: Path | None, dtype: torch.dtype) -> str:
     """A cheap identity of the weights a source yields, to skip rewriting unchanged weights.
 
     Checkpoint directories: the names, sizes and modification times of their files; the default:
-    this module's source (seed, init) and the torch version (its random generator).
+    this module's source and the weights layout's (seed, init, draw order) and the torch version
+    (its random generator).
     """
     h = hashlib.sha256(str(dtype).encode())
     if source is None:
-        h.update(Path(__file__).read_bytes())
+        for module in (Path(__file__), Path(__file__).with_name("weights.py")):
+            h.update(module.read_bytes())
         h.update(torch.__version__.encode())
     else:
         for f in sorted(Path(source).glob("*")):

@@ -19,7 +19,10 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.model.llama import DecoderLayer, LlamaConfig, Step, decoder_layer, embed, head
+from neuron_buckets.kernels.attention_step import AttentionStep
+from neuron_buckets.model.llama import decoder_layer, embed, head
+from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.model.weights import LayerWeights, layer_shapes
 
 Role = Literal["embed", "layer", "head"]
 ROLES: tuple[Role, ...] = ("embed", "layer", "head")
@@ -78,8 +81,10 @@ class LayerPiece(nn.Module):
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_table: Tensor,
                 cache_lens: Tensor, segment_ids: Tensor, k_cache: Tensor, v_cache: Tensor,
                 weights: tuple[Tensor, ...]) -> Tensor:
-        step = Step(slot_mapping, block_table, cache_lens, segment_ids)
-        return decoder_layer(self.config, h, cos, sin, step, k_cache, v_cache, weights)
+        """``weights``: the layer's ``LayerWeights.tensors()``, flat as a compiled graph takes them."""
+        step = AttentionStep.of_flat(block_table, cache_lens, segment_ids)
+        layer = LayerWeights.of(self.config, weights)
+        return decoder_layer(self.config, h, cos, sin, slot_mapping, step, k_cache, v_cache, layer)
 
 
 class HeadPiece(nn.Module):
@@ -119,7 +124,7 @@ def example_inputs(
     lens = torch.zeros(shape.rows, dtype=torch.int64, device=device)
     slots = torch.full((t,), -1, dtype=torch.int64, device=device)
     cache = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    weights = tuple(zeros(*size) for size in layer_weight_shapes(c))
+    weights = tuple(zeros(*size) for size in layer_shapes(c))
     return (zeros(t, c.hidden_size), zeros(t, c.head_dim), zeros(t, c.head_dim), slots, table, lens,
             ids.clone(), zeros(*cache), zeros(*cache), weights)
 
@@ -132,12 +137,6 @@ def dynamic_shapes(shape: PieceShape) -> tuple | None:
     if shape.role == "embed":
         return ({0: tokens}, {0: tokens}, None)
     return ({0: tokens}, {0: Dim("samples", min=1, max=MAX_DYNAMIC)}, None, None)
-
-
-def layer_weight_shapes(config: LlamaConfig) -> list[torch.Size]:
-    """Shapes of a layer piece's weight inputs, ``piece_weight_keys`` order (from a meta-device layer)."""
-    with torch.device("meta"):
-        return [w.shape for w in DecoderLayer(config).weights()]
 
 
 __all__ = [

@@ -17,8 +17,7 @@ from neuron_buckets.artifact.manifest import MANIFEST, CacheGeometry, Manifest, 
 from neuron_buckets.config.cache import geometry_problem
 from neuron_buckets.config.memory import check_memory, serving_needs
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.model.hf_config import parse_hf_config
-from neuron_buckets.model.llama import LlamaConfig
+from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
 
 
 def _geometry_problem(cache: CacheGeometry, model: LlamaConfig, buckets: list[Bucket]) -> str | None:

@@ -22,7 +22,8 @@ from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestErr
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
-from neuron_buckets.model.llama import fuse_layer_weights, head_weight_names, layer_weight_keys, unfused_views
+from neuron_buckets.model.checkpoint import load_weights
+from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable
 from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.runtime.step_check import StepLimits, check_step
@@ -64,9 +65,9 @@ class BucketRuntime:
         self.k_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
-        self.embed_weight = weights["model.embed_tokens.weight"]
-        self.layer_weights = [self._fuse_layer(weights, i) for i in range(geo.num_layers)]
-        self.head_weights = tuple(weights[n] for n in head_weight_names(self.config))
+        self.embed_weight = weights.embed
+        self.layer_weights = [layer.tensors() for layer in weights.layers]
+        self.head_weights = weights.head
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
         self.records = {
@@ -102,23 +103,16 @@ class BucketRuntime:
                 f"{self.directory}: graphs were compiled for other versions ({detail}); recompile"
             )
 
-    def _load_weights(self) -> dict[str, Tensor]:
+    def _load_weights(self) -> ModelWeights:
+        """The artifact's weights, fused once as the layer pieces take them; the file's own
+        tensors are dropped layer by layer, so the model is never held twice."""
         info = self.manifest.weights
         path = self.directory / info.file
         if not path.is_file():
             raise ArtifactError(f"weights file {path} is missing")
         if sha256_file(path) != info.sha256:
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
-        return load_file(path, device=self.device)
-
-    def _fuse_layer(self, weights: dict[str, Tensor], layer: int) -> tuple[Tensor, ...]:
-        """Layer ``layer``'s piece inputs; its entries in ``weights`` become views of them, so the
-        fused projections do not hold a second copy of the layer in memory."""
-        prefix = f"model.layers.{layer}."
-        own = {k: weights[prefix + k] for k in layer_weight_keys(self.config)}
-        fused = fuse_layer_weights(self.config, own)
-        weights.update({prefix + k: t for k, t in unfused_views(self.config, fused).items()})
-        return fused
+        return load_weights(self.config, load_file(path, device=self.device))
 
     def graph(self, key: str) -> GraphFn:
         """A piece's graph, loaded on first use after checking its file against the manifest."""

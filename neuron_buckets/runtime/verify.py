@@ -15,7 +15,6 @@ import torch
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk, StepInputs, pad_decode, pad_prefill
-from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 
@@ -90,8 +89,7 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
     runtime = BucketRuntime.open(directory)
     manifest = runtime.manifest
     dtype = manifest.cache.dtype
-    model = Llama(runtime.config).to(getattr(torch, dtype))
-    load_weights(model, runtime.weights).to(runtime.device).eval()
+    model = Llama(runtime.config, runtime.weights)  # the runtime's own weights, not a copy
     gen = torch.Generator().manual_seed(seed)
     vocab = runtime.config.vocab_size
     results = []
