@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("inductor", "eager", "neuron")
+BACKENDS = ("inductor", "eager", "neuron", "xla")
 EXECUTORS = ("local", "ray")
 
 
