@@ -127,7 +127,8 @@ def lower(spec: TraceSpec) -> Lowering:
         and all(is_static(i["shape"]) for i in entry["instructions"]),
         "parameters": [shape_text(p) for p in program["parameters"]],
         "outputs": [shape_text(s) for s in program["result"].get("tupleShapes", [program["result"]])],
-        "inputs": [context.tensor_parameter_id(t) for t in tree_leaves(inputs)],  # -1: unused
+        "input_shapes": [list(t.shape) for t in tree_leaves(spec.inputs)],  # as traced: layer index first
+        "inputs": [context.tensor_parameter_id(t) for t in tree_leaves(inputs)],  # parameters; -1: unused
         "aliases": {str(out): param for out, param in sorted(aliases.items())},
         "ops": dict(sorted(Counter(i["opcode"] for i in entry["instructions"]).items())),
         "torch": torch.__version__,

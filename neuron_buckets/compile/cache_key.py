@@ -52,9 +52,12 @@ def source_digest(extra: tuple[Path, ...] = ()) -> str:
 
 
 def backend_source_digest(backend: Backend) -> str:
-    """``source_digest`` with the backend's own module: what the driver keys with and what every
-    worker, on whatever node, checks it would compile."""
-    return source_digest(extra=(Path(sys.modules[type(backend).__module__].__file__),))
+    """``source_digest`` with the backend's own module, or the modules it names in ``source_modules``
+    when its graphs are shaped by more (the xla backend's: its lowering and the Neuron backend's
+    traced modules): what the driver keys with and what every worker, on whatever node, checks it
+    would compile."""
+    modules = getattr(backend, "source_modules", (type(backend).__module__,))
+    return source_digest(extra=tuple(Path(sys.modules[m].__file__) for m in modules))
 
 
 def graph_key(
