@@ -178,3 +178,35 @@ def test_greedy_generation_through_xla_pieces_equals_transformers(runtimes, hf_m
                                  pad_token_id=0, eos_token_id=None)
         want.append(out[0, len(p):].tolist())
     assert greedy(poisoned(runtimes[0]), prompts, 8) == want
+
+
+class KernelGlue(torch.nn.Module):
+    """The torch side of the NKI attention kernel's call (layouts, masks, slot ids), which the
+    Neuron layer graph traces around the kernel."""
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from neuron_buckets.kernels import nki_ops
+
+        return nki_ops.attention_kernel_inputs(*args, 8)
+
+
+def test_the_nki_kernels_torch_glue_lowers_to_one_static_graph_and_runs_as_on_cpu():
+    """What of the NKI path runs here: its torch glue, lowered and executed on XLA:CPU. The kernels
+    themselves need the nki package (absent: see the README's Neuron section)."""
+    from neuron_buckets.backends.neuron import TraceSpec
+    from neuron_buckets.backends.xla import XlaGraph
+    from neuron_buckets.backends.xla_lowering import lower
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, heads, 16, generator=gen) for heads in (4, 2, 2))
+    table = torch.tensor([[3, 4, -1] + [-1] * 13, [5] + [-1] * 15])
+    lens, segments = torch.tensor([13, 2]), torch.zeros(2, 3, dtype=torch.int64)
+    args = (q, k, v, table, lens, segments)
+    want = KernelGlue()(*args)
+    lowering = lower(TraceSpec(KernelGlue(), args, {}))
+    assert lowering.problems == []
+    assert lowering.summary["outputs"] == [
+        "f32[2,2,6,16]", "f32[2,2,3,16]", "f32[2,2,3,16]", "s32[2,128,1]", "u8[2,2,6,128]", "u8[2,2,6,3]",
+    ]  # fmt: skip
+    for got, expected in zip(XlaGraph(KernelGlue())(*args), want, strict=True):
+        assert torch.equal(got, expected)
