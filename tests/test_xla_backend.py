@@ -10,13 +10,14 @@ stacked-cache layer, the layer index an input) with the goldens in place of the 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from filelock import FileLock
 
-from neuron_buckets.config import DTYPES, load_config
+from neuron_buckets.config import DTYPES, Config, load_config
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, write_config
@@ -30,35 +31,48 @@ XLA_CONFIG = TINY_CONFIG.replace('"inductor"', '"xla"').replace(
 ATOL = 2e-5  # float32, times the largest |logit| (the README's tolerance for float32)
 
 
-def compile_artifact(root: Path, model_dir: Path, backend: str, dtype: str, cache_dir: Path) -> Path:
-    from neuron_buckets.compile.compiler import Compiler
-
+def xla_config(root: Path, model_dir: Path, backend: str, dtype: str) -> Config:
     text = XLA_CONFIG.replace("DTYPE", dtype).replace('"xla"', f'"{backend}"')
-    config = load_config(write_config(root, model_dir, text))
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache_dir) + ".lock"):
-        report = Compiler(config, root / "artifact", cache_dir).run(jobs=2)
-    assert not report.failed, [o.error for o in report.failed]
-    return root / "artifact"
+    return load_config(write_config(root, model_dir, text))
 
 
 @pytest.fixture(scope="module")
 def artifacts(hf_model_dir, graph_cache_dir, tmp_path_factory):
-    """(backend, dtype) -> the tiny model's artifact, each compiled once per module."""
+    """(backend, dtype) -> the tiny model's artifact, compiled by ``nb compile``'s compiler once
+    per module."""
+    from neuron_buckets.compile.compiler import Compiler
+
     made: dict[tuple[str, str], Path] = {}
 
     def get(backend: str, dtype: str) -> Path:
         if (backend, dtype) not in made:
             root = tmp_path_factory.mktemp(f"{backend}-{dtype}")
-            made[backend, dtype] = compile_artifact(root, hf_model_dir, backend, dtype, graph_cache_dir)
+            graph_cache_dir.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(graph_cache_dir) + ".lock"):
+                config = xla_config(root, hf_model_dir, backend, dtype)
+                report = Compiler(config, root / "art", graph_cache_dir).run()
+            assert not report.failed, [o.error for o in report.failed]
+            made[backend, dtype] = root / "art"
         return made[backend, dtype]
 
     return get
 
 
-@pytest.fixture(params=DTYPES)
-def xla_artifact(request, artifacts) -> Path:
-    return artifacts("xla", request.param)
+def grid_graphs(config: Config, out: Path) -> dict[str, dict]:
+    """Every piece of ``config``'s grid compiled by the xla backend in this process, by piece name:
+    what ``nb compile``'s workers run for each, without a worker's start-up per dtype."""
+    from neuron_buckets.backends import get_backend
+    from neuron_buckets.config import enumerate_grid
+    from neuron_buckets.model.checkpoint import model_config_of
+    from neuron_buckets.model.pieces import PIECES, bucket_pieces, example_inputs
+
+    backend, model = get_backend("xla"), model_config_of(config.model.path)
+    c = config.cache
+    shapes = {s for b in enumerate_grid(config) for s in bucket_pieces(b, backend.dynamic_shapes).values()}
+    for s in shapes:
+        example = example_inputs(s, model, c.block_size, c.num_blocks, getattr(torch, c.dtype))
+        backend.compile(PIECES[s.role](model), example, out / f"{s.name}.json", {}, None)
+    return {s.name: json.loads((out / f"{s.name}.json").read_text()) for s in shapes}
 
 
 def walks_to(instructions: dict[str, dict], start: str, target: str) -> bool:
@@ -74,24 +88,23 @@ def walks_to(instructions: dict[str, dict], start: str, target: str) -> bool:
     return False
 
 
-def test_every_piece_lowers_to_one_static_graph_with_aliased_cache(xla_artifact: Path):
-    import json
-
-    from neuron_buckets.artifact.manifest import read_manifest
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_piece_lowers_to_one_static_graph_with_aliased_cache(dtype, hf_model_dir, tmp_path):
     from neuron_buckets.backends.xla_lowering import entry_computation
+    from neuron_buckets.config import enumerate_grid
 
-    manifest = read_manifest(xla_artifact)
-    kinds = {(b.kind, b.batch > 1) for b in manifest.buckets}
-    assert kinds == {("prefill", True), ("decode", False), ("decode", True)}  # prefill packs two
-    assert {b.seq for b in manifest.buckets if b.kind == "decode"} == {3}  # 1 + 2 speculative
+    config = xla_config(tmp_path, hf_model_dir, "xla", dtype)
+    names = [b.name for b in enumerate_grid(config)]  # prefill buckets pack two requests
+    assert names == ["prefill_s16", "prefill_s32", "decode_b1_s3_c128", "decode_b2_s3_c128"]
+    graphs = grid_graphs(config, tmp_path)
+    assert len(graphs) == 12  # embed, layer and head of each token count: 3, 6 (decode), 16, 32
     roles = []
-    for rec in manifest.pieces.values():
-        graph = json.loads((xla_artifact / rec.file).read_text())
+    for name, graph in graphs.items():
         s = graph["summary"]
-        assert (s["graphs"], s["host_fallbacks"], s["static"]) == (1, [], True), rec.name
-        assert -1 not in s["inputs"], f"{rec.name}: an input the graph ignores"
+        assert (s["graphs"], s["host_fallbacks"], s["static"]) == (1, [], True), name
+        assert -1 not in s["inputs"], f"{name}: an input the graph ignores"
         for shape, param in zip(s["input_shapes"], s["inputs"], strict=True):
-            assert s["parameters"][param].endswith(f"[{','.join(map(str, shape))}]"), rec.name
+            assert s["parameters"][param].endswith(f"[{','.join(map(str, shape))}]"), name
         roles.append(graph["piece"])
         if graph["piece"] != "LayerPiece":
             assert s["aliases"] == {}
@@ -117,6 +130,16 @@ def test_every_piece_lowers_to_one_static_graph_with_aliased_cache(xla_artifact:
 @pytest.fixture
 def runtimes(artifacts) -> tuple[Path, Path]:
     return artifacts("xla", "float32"), artifacts("eager", "float32")
+
+
+def test_nb_compile_writes_every_piece_as_lowered(runtimes, hf_model_dir, tmp_path):
+    from neuron_buckets.artifact.manifest import read_manifest
+
+    directory = runtimes[0]
+    want = grid_graphs(xla_config(tmp_path, hf_model_dir, "xla", "float32"), tmp_path)
+    pieces = read_manifest(directory).pieces.values()
+    got = {r.name: json.loads((directory / r.file).read_text()) for r in pieces}
+    assert {n: g["summary"] for n, g in got.items()} == {n: g["summary"] for n, g in want.items()}
 
 
 def poisoned(directory: Path) -> BucketRuntime:
