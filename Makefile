@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-fast lint bench compile
+.PHONY: install test test-xla test-fast lint bench compile
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -13,6 +13,21 @@ test: install
 	$(PY) -m ruff check .
 	lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(MAKE) test-xla
+
+# The Neuron path through torch-xla (tests marked `xla`) in a second, gitignored virtualenv: torch-xla
+# 2.9 needs torch 2.9, which the main environment's pin does not allow. Built once (the index serves
+# torch 2.9 only as its CUDA build: about 7 GB), rebuilt when pyproject.toml changes.
+XLA_VENV ?= .venv-xla
+XLA_PY = $(XLA_VENV)/bin/python
+
+$(XLA_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install -q -e '.[xla]' pytest hypothesis 'transformers>=4.45' tokenizers jinja2
+	touch $@
+
+test-xla: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -m xla tests/test_xla_backend.py
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"

@@ -13,6 +13,7 @@ _BACKENDS = {
     "inductor": ("neuron_buckets.backends.inductor", "InductorBackend"),
     "eager": ("neuron_buckets.backends.eager", "EagerBackend"),
     "neuron": ("neuron_buckets.backends.neuron", "NeuronBackend"),
+    "xla": ("neuron_buckets.backends.xla", "XlaBackend"),
 }
 BACKEND_NAMES = tuple(_BACKENDS)
 

@@ -53,9 +53,10 @@ class EagerBackend:
 
 
 class EagerGraph:
-    """A piece behind a fixed-shape front, so a mis-padded step fails as on a compiled graph."""
+    """A piece (or any graph) behind a fixed-shape front, so a mis-padded step fails as on a
+    compiled graph."""
 
-    def __init__(self, piece: nn.Module, shapes: list[tuple[int, ...]] | None, name: str) -> None:
+    def __init__(self, piece: GraphFn, shapes: list[tuple[int, ...]] | None, name: str) -> None:
         self.piece, self.shapes, self.name = piece, shapes, name
 
     @torch.no_grad()

@@ -146,6 +146,37 @@ class StackedLayer(nn.Module):
         return {self.k_cache: 1, self.v_cache: 2}
 
 
+@dataclass(frozen=True)
+class TraceSpec:
+    """What ``torch_neuronx.trace`` is given for one piece: the module, its example inputs and the
+    aliases of its state. The XLA lowering (``backends/xla_lowering.py``) lowers the same."""
+
+    module: nn.Module
+    inputs: tuple
+    aliases: dict[Tensor, int]
+
+
+def layer_input(layer: int) -> Tensor:
+    """The layer index as the layer graph takes it: shape (1,), never a 0-d tensor, which torch-xla
+    folds into a constant when it is 0 or 1 (its "special scalars"), so that a graph traced with
+    layer 0 would ignore its layer input and work on layer 0 whatever it is given."""
+    return torch.tensor([layer])
+
+
+def trace_spec(piece: nn.Module, example: tuple) -> TraceSpec:
+    """The layer piece as a ``StackedLayer`` over a stacked cache of the model's depth, called with
+    the layer index first and the weights flattened; embed and head as they are."""
+    from neuron_buckets.model.pieces import LayerPiece
+
+    if not isinstance(piece, LayerPiece):
+        return TraceSpec(piece.eval(), example, {})
+    *step, k_cache, v_cache, weights = example
+    layers = piece.config.num_layers
+    module = StackedLayer(piece, k_cache.expand(layers, *k_cache.shape).clone(),
+                          v_cache.expand(layers, *v_cache.shape).clone()).eval()
+    return TraceSpec(module, (layer_input(0), *step, *weights), module.aliases())
+
+
 class _SharedCache:
     """Keeps one logical KV cache across layer NEFFs that each hold their own device copy.
 
@@ -186,7 +217,7 @@ class NeuronLayer:
         *step, k_slice, v_slice, weights = args
         layer = k_slice.storage_offset() // k_slice.numel()
         self.shared.hand_to(self, stacked_of(k_slice), stacked_of(v_slice))
-        out, k_new, v_new = self.traced(torch.tensor(layer), h, cos, sin, *step, *weights)
+        out, k_new, v_new = self.traced(layer_input(layer), h, cos, sin, *step, *weights)
         self.shared.newest = (k_new, v_new)
         return out
 
@@ -227,21 +258,13 @@ class NeuronBackend:
     ) -> None:
         sdk = _sdk()
         from neuron_buckets.kernels import dispatch, nki_ops
-        from neuron_buckets.model.pieces import LayerPiece
 
         args = NeuronFlags.from_dict(flags).compiler_args()
         cpu_only = not neuron_device_present()  # compile-only hosts trace on CPU
         trace = dict(compiler_args=args, inline_weights_to_neff=False, cpu_backend=cpu_only)
         with torch.no_grad(), dispatch.use(nki_ops.KERNELS):
-            if isinstance(piece, LayerPiece):  # the stacked cache as aliased state, the layer an input
-                *step, k_cache, v_cache, weights = example
-                layers = piece.config.num_layers
-                module = StackedLayer(piece, k_cache.expand(layers, *k_cache.shape).clone(),
-                                      v_cache.expand(layers, *v_cache.shape).clone()).eval()
-                inputs = (torch.tensor(0), *step, *weights)
-                traced = sdk.trace(module, inputs, input_output_aliases=module.aliases(), **trace)
-            else:
-                traced = sdk.trace(piece.eval(), example, **trace)
+            spec = trace_spec(piece, example)
+            traced = sdk.trace(spec.module, spec.inputs, input_output_aliases=spec.aliases, **trace)
         sdk.async_load(traced)  # must precede jit.save: loading overlaps across piece graphs
         torch.jit.save(traced, str(out_file))
 

@@ -80,7 +80,7 @@ def compile_(
     jobs: Annotated[
         int | None, typer.Option("--jobs", "-j", min=1, help="Parallel compile processes (local executor)")
     ] = None,
-    backend: Annotated[str | None, typer.Option(help="inductor, eager or neuron")] = None,
+    backend: Annotated[str | None, typer.Option(help="inductor, eager, neuron or xla")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (inductor), neuron")] = None,
     cache_dir: CacheDirOpt = None,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed bucket")] = False,

@@ -54,10 +54,14 @@ def source_digest(extra: tuple[Path, ...] = ()) -> str:
 
 
 def backend_source_digest(backend: Backend) -> str:
-    """``source_digest`` with the backend's own module: what the driver keys with and what every
-    worker, on whatever node, checks it would compile."""
-    module = type(backend).__module__.split(".")  # neuron_buckets.backends.<name>
-    return source_digest(extra=(PACKAGE_ROOT.joinpath(*module[1:]).with_suffix(".py"),))
+    """``source_digest`` with the backend's own module, or the modules it names in ``source_modules``
+    when its graphs are shaped by more (the xla backend's: its lowering and the Neuron backend's
+    traced modules): what the driver keys with and what every worker, on whatever node, checks it
+    would compile."""
+    modules = getattr(backend, "source_modules", (type(backend).__module__,))
+    # neuron_buckets.backends.<name>, found by path so that hashing imports nothing
+    paths = (PACKAGE_ROOT.joinpath(*m.split(".")[1:]).with_suffix(".py") for m in modules)
+    return source_digest(extra=tuple(paths))
 
 
 def graph_key(

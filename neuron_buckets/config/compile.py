@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from neuron_buckets.config.setting import check_choice, check_positive, check_types, setting
 
-BACKENDS = ("inductor", "eager", "neuron")
+BACKENDS = ("inductor", "eager", "neuron", "xla")
 EXECUTORS = ("local", "ray")
 
 
