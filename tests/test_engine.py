@@ -20,7 +20,7 @@ from neuron_buckets.engine.request_check import RequestError
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import write_config
-from tests.test_traces import CONV, needs_traces
+from tests.test_traces import CONV
 
 PROMPT_LENS = (5, 8, 45, 11)
 MAX_NEW = 10
@@ -203,7 +203,6 @@ def test_decode_context_buckets_serve_short_contexts_with_short_graphs(hf_model_
     assert (short.calls, long.calls) == (12, 3)  # decode context 21..32 in c32, then 33..35
 
 
-@needs_traces
 def test_runtime_counters_equal_what_nb_inspect_predicts(compiled_dir, tiny_config_file, tmp_path):
     """200 requests of a shared trace, clipped to the tiny model's 128 positions: the runtime's
     per-bucket calls, real and padded tokens equal nb inspect's packed replay of the same file."""
