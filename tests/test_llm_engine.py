@@ -79,7 +79,7 @@ def test_abort_frees_the_blocks_at_once_and_is_reported_next_step(artifact, alon
     engine.step()
     engine.step()
     assert engine.num_waiting == 1
-    held = next(len(r.blocks) for r in engine.scheduler.running if r.index == a)
+    held = next(len(r.blocks) for r in engine.scheduler.running if r.request_id == a)
     free = engine.pool.num_free
     assert held > 0
 
@@ -121,3 +121,4 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(artifact)
 
     assert batch[1].token_ids == solo
     assert reseeded != solo  # the seed, not the prompt alone, decides (8 draws over 40 tokens)
+
