@@ -162,6 +162,8 @@ def generate(
     runs. A runtime gets an engine of its own (no tokenizer: no text, no stop strings); an
     engine's other requests advance too.
     """
+    if isinstance(params, int):  # the 0.1 signature, generate(runtime, prompts, max_new_tokens)
+        raise TypeError(f"generate() takes SamplingParams now: pass SamplingParams(max_tokens={params!r})")
     engine = engine_or_runtime if isinstance(engine_or_runtime, LLMEngine) else LLMEngine(engine_or_runtime)
     params = SamplingParams() if params is None else params
     per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
