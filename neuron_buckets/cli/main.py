@@ -109,7 +109,7 @@ def compile_(
     cache = cache_dir or default_cache_dir()
     compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
     if dry_run:
-        print_plan(compiler)
+        print_dry_run(compiler)
         return
     c = cfg.compile
     runs = f"{c.jobs} jobs" if c.executor == "local" else f"Ray tasks of {c.task_cpus} CPUs"
@@ -129,7 +129,7 @@ def compile_(
         raise typer.Exit(1)
 
 
-def print_plan(compiler: Compiler) -> None:
+def print_dry_run(compiler: Compiler) -> None:
     """The dry run's table: each bucket, where its pieces are, what compiling it would cost."""
     from neuron_buckets.compile.compile_plan import PLACES, plan_compile
 
