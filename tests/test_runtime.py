@@ -149,11 +149,12 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
     compiled_dir, hf_model
 ):
     """Every segment carries its own context: three prompts continue from their cached prefixes
-    (one without sampling), two requests decode and one prompt is fresh, in one plan. Today's
+    (one without sampling), two requests decode and two prompts are fresh, in one plan. Today's
     prefill graph lets only its first chunk read a context, so the runtime gives each continuing
-    chunk a call of its own; every logit is still what transformers gives that sequence alone."""
+    chunk a call of its own, and a one-token prompt runs as a decode row of no context; every logit
+    is still what transformers gives that sequence alone."""
     runtime = BucketRuntime.open(compiled_dir)
-    seqs = [tokens(n, 10 + i) for i, n in enumerate((20, 12, 30, 9, 17, 6))]
+    seqs = [tokens(n, 10 + i) for i, n in enumerate((20, 12, 30, 9, 17, 6, 1))]
     tables = [blocks(1 + 5 * i, len(s)) for i, s in enumerate(seqs)]
     cached = [8, 5, 16, 8, 16]  # requests 3 and 4: all but their last token
     runtime.prefill([PrefillChunk(s[:n], 0, t) for s, n, t in zip(seqs, cached, tables, strict=False)])
@@ -166,14 +167,15 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
         Segment(3, seqs[3][8:], 8, tables[3], 1),  # decode rows
         Segment(4, seqs[4][16:], 16, tables[4], 1),
         Segment(5, seqs[5], 0, tables[5], 1),
+        Segment(6, seqs[6], 0, tables[6], 1),
     )
     logits = runtime.run_plan(plan)
 
-    want = torch.stack([hf_last_logits(hf_model, seqs[i]) for i in (0, 1, 3, 4, 5)])
+    want = torch.stack([hf_last_logits(hf_model, seqs[i]) for i in (0, 1, 3, 4, 5, 6)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     calls = {name: s.calls - before[name]["calls"] for name, s in runtime.stats.items()}
-    # a call per continuing chunk (the fresh prompt joins the last one), one call of both decode rows
-    assert calls == {"prefill_s16": 3, "prefill_s32": 0, "decode_b1_c128": 0, "decode_b2_c128": 1}
+    # a call per continuing chunk (the fresh prompt joins the last one); three decode rows: 2 + 1
+    assert calls == {"prefill_s16": 3, "prefill_s32": 0, "decode_b1_c128": 1, "decode_b2_c128": 1}
     rest = runtime.run_plan((Segment(2, seqs[2][24:], 24, tables[2], 1),))  # reads what the cut chunk wrote
     torch.testing.assert_close(rest[0], hf_last_logits(hf_model, seqs[2]), rtol=1e-4, atol=1e-4)
 
