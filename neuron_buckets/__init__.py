@@ -24,6 +24,8 @@ _PUBLIC = {
     "PrefillChunk": "neuron_buckets.core.padding",
     "DecodeRow": "neuron_buckets.core.padding",
     "StepInputs": "neuron_buckets.core.padding",
+    "Segment": "neuron_buckets.core.step_plan",
+    "StepPlan": "neuron_buckets.core.step_plan",
     "Config": "neuron_buckets.config",
     "ConfigError": "neuron_buckets.config",
     "load_config": "neuron_buckets.config",
@@ -55,6 +57,8 @@ __all__ = [
     "PrefillChunk",
     "DecodeRow",
     "StepInputs",
+    "Segment",
+    "StepPlan",
     "Config",
     "ConfigError",
     "load_config",
@@ -85,6 +89,7 @@ if TYPE_CHECKING:
     from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
     from neuron_buckets.core.masks import gen_cache_mask
     from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs
+    from neuron_buckets.core.step_plan import Segment, StepPlan
     from neuron_buckets.engine.block_pool import BlockPool
     from neuron_buckets.engine.llm_engine import LLMEngine, generate
     from neuron_buckets.engine.request_output import RequestOutput

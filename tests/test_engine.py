@@ -174,11 +174,11 @@ def test_eager_backend_with_speculative_decode_rows_generates_the_same_tokens(
     out = tmp_path / "artifact"
     assert not Compiler(config, out, tmp_path / "cache").run(jobs=1).failed
     runtime = BucketRuntime.open(out)
-    assert runtime.decode_seq == 3
+    assert runtime.buckets.decode_seq == 3
     prompts = make_prompts((7, 40, 3))
 
     assert greedy(runtime, prompts, 6) == hf_greedy(prompts, 6)
-    assert [b.name for b in runtime.decode_buckets] == ["decode_b2_s3_c96"]
+    assert [b.name for b in runtime.buckets.decode] == ["decode_b2_s3_c96"]
     decode = runtime.stats["decode_b2_s3_c96"]
     assert decode.padded_tokens >= 3 * decode.real_tokens  # at least two of every three positions are pads
 

@@ -79,7 +79,7 @@ def test_abort_frees_the_blocks_at_once_and_is_reported_next_step(artifact, alon
     engine.step()
     engine.step()
     assert engine.num_waiting == 1
-    held = next(len(r.blocks) for r in engine.scheduler.running if r.index == a)
+    held = next(len(r.blocks) for r in engine.scheduler.running if r.request_id == a)
     free = engine.pool.num_free
     assert held > 0
 
@@ -121,3 +121,18 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(artifact)
 
     assert batch[1].token_ids == solo
     assert reseeded != solo  # the seed, not the prompt alone, decides (8 draws over 40 tokens)
+
+
+def test_the_old_calls_say_in_one_line_what_to_write_instead(artifact):
+    runtime = BucketRuntime.open(artifact)
+    line = r"^generate\(\) takes SamplingParams now: pass SamplingParams\(max_tokens=16\)$"
+    with pytest.raises(TypeError, match=line):
+        generate(runtime, [PROMPTS[0]], 16)
+    assert runtime.loaded == []  # refused before anything ran
+
+    out = generate(runtime, [PROMPTS[0]], SamplingParams(max_tokens=2))[0]
+    with pytest.raises(AttributeError, match=r"^RequestOutput.tokens is now RequestOutput.token_ids \(the"):
+        _ = out.tokens
+    with pytest.raises(AttributeError, match=r"^'RequestOutput' object has no attribute 'tokenz'$"):
+        _ = out.tokenz
+    assert len(out.token_ids) == 2

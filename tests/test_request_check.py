@@ -44,7 +44,7 @@ BAD_STEPS = {  # on 64 blocks of 8 tokens, vocabulary 256, decode rows of 1 toke
     "float-token": (prefill(([1.7, 2], 0, [5])), r"must be integers, got \[1.7\]"),
     "bool-token": (prefill(([True, 2], 0, [5])), r"must be integers, got \[True\]"),
     "float-tensor": (prefill((torch.tensor([1.0, 2.0]), 0, [5])), "must be a 1-D integer tensor"),
-    "negative-start": (prefill(([1], -1, [5])), "start_pos must be a non-negative"),
+    "negative-start": (prefill(([1], -1, [5])), "context_len must be a non-negative"),
     "float-block": (prefill(([1], 0, [5.0])), r"must be integers, got \[5.0\]"),
     # the first row is fine and would run first: nothing of it may be written either
     "second-row-bad": (prefill(([1] * 20, 0, [7, 8, 9]), ([2], 0, [10, 64])), r"\[10, 64\]"),

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
+from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
@@ -142,6 +143,41 @@ def test_decode_of_three_rows_splits_over_batch_2_graphs_and_matches_transformer
     want = torch.stack([hf_last_logits(hf_model, p + [n]) for p, n in zip(prompts, nxt, strict=True)])
     torch.testing.assert_close(logits[:, 0], want, rtol=1e-4, atol=1e-4)
     assert runtime.stats["decode_b2_c128"].calls == 1 and runtime.stats["decode_b1_c128"].calls == 1
+
+
+def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_transformers(
+    compiled_dir, hf_model
+):
+    """Every segment carries its own context: three prompts continue from their cached prefixes
+    (one without sampling), two requests decode and two prompts are fresh, in one plan. Today's
+    prefill graph lets only its first chunk read a context, so the runtime gives each continuing
+    chunk a call of its own, and a one-token prompt runs as a decode row of no context; every logit
+    is still what transformers gives that sequence alone."""
+    runtime = BucketRuntime.open(compiled_dir)
+    seqs = [tokens(n, 10 + i) for i, n in enumerate((20, 12, 30, 9, 17, 6, 1))]
+    tables = [blocks(1 + 5 * i, len(s)) for i, s in enumerate(seqs)]
+    cached = [8, 5, 16, 8, 16]  # requests 3 and 4: all but their last token
+    runtime.prefill([PrefillChunk(s[:n], 0, t) for s, n, t in zip(seqs, cached, tables, strict=False)])
+    before = {name: vars(s).copy() for name, s in runtime.stats.items()}
+
+    plan = (
+        Segment(0, seqs[0][8:], 8, tables[0], 1),
+        Segment(1, seqs[1][5:], 5, tables[1], 1),
+        Segment(2, seqs[2][16:24], 16, tables[2], 0),  # cut: writes its K/V, returns nothing
+        Segment(3, seqs[3][8:], 8, tables[3], 1),  # decode rows
+        Segment(4, seqs[4][16:], 16, tables[4], 1),
+        Segment(5, seqs[5], 0, tables[5], 1),
+        Segment(6, seqs[6], 0, tables[6], 1),
+    )
+    logits = runtime.run_plan(plan)
+
+    want = torch.stack([hf_last_logits(hf_model, seqs[i]) for i in (0, 1, 3, 4, 5, 6)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    calls = {name: s.calls - before[name]["calls"] for name, s in runtime.stats.items()}
+    # a call per continuing chunk (the fresh prompt joins the last one); three decode rows: 2 + 1
+    assert calls == {"prefill_s16": 3, "prefill_s32": 0, "decode_b1_c128": 1, "decode_b2_c128": 1}
+    rest = runtime.run_plan((Segment(2, seqs[2][24:], 24, tables[2], 1),))  # reads what the cut chunk wrote
+    torch.testing.assert_close(rest[0], hf_last_logits(hf_model, seqs[2]), rtol=1e-4, atol=1e-4)
 
 
 def _delete(path: Path) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import jsonschema
 
+from neuron_buckets.core.bucket import Bucket
+
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -174,6 +176,10 @@ class BucketRecord:
     pieces: dict[str, str]  # role -> piece key
     status: str = "ok"
     error: str | None = None
+
+    @property
+    def bucket(self) -> Bucket:
+        return Bucket(self.kind, self.batch, self.seq, self.ctx)  # type: ignore[arg-type]  # schema-checked kind
 
 
 @dataclass

@@ -18,7 +18,6 @@ from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import EXECUTORS, enumerate_grid, load_config
-from neuron_buckets.core.bucket import Bucket
 
 if TYPE_CHECKING:
     from neuron_buckets.compile.compiler import Compiler
@@ -110,7 +109,7 @@ def compile_(
     cache = cache_dir or default_cache_dir()
     compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
     if dry_run:
-        print_plan(compiler)
+        print_dry_run(compiler)
         return
     c = cfg.compile
     runs = f"{c.jobs} jobs" if c.executor == "local" else f"Ray tasks of {c.task_cpus} CPUs"
@@ -130,7 +129,7 @@ def compile_(
         raise typer.Exit(1)
 
 
-def print_plan(compiler: Compiler) -> None:
+def print_dry_run(compiler: Compiler) -> None:
     """The dry run's table: each bucket, where its pieces are, what compiling it would cost."""
     from neuron_buckets.compile.compile_plan import PLACES, plan_compile
 
@@ -160,13 +159,13 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
     for col in ("bucket", "status", "pieces", "size", "compile s"):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
     for r in m.buckets:
-        bucket = Bucket(r.kind, r.batch, r.seq, r.ctx)
         pieces = [m.pieces[k] for k in r.pieces.values() if k in m.pieces]
         ok = r.status == "ok"
         status = Text("ok", "green") if ok else Text.assemble(("failed", "red"), f" {r.error}")
         size = sum(p.bytes for p in pieces) / 1e6
         secs = sum(p.compile_seconds for p in pieces)
-        table.add_row(bucket.name, status, " ".join(p.name for p in pieces), f"{size:.1f} MB", f"{secs:.1f}")
+        names = " ".join(p.name for p in pieces)
+        table.add_row(r.bucket.name, status, names, f"{size:.1f} MB", f"{secs:.1f}")
     console.print(table)
     ok = [p for p in m.pieces.values() if p.status == "ok"]
     buckets_ok = sum(r.status == "ok" for r in m.buckets)

@@ -19,7 +19,7 @@ from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.traffic.padding_stats import inspect_trace
 from neuron_buckets.traffic.planner import PlanOptions, plan
-from neuron_buckets.traffic.report import print_inspect, print_plan, toml_snippet
+from neuron_buckets.traffic.report import print_bucket_plan, print_inspect, toml_snippet
 from neuron_buckets.traffic.runtime_replay import fit_requests, packed_report, replay_runtime
 from neuron_buckets.traffic.traces import Trace, load_trace
 
@@ -184,7 +184,7 @@ def plan_cmd(
     doc = plan(data, opts, cost)
     err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
     doc["toml"] = toml_snippet(doc, trace.name)
-    _emit(doc, as_json, print_plan)
+    _emit(doc, as_json, print_bucket_plan)
 
 
 def register(app: typer.Typer) -> None:

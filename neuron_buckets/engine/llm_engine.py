@@ -1,13 +1,14 @@
 """The step-wise engine over a ``BucketRuntime``: add requests, step, read what each step produced.
 
-nano-vllm's ``LLMEngine`` in miniature, over the bookkeeping of ``engine/scheduler.py``: each step
-prefills one packed call (a continuing prompt first, then newly admitted ones, up to the token
-budget), then decodes every request whose prompt is complete in one batch (the runtime splits
-it over the decode buckets). Blocks are taken per step for the tokens actually written, never
-for padding. A request ends at an end-of-sequence token, one of its stop tokens or strings, its
-``max_tokens``, or an abort, and gives its blocks back at once. Requests may be added and
-aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each request with
-its own parameters and random generator.
+nano-vllm's ``LLMEngine`` in miniature, and a step is straight-line code: the scheduler plans it
+(``engine/scheduler.py``: prefill chunks up to the token budget, a continuing prompt first, and a
+decode row for every request whose prompt is complete), the runtime runs the plan on its buckets,
+the sampler picks a token for every segment that returned logits, and the scheduler commits
+them. Blocks are taken per step for the tokens actually written, never for padding. A request
+ends at an end-of-sequence token, one of its stop tokens or strings, its ``max_tokens``, or an
+abort, and gives its blocks back at once. Requests may be added and aborted between steps.
+Tokens are picked on the host (``engine/sampler.py``), each request with its own parameters and
+random generator.
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions; the engine sends one real token per row and the runtime
@@ -20,35 +21,22 @@ Single-threaded: a server drives it from one loop thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk
+from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
-from neuron_buckets.engine.detokenizer import Detokenizer
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.request_check import RequestError, check_request
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
-from neuron_buckets.engine.scheduler import Chunks, Scheduler
+from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.tokenizer import Tokenizer
-from neuron_buckets.runtime.bucket_runtime import BucketRuntime, BucketStats
-
-
-@dataclass
-class Tracked:
-    """The engine's side of a request: how it samples and stops, and what was already reported."""
-
-    request: Request
-    params: SamplingParams
-    generator: torch.Generator | None  # None for greedy requests, which draw nothing
-    detokenizer: Detokenizer | None  # None without a tokenizer
-    stop_reason: int | str | None = None
-    sent_tokens: int = 0
-    sent_text: int = 0
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.runtime.bucket_stats import BucketStats
 
 
 class LLMEngine:
@@ -72,9 +60,8 @@ class LLMEngine:
         text = runtime.manifest.text
         default = text.eos_token_ids if text else []
         self.eos_token_ids = frozenset(default if eos_token_ids is None else eos_token_ids)
-        budget = max(b.seq for b in runtime.prefill_buckets)
-        self.scheduler = Scheduler(self.pool, budget, runtime.max_rows, stop=self._stop)
-        self._tracked: dict[int, Tracked] = {}
+        self.scheduler = Scheduler(self.pool, runtime.buckets.token_budget, runtime.buckets.max_rows)
+        self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
 
@@ -89,7 +76,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._tracked or self._aborted)
+        return bool(self._requests or self._aborted)
 
     @property
     def num_running(self) -> int:
@@ -118,93 +105,49 @@ class LLMEngine:
         """Queue a request; its id. It waits, never refused, while the pool is busy."""
         ids = self.check_request(prompt_token_ids, params)
         rid, self._next_id = self._next_id, self._next_id + 1
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator()
-            if params.seed is None:
-                generator.seed()  # a fresh nondeterministic seed
-            else:
-                generator.manual_seed(params.seed)
-        detokenizer = Detokenizer(self.tokenizer, params.stop) if self.tokenizer else None
-        request = Request(rid, ids, len(ids), params.max_tokens)
-        self._tracked[rid] = Tracked(request, params, generator, detokenizer)
+        request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
+        self._requests[rid] = request
         self.scheduler.add(request)
         return rid
 
     def abort(self, request_id: int) -> None:
         """End a request now and free its blocks; the next step reports it, reason "abort".
         Unknown or finished ids are ignored (a client may leave as its request ends)."""
-        if (t := self._tracked.pop(request_id, None)) is None:
+        if (request := self._requests.pop(request_id, None)) is None:
             return
-        self.scheduler.abort(t.request)
-        self._aborted.append(self._output(t))
+        self.scheduler.abort(request)
+        self._aborted.append(request.output())
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step: at most one packed prefill call, then one decode batch. An output
-        for every request that got tokens or finished (aborted ones included)."""
+        """One step: plan it, run the plan, sample, commit. An output for every request that got
+        tokens or finished (aborted ones included)."""
         outputs, self._aborted = self._aborted, []
-        if self.scheduler.busy:
-            for request in self.scheduler.step(self._prefill, self._decode):
-                t = self._tracked[request.index]
-                outputs.append(self._output(t))
-                if request.done:
-                    del self._tracked[request.index]
+        if not self.scheduler.busy:
+            return outputs
+        plan = self.scheduler.schedule()
+        logits = self.runtime.run_plan(plan)
+        for request in self.scheduler.commit(plan, self._sample(plan, logits)):
+            outputs.append(request.output())
+            if request.done:
+                del self._requests[request.request_id]
         return outputs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        tracked = [self._tracked[r.index] for r in requests]
-        params, generators = [t.params for t in tracked], [t.generator for t in tracked]
-        return sample(logits, params, generators, [r.tokens for r in requests])
-
-    def _prefill(self, chunks: Chunks) -> list[int]:
-        logits = self.runtime.prefill([PrefillChunk(r.tokens[r.cached : r.cached + n], r.cached, r.blocks)
-                                       for r, n in chunks])
-        # only a chunk that completes its prompt samples: a cut one must not draw from its generator
-        rows = [i for i, (r, n) in enumerate(chunks) if r.cached + n >= r.prompt_len]
-        tokens = [0] * len(chunks)
-        if rows:
-            for i, token in zip(rows, self._sample(logits[rows], [chunks[i][0] for i in rows]), strict=True):
-                tokens[i] = token
-        return tokens
-
-    def _decode(self, batch: list[Request]) -> list[int]:
-        rows = [DecodeRow(r.tokens[-1:], len(r.tokens) - 1, r.blocks) for r in batch]
-        return self._sample(self.runtime.decode(rows)[:, 0], batch)  # position 0: each row's real token
-
-    def _stop(self, request: Request) -> str | None:
-        """After each new token: "stop" if it ends the request early, else None (the scheduler
-        ends it as "length" at max_tokens). A stop token is not text; a stop string is cut."""
-        t = self._tracked[request.index]
-        token = request.tokens[-1]
-        if (token in self.eos_token_ids and not t.params.ignore_eos) or token in t.params.stop_token_ids:
-            t.stop_reason = token
-        elif t.detokenizer is not None:
-            t.stop_reason = t.detokenizer.push(token)
-        return "stop" if t.stop_reason is not None else None
-
-    def _output(self, t: Tracked) -> RequestOutput:
-        """What ``t`` has that was not reported yet."""
-        r = t.request
-        finished = r.done
-        text = ""
-        if t.detokenizer is not None:
-            if finished:
-                t.detokenizer.flush()
-            text = t.detokenizer.visible(finished)
-        generated = r.tokens[r.prompt_len :]
-        out = RequestOutput(
-            request_id=r.index,
-            prompt_token_ids=r.tokens[: r.prompt_len],
-            token_ids=generated,
-            new_token_ids=generated[t.sent_tokens :],
-            text=text,
-            new_text=text[t.sent_text :],
-            finished=finished,
-            finish_reason=r.finish_reason,
-            stop_reason=t.stop_reason,
+    def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:
+        """One token per segment that returned logits, from its last token's; none for the others
+        (a cut prompt's chunk draws nothing from its generator)."""
+        rows = [i for i, s in enumerate(plan) if s.num_samples]
+        if not rows:
+            return [[] for _ in plan]
+        last = torch.tensor([s.num_samples for s in plan]).cumsum(0)[rows] - 1
+        requests = [self._requests[plan[i].request_id] for i in rows]
+        tokens = sample(
+            logits[last], [r.params for r in requests], [r.generator for r in requests],
+            [r.token_ids for r in requests],
         )
-        t.sent_tokens, t.sent_text = len(generated), len(text)
-        return out
+        sampled: list[list[int]] = [[] for _ in plan]
+        for i, token in zip(rows, tokens, strict=True):
+            sampled[i] = [token]
+        return sampled
 
 
 def generate(
@@ -219,6 +162,8 @@ def generate(
     runs. A runtime gets an engine of its own (no tokenizer: no text, no stop strings); an
     engine's other requests advance too.
     """
+    if isinstance(params, int):  # the 0.1 signature, generate(runtime, prompts, max_new_tokens)
+        raise TypeError(f"generate() takes SamplingParams now: pass SamplingParams(max_tokens={params!r})")
     engine = engine_or_runtime if isinstance(engine_or_runtime, LLMEngine) else LLMEngine(engine_or_runtime)
     params = SamplingParams() if params is None else params
     per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

@@ -1,28 +1,69 @@
-"""One request as the scheduler tracks it: its tokens so far and the blocks that hold their K/V."""
+"""One request, the one record the engine keeps of it: its tokens and blocks, how it samples and
+stops, and what of it was already reported.
+
+The scheduler reads its lengths and blocks, ``append`` applies its stop rule to each new token,
+``output`` says what is new since the last report. ``nb inspect``'s replay makes the same records
+from lengths alone (dummy tokens, ``ignore_eos``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+
+import torch
+
+from neuron_buckets.engine.detokenizer import Detokenizer
+from neuron_buckets.engine.request_output import RequestOutput
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.tokenizer import Tokenizer
 
 
 @dataclass(eq=False)  # a request is itself, not its fields: two may hold equal tokens
 class Request:
-    index: int
-    tokens: list[int]  # the prompt, then every generated token
+    request_id: int
+    token_ids: list[int]  # the prompt, then every generated token
     prompt_len: int
-    max_new_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None  # None for greedy requests, which draw nothing
+    detokenizer: Detokenizer | None = None  # None without a tokenizer: no text, no stop strings
+    eos_token_ids: Collection[int] = frozenset()
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V the cache holds
     finish_reason: str | None = None  # "stop", "length" or "abort" once it needs no more steps
+    stop_reason: int | str | None = None  # the eos or stop token id, or the stop string
+    sent_tokens: int = 0  # generated tokens already reported
+    sent_text: int = 0  # characters of text already reported
+
+    @classmethod
+    def create(
+        cls,
+        request_id: int,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_ids: Collection[int] = frozenset(),
+        tokenizer: Tokenizer | None = None,
+    ) -> Request:
+        """A new request with its own generator (seeded, or fresh without a seed) and detokenizer."""
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator()
+            if params.seed is None:
+                generator.seed()  # a fresh nondeterministic seed
+            else:
+                generator.manual_seed(params.seed)
+        detokenizer = Detokenizer(tokenizer, params.stop) if tokenizer else None
+        ids = list(prompt_token_ids)
+        return cls(request_id, ids, len(ids), params, generator, detokenizer, eos_token_ids)
 
     @property
     def final_cached(self) -> int:
         """Tokens whose K/V is written at most: the last generated token is never fed back."""
-        return self.prompt_len + self.max_new_tokens - 1
+        return self.prompt_len + self.params.max_tokens - 1
 
     @property
     def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def prefilled(self) -> bool:
@@ -31,3 +72,40 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def append(self, token: int) -> None:
+        """Add a generated token and apply the stop rule: "stop" at an end-of-sequence or stop
+        token (not text) or a stop string (cut from the text), "length" at ``max_tokens``."""
+        self.token_ids.append(token)
+        p = self.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            self.stop_reason = token
+        elif self.detokenizer is not None:
+            self.stop_reason = self.detokenizer.push(token)
+        if self.stop_reason is not None:
+            self.finish_reason = "stop"
+        elif self.num_generated >= p.max_tokens:
+            self.finish_reason = "length"
+
+    def output(self) -> RequestOutput:
+        """What the request has that was not reported yet; it counts as reported from now on."""
+        finished = self.done
+        text = ""
+        if self.detokenizer is not None:
+            if finished:
+                self.detokenizer.flush()
+            text = self.detokenizer.visible(finished)
+        generated = self.token_ids[self.prompt_len :]
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.token_ids[: self.prompt_len],
+            token_ids=generated,
+            new_token_ids=generated[self.sent_tokens :],
+            text=text,
+            new_text=text[self.sent_text :],
+            finished=finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.sent_tokens, self.sent_text = len(generated), len(text)
+        return out

@@ -16,3 +16,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" (eos, stop token, stop string), "length", "abort"
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string, that ended it
+
+    def __getattr__(self, name: str) -> object:
+        """Only reached for an attribute that does not exist: name the replacement of a 0.1 one."""
+        if name == "tokens":
+            raise AttributeError("RequestOutput.tokens is now RequestOutput.token_ids (the generated tokens)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

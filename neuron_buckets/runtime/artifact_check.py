@@ -51,7 +51,7 @@ def check_servable(manifest: Manifest, directory: Path, device: str) -> LlamaCon
     """The artifact's model config, once the manifest's values fit together and this machine."""
     where = directory / MANIFEST
     model = parse_hf_config(manifest.model.config, f"{where} model.config")
-    buckets = [Bucket(r.kind, r.batch, r.seq, r.ctx) for r in manifest.buckets]
+    buckets = [r.bucket for r in manifest.buckets]
     if problem := _geometry_problem(manifest.cache, model, buckets):
         raise ManifestError(f"{where}: {problem}")
     if problem := _device_problem(device):

@@ -1,54 +1,40 @@
-"""Serve steps from an artifact directory: pick the smallest bucket, pad, run, unpad.
+"""Serve step plans from an artifact directory: lay each plan onto buckets, pad, run, unpad.
 
 ``BucketRuntime.open`` validates the manifest, checks and loads the weights once, allocates the
 one stacked KV cache every graph shares, and loads nothing else: each piece graph is loaded (and
 its sha256 checked) on first use, so opening a directory of many buckets costs about nothing.
 A step runs its bucket's embed piece, then its layer piece once per layer with that layer's
-weights and cache slice (updated in place), then its head piece. It never imports the compiler:
+weights and cache slice (updated in place), then its head piece. A step plan runs as the calls
+``BucketSet.calls`` lists for it, the ones ``nb inspect`` counts. It never imports the compiler:
 artifacts flow one way, from ``nb compile`` to here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest, sha256_file
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable
-from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill, split_long
+from neuron_buckets.runtime.bucket_set import BucketSet, Call
+from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 
 
 class ArtifactError(UserError, RuntimeError):
     """A graph or weights file that is missing or does not match its manifest entry."""
-
-
-@dataclass
-class BucketStats:
-    """What vLLM-neuron exports as ``prefill_s{N}`` / ``decode_b{N}``: use and waste per bucket.
-
-    As in ``nb inspect``: ``padded_tokens`` is every position computed (real and pad), so the
-    waste is ``(padded - real) / real``.
-    """
-
-    calls: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-
-    @property
-    def padding_ratio(self) -> float:
-        return (self.padded_tokens - self.real_tokens) / max(self.real_tokens, 1)
 
 
 class BucketRuntime:
@@ -70,15 +56,11 @@ class BucketRuntime:
         self.head_weights = weights.head
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
-        self.records = {
-            Bucket(r.kind, r.batch, r.seq, r.ctx): r for r in manifest.buckets if r.status == "ok"
-        }
-        self.prefill_buckets = sorted(b for b in self.records if b.kind == "prefill")
-        self.decode_buckets = sorted(b for b in self.records if b.kind == "decode")
-        if not self.prefill_buckets or not self.decode_buckets:
-            raise ArtifactError(f"{directory}: needs at least one working prefill and one decode bucket")
-        self.decode_seq = self.decode_buckets[0].seq
-        self.max_rows = max(b.batch for b in self.prefill_buckets)
+        self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
+        try:
+            self.buckets = BucketSet.of(self.records)
+        except ValueError as e:
+            raise ArtifactError(f"{directory}: {e}") from None
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
         self._graphs: dict[str, GraphFn] = {}
         self.stats = {b.name: BucketStats() for b in self.records}
@@ -155,47 +137,55 @@ class BucketRuntime:
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
             h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
         logits = head(h, sampling, *self.head_weights)
-        s = self.stats[bucket.name]
-        s.calls += 1
-        s.real_tokens += int((step.slot_mapping >= 0).sum())
-        s.padded_tokens += bucket.tokens
+        self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
         return logits[: step.num_samples]
 
-    def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
-        """Prefill requests; (R, vocab) logits of each request's last token.
+    def run_plan(self, plan: StepPlan) -> Tensor:
+        """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
+        segment: (total samples, vocab). The whole plan is checked before its first call writes
+        the cache."""
+        check_step(plan, self.limits)
+        samples: dict[int, Tensor] = {}
+        for call in self.buckets.calls(plan):
+            logits, seq = self._run_call(plan, call), call.bucket.seq
+            for k, p in enumerate(call.parts):
+                if call.bucket.kind == "decode":  # a row returns its seq positions, real ones first
+                    samples[p.segment] = logits[k * seq : k * seq + p.tokens]
+                elif p.offset + p.tokens == len(plan[p.segment].token_ids) and plan[p.segment].num_samples:
+                    samples[p.segment] = logits[k : k + 1]  # a chunk returns its last token's
+        empty = torch.empty(0, self.limits.vocab_size)
+        return torch.cat([samples[i] for i in sorted(samples)] or [empty])
 
-        Chunks are packed end to end into as few token-bucket calls as fit; prompts longer than
-        the largest bucket run as successive pieces, each attending to the cache the earlier ones
-        wrote. Everything is checked before the first cache write.
+    def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
+        chunks = [
+            PrefillChunk(
+                plan[p.segment].token_ids[p.offset : p.offset + p.tokens],
+                plan[p.segment].context_len + p.offset,
+                plan[p.segment].block_ids,
+            )
+            for p in call.parts
+        ]
+        pad = pad_decode if call.bucket.kind == "decode" else pad_prefill
+        return self.run(call.bucket, pad(chunks, call.bucket, self.block_size))
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
+        """Prefill requests, one chunk each; (R, vocab) logits of each chunk's last token.
+
+        A plan of one segment per chunk, each returning its last token's logits: chunks are
+        packed into as few calls as fit, prompts longer than the largest bucket run in waves.
         """
-        check_step(chunks, self.limits)
-        token_buckets = [b.seq for b in self.prefill_buckets]
-        shapes = [ChunkShape(len(c.token_ids), c.start_pos) for c in chunks]
-        by_seq = {b.seq: b for b in self.prefill_buckets}
-        last: dict[int, Tensor] = {}
-        for wave in split_long(shapes, token_buckets[-1]):
-            pieces = [
-                PrefillChunk(chunks[i].token_ids[s.start - chunks[i].start_pos :][: s.tokens], s.start,
-                             chunks[i].block_ids)
-                for i, s in wave
-            ]
-            for call, seq in pack_prefill([s for _, s in wave], token_buckets, self.max_rows):
-                bucket = by_seq[seq]
-                logits = self.run(bucket, pad_prefill([pieces[j] for j in call], bucket, self.block_size))
-                for j, row in zip(call, logits, strict=True):
-                    last[wave[j][0]] = row
-        return torch.stack([last[i] for i in range(len(chunks))])
+        return self.run_plan(
+            tuple(Segment(i, c.token_ids, c.start_pos, c.block_ids, 1) for i, c in enumerate(chunks))
+        )
 
     def decode(self, rows: Sequence[DecodeRow]) -> Tensor:
-        """One decode step for every row (split over several calls if needed); (R, seq, vocab)."""
-        check_step(rows, self.limits, max_tokens=self.decode_seq)
-        out: list[Tensor] = [torch.empty(0)] * len(rows)
-        contexts = [r.start_pos + len(r.token_ids) for r in rows]
-        for group, bucket in group_decode(contexts, self.decode_buckets):
-            logits = self.run(bucket, pad_decode([rows[i] for i in group], bucket, self.block_size))
-            for k, i in enumerate(group):
-                out[i] = logits[k * bucket.seq : (k + 1) * bucket.seq]
-        return torch.stack(out)
+        """One decode step of every row, each row's tokens all sampled; (R, tokens, vocab), a row
+        shorter than the longest padded with zeros."""
+        plan = tuple(
+            Segment(i, r.token_ids, r.start_pos, r.block_ids, len(r.token_ids)) for i, r in enumerate(rows)
+        )
+        logits = self.run_plan(plan)
+        return pad_sequence(list(logits.split([len(r.token_ids) for r in rows])), batch_first=True)
 
 
-__all__ = ["ArtifactError", "BucketRuntime", "BucketStats", "NoBucketFits"]
+__all__ = ["ArtifactError", "BucketRuntime", "NoBucketFits"]

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.core.bucket import NoBucketFits
-from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.core.step_plan import Segment
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -63,20 +63,24 @@ def check_token_ids(values: Sequence[int] | Tensor, vocab_size: int, what: str) 
     return ids
 
 
-def check_step(rows: Sequence[PrefillChunk], limits: StepLimits, max_tokens: int | None = None) -> None:
-    """Refuse a step that cannot run whole; ``max_tokens`` bounds each row (decode rows)."""
-    if not rows:
+def check_step(plan: Sequence[Segment], limits: StepLimits) -> None:
+    """Refuse a plan that cannot run whole."""
+    if not plan:
         raise ValueError("a step needs at least one request")
     needed: list[int] = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(plan):
         n = len(check_token_ids(row.token_ids, limits.vocab_size, f"request {i}"))
         if not n:
             raise ValueError(f"request {i} has no tokens")
-        if max_tokens is not None and n > max_tokens:
-            raise NoBucketFits(f"decode rows carry at most {max_tokens} tokens, got {n}")
-        if not is_int(row.start_pos) or row.start_pos < 0:
-            raise ValueError(f"request {i}: start_pos must be a non-negative integer, got {row.start_pos!r}")
-        end = row.start_pos + n
+        if not is_int(row.context_len) or row.context_len < 0:
+            raise ValueError(
+                f"request {i}: context_len must be a non-negative integer, got {row.context_len!r}"
+            )
+        if not is_int(row.num_samples) or not 0 <= row.num_samples <= n:
+            raise ValueError(
+                f"request {i}: num_samples must be an integer in [0, {n}], got {row.num_samples!r}"
+            )
+        end = row.context_len + n
         if end > limits.max_model_len:
             raise NoBucketFits(
                 f"request {i} reaching {end} tokens exceeds max_model_len {limits.max_model_len}"

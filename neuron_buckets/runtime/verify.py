@@ -47,7 +47,7 @@ def file_problems(directory: Path) -> list[str]:
         elif sha256_file(path) != digest:
             problems.append(f"{what} file {rel} does not match its sha256")
     problems += [
-        f"bucket {Bucket(r.kind, r.batch, r.seq, r.ctx).name} failed to compile: {r.error}"
+        f"bucket {r.bucket.name} failed to compile: {r.error}"
         for r in manifest.buckets
         if r.status != "ok"
     ]

@@ -73,12 +73,12 @@ class RequestStream:
 
 
 @dataclass
-class Tracked:
-    """What the engine thread keeps per open request: where its outputs go, and its timings."""
+class Connection:
+    """What only the server keeps of an open request: where its outputs go, and its timings
+    (the request itself, its tokens, sampling and stop rule, is the engine's ``Request``)."""
 
     stream: RequestStream
     arrival: float
-    prompt_tokens: int
     last_token: float | None = None
 
 
@@ -90,7 +90,7 @@ class EngineLoop:
         self._open = threading.BoundedSemaphore(max_open_requests)
         self.error: str | None = None  # why the loop stopped, if a step failed
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._tracked: dict[int, Tracked] = {}
+        self._connections: dict[int, Connection] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="nb-engine-loop", daemon=True)
 
@@ -164,20 +164,20 @@ class EngineLoop:
             self._open.release()
             stream.admit(e)
             return
-        self._tracked[stream.request_id] = Tracked(stream, arrival, len(prompt_ids))
+        self._connections[stream.request_id] = Connection(stream, arrival)
         stream.admit(None)
 
     def _drop(self, stream: RequestStream) -> None:
         """The connection is gone: abort its request if it is still open; the blocks go back now."""
         stream.attached = False
-        if stream.request_id in self._tracked:
+        if stream.request_id in self._connections:
             self.engine.abort(stream.request_id)
 
     def _begin_stop(self) -> None:
         self._stopping = True
-        for tracked in self._tracked.values():
-            tracked.stream.deliver(EngineDead("the server is shutting down"))
-            self._drop(tracked.stream)
+        for connection in self._connections.values():
+            connection.stream.deliver(EngineDead("the server is shutting down"))
+            self._drop(connection.stream)
 
     def _run(self) -> None:
         try:
@@ -193,8 +193,8 @@ class EngineLoop:
         except Exception as e:
             log.exception("the engine loop stopped")
             self.error = f"{type(e).__name__}: {e}"
-            for tracked in self._tracked.values():
-                tracked.stream.deliver(self.dead())
+            for connection in self._connections.values():
+                connection.stream.deliver(self.dead())
             self._drain(block=False)  # requests queued meanwhile are refused
 
     def _drain(self, block: bool) -> None:
@@ -213,22 +213,22 @@ class EngineLoop:
         say where each output goes."""
         deliveries = []
         for out in outputs:
-            if (tracked := self._tracked.get(out.request_id)) is None:
+            if (connection := self._connections.get(out.request_id)) is None:
                 continue
             if out.new_token_ids:
-                if tracked.last_token is None:
-                    self.metrics.ttft.observe(now - tracked.arrival)
-                    self.metrics.prompt_tokens.inc(tracked.prompt_tokens)
+                if connection.last_token is None:
+                    self.metrics.ttft.observe(now - connection.arrival)
+                    self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:
-                    per_token = (now - tracked.last_token) / len(out.new_token_ids)
+                    per_token = (now - connection.last_token) / len(out.new_token_ids)
                     for _ in out.new_token_ids:
                         self.metrics.tpot.observe(per_token)
-                tracked.last_token = now
+                connection.last_token = now
                 self.metrics.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
-                del self._tracked[out.request_id]
+                del self._connections[out.request_id]
                 self._open.release()
-                self.metrics.e2e.observe(now - tracked.arrival)
+                self.metrics.e2e.observe(now - connection.arrival)
                 self.metrics.finished(out.finish_reason)
-            deliveries.append((tracked.stream, out))
+            deliveries.append((connection.stream, out))
         return deliveries

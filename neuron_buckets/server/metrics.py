@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from neuron_buckets.runtime.bucket_runtime import BucketStats
+from neuron_buckets.runtime.bucket_stats import BucketStats
 
 # vLLM's bucket boundaries, so histograms from both servers can be compared bin by bin.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

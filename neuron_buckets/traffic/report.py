@@ -119,7 +119,7 @@ def _print_decode(console: Console, decode: dict | None, graphs: list[dict] | No
     )
 
 
-def print_plan(console: Console, doc: dict) -> None:
+def print_bucket_plan(console: Console, doc: dict) -> None:
     prefill, chosen = doc["prefill"], len(doc["prefill"]["buckets"])
     pareto = _table(
         "prefill plans: graphs against padding and compile cost",

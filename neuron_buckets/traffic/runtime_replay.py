@@ -1,35 +1,25 @@
-"""What the runtime will do with a trace: its scheduler and packing replayed on lengths alone.
+"""What the runtime will do with a trace: its scheduler and bucket set replayed on lengths alone.
 
-The replay drives the engine's own scheduler (``engine/scheduler.py``) and the runtime's own
-packing (``runtime/packing.py``) with dummy tokens, so its per-bucket calls, real and padded tokens
-are the runtime's counters for the same requests submitted together (``generate`` with every
-prompt at once, each running to its output length, as with ``ignore_eos``; arrival times are not
-replayed here). Unlike the per-request figures beside it, this is the padding of packed steps:
-several prompts share one token bucket.
+The replay drives the engine's own scheduler (``engine/scheduler.py``: ``schedule``, then
+``commit``) with dummy tokens, and lays each plan onto the buckets with the runtime's own
+``BucketSet``, so its per-bucket calls, real and padded tokens are the runtime's counters for the
+same requests submitted together (``generate`` with every prompt at once, each running to its
+output length, as with ``ignore_eos``; arrival times are not replayed here). Unlike the
+per-request figures beside it, this is the padding of packed steps: several prompts share one
+token bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.request import Request
-from neuron_buckets.engine.scheduler import Chunks, Scheduler
-from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill
-
-
-@dataclass
-class Counter:
-    calls: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-
-    def add(self, real: int, padded: int) -> None:
-        self.calls += 1
-        self.real_tokens += real
-        self.padded_tokens += padded
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.runtime.bucket_set import BucketSet
+from neuron_buckets.runtime.bucket_stats import BucketStats
 
 
 def replay_runtime(
@@ -38,32 +28,19 @@ def replay_runtime(
     buckets: Sequence[Bucket],
     num_blocks: int,
     block_size: int,
-) -> dict[str, Counter]:
+) -> dict[str, BucketStats]:
     """Per-bucket counters, keyed by ``Bucket.name``, of generating every request at once."""
-    prefill_buckets = sorted(b for b in buckets if b.kind == "prefill")
-    decode_buckets = sorted(b for b in buckets if b.kind == "decode")
-    token_buckets = [b.seq for b in prefill_buckets]
-    by_seq = {b.seq: b for b in prefill_buckets}
-    max_rows = max(b.batch for b in prefill_buckets)
-    counters = {b.name: Counter() for b in buckets}
-    sched = Scheduler(BlockPool(num_blocks, block_size), token_buckets[-1], max_rows)
+    bucket_set = BucketSet.of(buckets)
+    stats = {b.name: BucketStats() for b in buckets}
+    sched = Scheduler(BlockPool(num_blocks, block_size), bucket_set.token_budget, bucket_set.max_rows)
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
-        sched.add(Request(i, [0] * p, p, o))
-
-    def prefill(step: Chunks) -> list[int]:
-        shapes = [ChunkShape(n, r.cached) for r, n in step]
-        for call, seq in pack_prefill(shapes, token_buckets, max_rows):
-            counters[by_seq[seq].name].add(sum(shapes[i].tokens for i in call), seq)
-        return [0] * len(step)
-
-    def decode(batch: list[Request]) -> list[int]:
-        for rows, bucket in group_decode([len(r.tokens) for r in batch], decode_buckets):
-            counters[bucket.name].add(len(rows), bucket.tokens)
-        return [0] * len(batch)
-
+        sched.add(Request(i, [0] * p, p, SamplingParams(max_tokens=o, ignore_eos=True)))
     while sched.busy:
-        sched.step(prefill, decode)
-    return counters
+        plan = sched.schedule()
+        for call in bucket_set.calls(plan):
+            stats[call.bucket.name].add(call.real_tokens, call.bucket.tokens)
+        sched.commit(plan, [[0] * min(s.num_samples, 1) for s in plan])
+    return stats
 
 
 def fit_requests(
@@ -77,7 +54,7 @@ def fit_requests(
     return prompts, outputs
 
 
-def packed_report(counters: dict[str, Counter], requests: int) -> dict:
+def packed_report(counters: dict[str, BucketStats], requests: int) -> dict:
     """The ``packed`` section of ``nb inspect --json``: the runtime's counters per bucket."""
     per_bucket = [{"bucket": name, **vars(c)} for name, c in counters.items() if c.calls]
     real = sum(c.real_tokens for c in counters.values())

@@ -1,0 +1,139 @@
+"""The compiled buckets of an artifact, and how a step plan is laid onto them, on lengths alone.
+
+The runtime runs the calls that ``BucketSet.calls`` lists and ``nb inspect`` counts them, so what
+the replay predicts is what the runtime does. A segment that returns the logits of every token
+it computes, at most ``decode_seq`` of them, is a decode row: rows of similar context share a
+call, each call as wide as the widest decode bucket, on the smallest context bucket that holds
+its deepest row. Every other segment is a prefill chunk: chunks are laid end to end in the
+smallest token bucket that holds them, up to ``max_rows`` per call. Today's prefill graph reads
+one block-table row of cached context (README, "Step layout"), so a chunk that continues a
+cached context opens a call of its own that fresh chunks may join; a plan with several
+continuing chunks therefore takes a call each. A chunk longer than the largest token bucket
+runs as waves: wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote
+the cache the piece attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
+from neuron_buckets.core.step_plan import Segment
+
+
+@dataclass(frozen=True)
+class Part:
+    """Tokens ``[offset, offset + tokens)`` of the plan's segment ``segment``, computed by one call."""
+
+    segment: int
+    offset: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """One graph call: a bucket and the parts of segments it computes, in the bucket's order."""
+
+    bucket: Bucket
+    parts: tuple[Part, ...]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(p.tokens for p in self.parts)
+
+
+@dataclass(frozen=True)
+class BucketSet:
+    """Prefill and decode buckets, each ascending; the token budget and row bound they imply."""
+
+    prefill: tuple[Bucket, ...]
+    decode: tuple[Bucket, ...]
+
+    @classmethod
+    def of(cls, buckets: Iterable[Bucket]) -> BucketSet:
+        ordered = sorted(buckets)
+        prefill = tuple(b for b in ordered if b.kind == "prefill")
+        return cls(prefill, tuple(b for b in ordered if b.kind == "decode"))
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("needs at least one working prefill and one decode bucket")
+
+    @property
+    def token_budget(self) -> int:
+        """The most tokens one prefill call computes: the largest token bucket."""
+        return self.prefill[-1].seq
+
+    @property
+    def max_rows(self) -> int:
+        """The most chunks one prefill call packs."""
+        return max(b.batch for b in self.prefill)
+
+    @property
+    def decode_seq(self) -> int:
+        """Token positions per decode row: 1 + speculation_length."""
+        return self.decode[0].seq
+
+    def is_decode(self, segment: Segment) -> bool:
+        return segment.num_samples == len(segment.token_ids) <= self.decode_seq
+
+    def calls(self, plan: Sequence[Segment]) -> list[Call]:
+        """The graph calls that compute ``plan``, in the order they must run: prefill waves, then
+        decode. NoBucketFits for a segment no bucket can compute, before any call is listed."""
+        decode = [i for i, s in enumerate(plan) if self.is_decode(s)]
+        prefill = [i for i, s in enumerate(plan) if not self.is_decode(s)]
+        if bad := [i for i in prefill if plan[i].num_samples > 1]:
+            s = plan[bad[0]]
+            raise NoBucketFits(
+                f"segment {bad[0]} wants the logits of {s.num_samples} of its {len(s.token_ids)} tokens: "
+                f"decode rows carry at most {self.decode_seq} tokens, prefill chunks return one"
+            )
+        waves = [self._pack(plan, wave) for wave in self._waves(plan, prefill)]
+        return [call for wave in waves for call in wave] + self._group_decode(plan, decode)
+
+    def _waves(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[list[Part]]:
+        """Pieces of at most ``token_budget`` tokens: wave k holds the k-th piece of every chunk."""
+        waves: list[list[Part]] = []
+        for i in indices:
+            n = len(plan[i].token_ids)
+            for k, lo in enumerate(range(0, n, self.token_budget)):
+                if k == len(waves):
+                    waves.append([])
+                waves[k].append(Part(i, lo, min(self.token_budget, n - lo)))
+        return waves
+
+    def _pack(self, plan: Sequence[Segment], parts: Sequence[Part]) -> list[Call]:
+        """Parts end to end in calls of at most ``max_rows``; a continuing part opens a call."""
+        calls: list[list[Part]] = []
+        used = 0
+        for p in parts:
+            continues = plan[p.segment].context_len + p.offset > 0
+            full = bool(calls) and (used + p.tokens > self.token_budget or len(calls[-1]) == self.max_rows)
+            if not calls or continues or full:
+                calls.append([])
+                used = 0
+            calls[-1].append(p)
+            used += p.tokens
+        seqs = [b.seq for b in self.prefill]
+        by_seq = {b.seq: b for b in self.prefill}
+        return [Call(by_seq[select_bucket(seqs, sum(p.tokens for p in c))], tuple(c)) for c in calls]
+
+    def _group_decode(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[Call]:
+        """Rows sorted by the context they reach, in calls as wide as the widest decode bucket."""
+        width = max(b.batch for b in self.decode)
+        ctxs = sorted({b.ctx for b in self.decode})
+        order = sorted(indices, key=lambda i: plan[i].end)
+        calls = []
+        for lo in range(0, len(order), width):
+            rows = order[lo : lo + width]
+            ctx = max(plan[i].end for i in rows)
+            if ctx > ctxs[-1]:
+                raise NoBucketFits(
+                    f"a decode row reaching {ctx} tokens exceeds the largest context {ctxs[-1]}"
+                )
+            fit_ctx = select_bucket(ctxs, ctx)
+            batch = select_bucket(sorted(b.batch for b in self.decode if b.ctx == fit_ctx), len(rows))
+            bucket = next(b for b in self.decode if b.ctx == fit_ctx and b.batch == batch)
+            calls.append(Call(bucket, tuple(Part(i, 0, len(plan[i].token_ids)) for i in rows)))
+        return calls

@@ -1,0 +1,159 @@
+"""Laying a step plan onto buckets: waves for long prompts, packed prefill calls, decode calls
+grouped by context; the scheduler plans a step and commits it as vLLM does."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from neuron_buckets.core.bucket import Bucket, NoBucketFits
+from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.runtime.bucket_set import BucketSet, Part
+
+DECODE = [Bucket("decode", b, 1, c) for c in (64, 256) for b in (1, 4)]
+
+
+def buckets(*seqs: int, max_rows: int = 8) -> BucketSet:
+    return BucketSet.of([*(Bucket("prefill", min(max_rows, s), s, 256) for s in seqs), *DECODE])
+
+
+def chunk(tokens: int, context: int = 0, samples: int = 1) -> Segment:
+    return Segment(0, [1] * tokens, context, (), samples)
+
+
+def row(context: int) -> Segment:
+    return Segment(0, [1], context, (), 1)
+
+
+def layout(calls) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    return [(c.bucket.name, [(p.segment, p.offset, p.tokens) for p in c.parts]) for c in calls]
+
+
+def test_long_prompts_split_into_waves_of_the_largest_bucket():
+    calls = buckets(128).calls([chunk(300), chunk(50)])
+    assert layout(calls) == [
+        ("prefill_s128", [(0, 0, 128)]),
+        ("prefill_s128", [(1, 0, 50)]),  # a fresh chunk does not join a call that is full
+        ("prefill_s128", [(0, 128, 128)]),
+        ("prefill_s128", [(0, 256, 44)]),
+    ]
+
+
+def test_chunks_pack_end_to_end_into_the_smallest_bucket_that_holds_them():
+    eight = [chunk(50)] * 8
+    assert layout(buckets(64, 256, 512).calls(eight)) == [("prefill_s512", [(i, 0, 50) for i in range(8)])]
+    four = buckets(64, 256, 512, max_rows=4).calls(eight)
+    assert layout(four) == [("prefill_s256", [(i, 0, 50) for i in r]) for r in ((0, 1, 2, 3), (4, 5, 6, 7))]
+    assert layout(buckets(32, 64).calls([chunk(30), chunk(40)])) == [
+        ("prefill_s32", [(0, 0, 30)]),
+        ("prefill_s64", [(1, 0, 40)]),
+    ]
+
+
+def test_each_continuing_chunk_opens_a_call_that_fresh_chunks_may_join():
+    plan = [chunk(10), chunk(20, context=64), chunk(5), chunk(3, context=8), chunk(4, context=40, samples=0)]
+    assert layout(buckets(32, 64).calls(plan)) == [
+        ("prefill_s32", [(0, 0, 10)]),
+        ("prefill_s32", [(1, 0, 20), (2, 0, 5)]),
+        ("prefill_s32", [(3, 0, 3)]),
+        ("prefill_s32", [(4, 0, 4)]),
+    ]
+
+
+def test_decode_rows_of_similar_context_share_the_smallest_context_bucket():
+    plan = [row(c - 1) for c in (50, 200, 10, 30, 20)]
+    calls = buckets(64).calls(plan)
+    assert [(c.bucket, [p.segment for p in c.parts]) for c in calls] == [
+        (DECODE[1], [2, 4, 3, 0]),
+        (DECODE[2], [1]),
+    ]
+    with pytest.raises(NoBucketFits, match="257 tokens"):
+        buckets(64).calls([row(256)])
+
+
+def test_a_mixed_plan_runs_its_prefill_calls_then_its_decode_rows():
+    plan = [row(40), chunk(20, context=16), chunk(1, context=7), chunk(8)]
+    calls = buckets(32).calls(plan)
+    assert [c.parts for c in calls] == [
+        (Part(1, 0, 20), Part(3, 0, 8)),  # the one-token chunk that ends its prompt is a decode row
+        (Part(2, 0, 1), Part(0, 0, 1)),
+    ]
+    assert [c.bucket.kind for c in calls] == ["prefill", "decode"]
+
+
+def test_a_segment_no_bucket_can_sample_is_refused_by_name():
+    with pytest.raises(NoBucketFits, match="logits of 3 of its 3 tokens: decode rows carry at most 1"):
+        buckets(32).calls([chunk(3, samples=3)])
+
+
+SHAPES = st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(0, 1))
+
+
+@given(st.lists(SHAPES, min_size=1, max_size=12))
+def test_every_token_of_a_plan_is_computed_once_in_order_and_fits_its_call(shapes):
+    bs = buckets(16, 64, 128, max_rows=4)
+    plan = [chunk(n, context=c, samples=s) for n, c, s in shapes]
+    calls = bs.calls(plan)
+    done = [0] * len(plan)
+    for call in calls:
+        assert call.real_tokens <= call.bucket.tokens and len(call.parts) <= call.bucket.batch
+        if call.bucket.kind == "prefill":  # today's graph: only its first chunk reads a context
+            assert all(plan[p.segment].context_len + p.offset == 0 for p in call.parts[1:])
+        for p in call.parts:
+            assert p.offset == done[p.segment]  # a piece runs after the one before it
+            done[p.segment] += p.tokens
+    assert done == [len(s.token_ids) for s in plan]
+
+
+def admitted(pool: BlockPool, lens: tuple[int, ...], max_tokens: int = 4) -> Scheduler:
+    sched = Scheduler(pool, budget=64, max_rows=8)
+    for i, n in enumerate(lens):
+        sched.add(Request(i, [i + 1] * n, n, SamplingParams(max_tokens=max_tokens)))
+    return sched
+
+
+def test_the_scheduler_fills_the_budget_and_cuts_only_the_last_prompt():
+    sched = admitted(BlockPool(64, 16), (50, 30, 40))
+    first = sched.schedule()
+    assert [(s.request_id, len(s.token_ids), s.context_len, s.num_samples) for s in first] == [
+        (0, 50, 0, 1),
+        (1, 14, 0, 0),  # cut: it samples nothing
+    ]
+    assert sched.commit(first, [[7], []]) == [sched.running[0]]
+    second = sched.schedule()  # the cut prompt continues first, then the next one, then decode rows
+    assert [(s.request_id, len(s.token_ids), s.context_len, s.num_samples) for s in second] == [
+        (1, 16, 14, 1),
+        (2, 40, 0, 1),
+        (0, 1, 50, 1),
+    ]
+    assert list(second[2].token_ids) == [7]  # the sampled token is fed back
+    assert all(len(s.block_ids) * 16 >= s.end for s in second)
+
+
+def test_commit_appends_retires_the_finished_and_frees_their_blocks():
+    pool = BlockPool(64, 16)
+    sched = admitted(pool, (5, 9), max_tokens=2)
+    plan = sched.schedule()
+    sched.commit(plan, [[3], [4]])
+    plan = sched.schedule()
+    assert [s.context_len for s in plan] == [5, 9]
+    done = sched.commit(plan, [[5], [6]])
+    assert [(r.token_ids[r.prompt_len :], r.finish_reason) for r in done] == [
+        ([3, 5], "length"),
+        ([4, 6], "length"),
+    ]
+    assert not sched.busy and pool.num_free == 63
+    assert plan[0].block_ids  # the plan kept its own copy of the blocks that were freed
+
+
+def test_a_stop_token_ends_a_request_at_commit():
+    pool = BlockPool(64, 16)
+    sched = Scheduler(pool, budget=64, max_rows=8)
+    sched.add(Request(0, [1, 2], 2, SamplingParams(max_tokens=9, stop_token_ids=(42,))))
+    sched.commit(sched.schedule(), [[42]])
+    assert not sched.running and pool.num_free == 63
