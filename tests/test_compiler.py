@@ -48,6 +48,7 @@ from neuron_buckets.core.padding import PrefillChunk
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
+from tests.worker_stops import stopped
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
 PREFILL_16, PREFILL_32 = Bucket("prefill", 2, 16, 128), Bucket("prefill", 2, 32, 128)
@@ -491,10 +492,13 @@ def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir
 KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replace(
     "num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1]"
 )
-COMPILE_SCRIPT = (
+HANG_SCRIPT = (  # a compile whose worker stays where its graph is built, not yet published
     "import sys; from pathlib import Path\n"
     "from neuron_buckets.compile.compiler import Compiler\n"
+    "from neuron_buckets.compile.local_executor import LocalExecutor\n"
     "from neuron_buckets.config import load_config\n"
+    "from tests.worker_stops import hangs\n"
+    "LocalExecutor.run = staticmethod(hangs)\n"
     "Compiler(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])).run(jobs=1)\n"
 )
 
@@ -511,7 +515,7 @@ def wait_for(condition, timeout: float, proc: subprocess.Popen, log: Path) -> No
 def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     compiled_dir, graph_cache_dir, hf_model_dir, tmp_path
 ):
-    """SIGKILL the whole ``nb compile`` (workers too) while it compiles prefill 32's layer; rerun."""
+    """SIGKILL the whole ``nb compile`` (workers too) mid-compile of prefill 32's layer; rerun."""
     config_file = write_config(tmp_path, hf_model_dir, KILL_CONFIG)
     config, out, cache = load_config(config_file), tmp_path / "out", tmp_path / "cache"
     compiler = Compiler(config, out, cache)
@@ -527,14 +531,13 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     log = tmp_path / "compile.log"
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-c", COMPILE_SCRIPT, str(config_file), str(out), str(cache)],
+            [sys.executable, "-c", HANG_SCRIPT, str(config_file), str(out), str(cache)],
             stdout=stderr,
             stderr=stderr,
             start_new_session=True,  # its own group: workers die too
         )
     try:
-        wait_for(lambda: (out / "manifest.json").exists(), 60, proc, log)
-        time.sleep(5)  # the worker is now exporting or compiling prefill 32's layer piece
+        wait_for(stopped(cache).exists, 600, proc, log)  # prefill 32's layer is built, unpublished
         assert proc.poll() is None and store.read_record(keys[LAYER_32], "pt2") is None
         with pytest.raises(DirectoryLocked, match=f"pid {proc.pid}"):
             Compiler(config, out, cache).run(jobs=1)

@@ -3,7 +3,7 @@
 The cluster runs in a process of its own (Ray stays on the loopback address only when told so
 before it is imported), with two worker nodes of one CPU each. ``nb compile`` runs as a user
 runs it, in a subprocess. One compile of the embedded default grid on Ray serves several checks:
-it matches the local executor's artifact, and it survives a worker killed mid-compile.
+it matches the local executor's artifact, and it survives a worker that dies mid-compile.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,11 +27,21 @@ from neuron_buckets.config import load_config
 from neuron_buckets.core.padding import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, error_line, free_port, write_config
+from tests.worker_stops import stopped
 
 pytestmark = pytest.mark.xdist_group("ray")
 EAGER = TINY_CONFIG.replace('"inductor"', '"eager"')
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # keeps every Ray address on 127.0.0.1
-TASK = "ray::compile_piece"  # the title Ray gives a worker process while it runs a compile
+# nb compile whose Ray tasks run tests/worker_stops.py's first_dies: Ray workers cannot import the
+# tests, so the module travels by value with the task.
+DIES = (
+    "import ray.cloudpickle, tests.worker_stops as stops\n"
+    "from neuron_buckets.cli import app\n"
+    "from neuron_buckets.compile.ray_executor import RayExecutor\n"
+    "ray.cloudpickle.register_pickle_by_value(stops)\n"
+    "RayExecutor.run = staticmethod(stops.first_dies)\n"
+    "app()\n"
+)
 CLUSTER = """
 import sys
 from ray.cluster_utils import Cluster
@@ -71,50 +80,23 @@ def ray_address(tmp_path_factory) -> Iterator[str]:
             proc.wait()
 
 
-def compile_tasks() -> list[int]:
-    """Processes running a compile task now, found by the title Ray gives them."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(TASK.encode()):
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
-
-
-def kill_one_task_worker(proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not (pids := compile_tasks()):
-        assert proc.poll() is None and time.monotonic() < deadline, "no compile task started"
-        time.sleep(0.2)
-    time.sleep(1)  # well inside its compile (seconds for any inductor piece)
-    os.kill(pids[0], signal.SIGKILL)
-
-
-def compile_on_ray(address: str, *args: object, cache: Path, kill: bool = False) -> tuple[int, str]:
+def compile_on_ray(address: str, *args: object, cache: Path, dies: bool = False) -> tuple[int, str]:
     """``nb compile --executor ray`` as a user runs it, on the machine whose local cache is
-    ``cache``; with ``kill``, the worker of the first compile task is SIGKILLed mid-compile."""
+    ``cache``; with ``dies``, the first worker to have built its graph exits before publishing it."""
     command = ["compile", *map(str, args), "--executor", "ray", "--ray-address", address]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from neuron_buckets.cli import app; app()", *command],
+    proc = subprocess.run(
+        [sys.executable, "-c", DIES if dies else "from neuron_buckets.cli import app; app()", *command],
         env={**os.environ, **LOOPBACK, "NB_CACHE_DIR": str(cache)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
     )
-    try:
-        if kill:
-            kill_one_task_worker(proc)
-        log = proc.communicate(timeout=900)[0]
-    finally:
-        proc.kill()
-    return proc.returncode, log
+    return proc.returncode, proc.stdout
 
 
 @pytest.fixture(scope="module")
 def ray_compile(ray_address, tmp_path_factory) -> tuple[Path, str]:
-    """The embedded default grid compiled on the cluster, one worker killed while it compiles."""
+    """The embedded default grid compiled on the cluster, one worker dying mid-compile."""
     root = tmp_path_factory.mktemp("ray-compile")
-    status, log = compile_on_ray(ray_address, "--out", root / "out", cache=root / "cache", kill=True)
+    status, log = compile_on_ray(ray_address, "--out", root / "out", cache=root / "cache", dies=True)
     assert status == 0, log
     return root / "out", log
 
@@ -146,7 +128,7 @@ def test_ray_compiles_the_default_grid_into_the_local_executors_artifact(ray_com
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_compile_has_its_piece_retried(ray_compile):
+def test_a_worker_that_dies_mid_compile_has_its_piece_retried(ray_compile):
     out, log = ray_compile
     said = " ".join(log.split())
     assert "retry" in said and "(WorkerCrashedError: the worker died);" in said, log
@@ -169,7 +151,7 @@ def test_eager_graphs_from_ray_are_byte_identical_to_local_ones(ray_address, hf_
 def test_a_piece_whose_worker_dies_on_every_attempt_is_recorded_failed_with_the_reason(
     ray_address, compiled_dir, graph_cache_dir, hf_model_dir, tmp_path
 ):
-    """With no retries, one kill fails the piece; the session's other pieces are reused."""
+    """With no retries, one death fails the piece; the session's other pieces are reused."""
     config = write_config(tmp_path, hf_model_dir, TINY_CONFIG + "retries = 0\n")
     compiler = Compiler(load_config(config), tmp_path / "out", tmp_path / "cache")
     target = compiler.bucket_pieces[compiler.buckets[0]]["layer"]
@@ -180,13 +162,14 @@ def test_a_piece_whose_worker_dies_on_every_attempt_is_recorded_failed_with_the_
             cache.publish(shared.graph_file(entry), entry)
     status, log = compile_on_ray(
         ray_address, config, "--out", tmp_path / "out", "--cache-dir", tmp_path / "cache",
-        cache=tmp_path / "local", kill=True,
+        cache=tmp_path / "local", dies=True,
     )
     assert status == 1, log
     rec = {r.name: r for r in read_manifest(tmp_path / "out").pieces.values()}[target.name]
     assert rec.status == "failed"
     assert rec.error == "WorkerCrashedError: the worker died on each of 1 attempts"
     assert "WorkerCrashedError" in (tmp_path / "out" / rec.log).read_text()
+    assert stopped(tmp_path / "cache").exists()  # it died where a graph was built, unpublished
     assert cache.read_record(compiler.keys[target], "pt2") is None  # a failure is never cached
 
 

@@ -20,6 +20,7 @@ from neuron_buckets.compile.worker import compile_piece, watch_parent
 
 class LocalExecutor:
     on_this_host = True
+    run = staticmethod(compile_piece)  # what a worker runs; tests swap in one that stops mid-compile
 
     def __init__(self, jobs: int) -> None:
         self.slots = max(jobs, 1)
@@ -32,7 +33,7 @@ class LocalExecutor:
     def pool(self) -> Iterator[Submit]:
         context = mp.get_context("spawn")
         with ProcessPoolExecutor(self.slots, mp_context=context, initializer=watch_parent) as pool:
-            yield partial(pool.submit, compile_piece)
+            yield partial(pool.submit, self.run)
 
     def died(self, error: BaseException) -> bool:
         return isinstance(error, BrokenProcessPool)  # an OOM kill or a segfault breaks the pool

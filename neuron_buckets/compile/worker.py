@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +55,15 @@ class ToolchainMismatch(RuntimeError):
     """This worker would compile something else than the key says."""
 
 
-def compile_piece(task: CompileTask) -> tuple[float, str | None]:
+def compile_piece(
+    task: CompileTask, before_publish: Callable[[], None] | None = None
+) -> tuple[float, str | None]:
     """Compile one piece and publish it; returns (seconds, the traceback if it failed).
 
     The piece is built from the model config alone: pieces take weights as inputs, so zeros of
-    their shapes trace, and no weights are read."""
+    their shapes trace, and no weights are read. ``before_publish`` is a test hook, called with
+    the graph built and not yet published: a fixed point where a test's worker dies or hangs,
+    instead of a kill racing the compile (an executor's ``run`` swaps in such a worker)."""
     torch.set_num_threads(task.threads)
     # torch's own pickling of export specs trips its own deprecation on every compile; it says
     # nothing a user can act on and would scroll the progress bar away.
@@ -85,6 +90,8 @@ def compile_piece(task: CompileTask) -> tuple[float, str | None]:
                 compile_seconds=round(seconds, 3), piece=shape.name, backend=backend.name,
                 versions=task.toolchain.versions, toolchain=__version__, created=time.time(),
             )
+            if before_publish:
+                before_publish()
             held = store.publish(graph, entry)
             if mirror and held.sha256 == entry.sha256:
                 mirror.publish(graph, entry)
