@@ -26,3 +26,17 @@ def test_available_says_why(name):
 def test_unknown_backend_lists_the_known_ones():
     with pytest.raises(ValueError, match="inductor"):
         get_backend("tvm")
+
+
+def test_inductor_graphs_are_keyed_and_checked_by_the_cpu_isa(monkeypatch):
+    """An AVX-512 graph must never be reused on an AVX2-only machine: the ISA is in the versions
+    that enter every key and that the runtime checks at open."""
+    import torch
+
+    from neuron_buckets.backends.inductor import InductorBackend
+
+    seen = {}
+    for isa in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+        seen[isa] = InductorBackend().load_versions()
+    assert seen["AVX2"]["cpu_isa"] == "AVX2" and seen["AVX512"]["cpu_isa"] == "AVX512"

@@ -261,8 +261,12 @@ def test_weights_that_do_not_match_the_manifest_fail_at_open(artifact_copy):
             lambda m: m["backend"]["versions"].update(torch="0.0.1"),
             r"compiled for other versions \(torch: built with 0.0.1, running .*\); recompile",
         ),
+        (
+            lambda m: m["backend"]["versions"].update(cpu_isa="NOT_THIS_CPU"),
+            r"compiled for other versions \(cpu_isa: built with NOT_THIS_CPU, running .*\); recompile",
+        ),
     ],
-    ids=["newer-schema", "schema-v1", "other-torch"],
+    ids=["newer-schema", "schema-v1", "other-torch", "other-cpu-isa"],
 )
 def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit, message):
     path = artifact_copy / "manifest.json"

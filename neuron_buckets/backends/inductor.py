@@ -100,7 +100,15 @@ class InductorBackend:
         return {**self.load_versions(), "compiler": _cxx_version()}
 
     def load_versions(self) -> dict[str, str]:
-        return {"torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+        """What a loaded graph needs of this machine: the same torch, and the vector ISA its C++
+        was generated for (inductor follows ATen's CPU capability), so that AVX-512 graphs in a
+        cache shared with an AVX2-only machine get other keys there, and a copied artifact is
+        refused with one line instead of dying on an illegal instruction."""
+        return {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda or "none",
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        }
 
     def resolved_flags(self, flags: dict[str, Any]) -> dict[str, Any]:
         """User inductor configs plus the ones this backend fixes (weights out of the package).
