@@ -1,4 +1,8 @@
-"""``[cache]``: the paged KV cache every bucket graph shares."""
+"""``[cache]``: the paged KV cache every bucket graph shares.
+
+``enable_prefix_caching`` shapes no graph: it decides whether requests share the cached blocks of
+a common prefix (on by default, as in vLLM), so it travels in the manifest beside the graphs'
+geometry, not in their keys."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ class CacheConfig:
     num_blocks: int = 128
     max_model_len: int = 256
     dtype: str = "float32"
+    enable_prefix_caching: bool = True
 
     @property
     def max_blocks_per_seq(self) -> int:

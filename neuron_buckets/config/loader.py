@@ -71,6 +71,8 @@ def _section(cls: type, name: str, raw: dict[str, Any]) -> dict[str, Any]:
             not isinstance(value, int) or isinstance(value, bool) or value < 0
         ):
             raise ConfigError(f"{name}.{key} must be a non-negative integer, got {value!r}")
+        if isinstance(want, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{name}.{key} must be true or false, got {value!r}")
         if isinstance(want, str) and not isinstance(value, str):
             raise ConfigError(f"{name}.{key} must be a string, got {value!r}")
     return dict(raw)

@@ -71,9 +71,14 @@ class BlockPool:
         """Blocks that hold ``num_tokens`` actual tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
-    def _chain(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
-        hashes, parent = [], b""
-        for i in range(num_blocks):
+    def chain(
+        self, token_ids: Sequence[int], num_blocks: int, hashes: list[bytes] | None = None
+    ) -> list[bytes]:
+        """The names of the first ``num_blocks`` full blocks of ``token_ids``, extending ``hashes``
+        (the names already known, a request's own list) in place: each block is hashed once."""
+        hashes = [] if hashes is None else hashes
+        parent = hashes[-1] if hashes else b""
+        for i in range(len(hashes), num_blocks):
             parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size], self.salt)
             hashes.append(parent)
         return hashes
@@ -85,14 +90,21 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        for h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
+        for h in self.chain(token_ids, (len(token_ids) - 1) // self.block_size):
             if (block := self._by_hash.get(h)) is None:
                 break
             found.append(block)
         if count:
-            self.queries += len(token_ids)
-            self.hits += len(found) * self.block_size
+            self.count(len(token_ids), len(found))
         return found
+
+    def count(self, num_tokens: int, num_blocks: int) -> None:
+        """Add one lookup of ``num_tokens`` prompt tokens, ``num_blocks`` of whose blocks were hit
+        (nothing without prefix caching: nothing is looked up)."""
+        if not self.enable_prefix_caching:
+            return
+        self.queries += num_tokens
+        self.hits += num_blocks * self.block_size
 
     def share(self, blocks: Sequence[int]) -> list[int]:
         """Take a reference on cached blocks for a new request; they leave the eviction queue."""
@@ -122,14 +134,22 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def publish(self, blocks: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Name the full blocks of a request whose K/V ``token_ids`` now hold in the cache, so that
-        later requests may share them. A block whose name another block already has stays
-        private (the content is the same; the first keeps the name)."""
+    def publish(
+        self, blocks: Sequence[int], token_ids: Sequence[int], num_tokens: int | None = None,
+        hashes: list[bytes] | None = None,
+    ) -> None:
+        """Name the full blocks of a request whose K/V the first ``num_tokens`` of ``token_ids``
+        (default: all) now hold in the cache, so that later requests may share them. ``hashes``,
+        the request's own list, keeps the names from the last call, so each step hashes only its
+        newly full blocks. A block whose name another block already has stays private (the
+        content is the same; the first keeps the name)."""
         if not self.enable_prefix_caching:
             return
-        full = min(len(token_ids) // self.block_size, len(blocks))
-        for block, h in zip(blocks[:full], self._chain(token_ids, full), strict=True):
+        hashes = [] if hashes is None else hashes
+        start = len(hashes)
+        full = min((len(token_ids) if num_tokens is None else num_tokens) // self.block_size, len(blocks))
+        self.chain(token_ids, full, hashes)
+        for block, h in zip(blocks[start:full], hashes[start:full], strict=True):
             if block in self._hash_of or h in self._by_hash:
                 continue
             self._by_hash[h] = block
