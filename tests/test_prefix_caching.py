@@ -17,6 +17,7 @@ from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.llm_engine import LLMEngine, generate, prefix_salt
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from tests.conftest import TINY_CONFIG, write_config
 from tests.test_engine import hf_greedy, make_prompts  # noqa: F401  (hf_greedy is a fixture)
 from tests.test_llm_engine import artifact  # noqa: F401  (a fixture)
 
@@ -77,3 +78,27 @@ def test_a_conversation_reuses_each_earlier_turn(artifact, hf_greedy, enable):  
         prompt = prompt + answer
     assert engine.pool.hits == (expected_hits if enable else 0)
     assert not enable or engine.pool.hits > 0
+
+
+def test_the_engine_follows_the_configs_enable_prefix_caching(hf_model_dir, tmp_path):
+    """The config's flag reaches the manifest (not the graph keys) and the engine's own pool."""
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    eager = TINY_CONFIG.replace('"inductor"', '"eager"')
+    off = eager.replace("max_model_len = 128", "max_model_len = 128\nenable_prefix_caching = false")
+    engines = []
+    for name, text in (("on", eager), ("off", off)):
+        (tmp_path / name).mkdir()
+        config = load_config(write_config(tmp_path / name, hf_model_dir, text))
+        compiler = Compiler(config, tmp_path / name / "artifact", tmp_path / "cache")
+        assert not compiler.run(jobs=1).failed
+        engines.append((compiler.keys, LLMEngine(BucketRuntime.open(tmp_path / name / "artifact"))))
+    (keys_on, on), (keys_off, off_engine) = engines
+    assert keys_on == keys_off  # the same graphs
+    assert on.pool.enable_prefix_caching and not off_engine.pool.enable_prefix_caching
+    prompt = BASE[:20]
+    for engine in (on, off_engine):
+        generate(engine, [prompt, prompt], PARAMS)
+        generate(engine, [prompt], PARAMS)
+    assert on.pool.hits == 16 and (off_engine.pool.queries, off_engine.pool.hits) == (0, 0)
