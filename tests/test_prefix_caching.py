@@ -9,6 +9,7 @@ left cached.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,9 @@ from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.llm_engine import LLMEngine, generate, prefix_salt
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.traffic.runtime_replay import prefix_report
+from neuron_buckets.traffic.trace_prompts import trace_prompts
+from neuron_buckets.traffic.traces import TraceError, load_trace
 from tests.conftest import TINY_CONFIG, write_config
 from tests.test_engine import hf_greedy, make_prompts  # noqa: F401  (hf_greedy is a fixture)
 from tests.test_llm_engine import artifact  # noqa: F401  (a fixture)
@@ -102,3 +106,54 @@ def test_the_engine_follows_the_configs_enable_prefix_caching(hf_model_dir, tmp_
         generate(engine, [prompt, prompt], PARAMS)
         generate(engine, [prompt], PARAMS)
     assert on.pool.hits == 16 and (off_engine.pool.queries, off_engine.pool.hits) == (0, 0)
+
+
+def mooncake_trace(path: Path, requests: int = 30) -> Path:
+    """A small synthetic trace in Mooncake's JSONL format, blocks of 16 tokens: four system
+    prompts of 1 to 4 blocks, each request adding a block of its own and a few tokens."""
+    rows = []
+    for i in range(requests):
+        shared = [100 * (i % 4) + k for k in range(1 + i % 4)]
+        length = 16 * (len(shared) + 1) + i % 7
+        hash_ids = [*shared, 1000 + i, 2000 + i]  # as published: one id per (partial) block
+        rows.append({"timestamp": 10 * i, "input_length": length, "output_length": 1 + i % 4,
+                     "hash_ids": hash_ids[: -(-length // 16)]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_mooncake_trace_replays_with_the_hits_and_calls_the_runtime_counts(
+    artifact, hf_model_dir, tmp_path  # noqa: F811
+):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+
+    trace_file = mooncake_trace(tmp_path / "mooncake.jsonl")
+    trace = load_trace(trace_file)
+    assert trace.hash_ids is not None and trace.hash_ids[5] == (100, 101, 1005, 2005)
+    config = write_config(tmp_path, hf_model_dir, TINY_CONFIG.replace('"inductor"', '"eager"'))
+    result = CliRunner().invoke(
+        app, ["inspect", "--trace", str(trace_file), str(config), "--json", "--trace-block-size", "16"]
+    )
+    assert result.exit_code == 0, result.output
+    packed = json.loads(result.stdout)["packed"]
+    predicted = {b.pop("bucket"): b for b in packed["per_bucket"]}
+
+    engine = LLMEngine(BucketRuntime.open(artifact))  # the artifact's default: caching on
+    prompts = trace_prompts(trace.hash_ids, trace.prompt_lens.tolist(), 16)
+    params = [SamplingParams(max_tokens=int(o), ignore_eos=True) for o in trace.output_lens]
+    generate(engine, prompts, params)
+    pool = engine.pool
+    measured = {name: vars(s) for name, s in engine.stats.items() if s.calls}
+    assert measured == predicted
+    assert packed["prefix_cache"] == prefix_report(pool)
+    assert pool.hits > 16 * len(prompts) // 2  # most of the shared system prompts were found
+    assert pool.evictions > 0  # 63 blocks are too few to keep every prefix: the replay evicts too
+
+
+def test_hash_ids_that_are_not_block_ids_are_one_clear_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1, "x"]}\n')
+    with pytest.raises(TraceError, match="record 1: hash_ids must be a list of non-negative integers"):
+        load_trace(path)

@@ -54,6 +54,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self.queries = 0  # prompt tokens looked up, as vLLM's prefix-cache counters count them
         self.hits = 0  # of which found cached
+        self.evictions = 0  # cached blocks whose content ``grow`` gave up for new tokens
 
     @property
     def num_free(self) -> int:
@@ -130,6 +131,7 @@ class BlockPool:
             else:
                 block, _ = self._evictable.popitem(last=False)
                 del self._by_hash[self._hash_of.pop(block)]
+                self.evictions += 1
             self._refs[block] = 1
             blocks.append(block)
         return blocks
