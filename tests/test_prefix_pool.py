@@ -5,12 +5,16 @@ blocks, publish them, and end in any order while the pool evicts what it needs."
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.engine.block_pool import BlockPool, OutOfBlocks
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.runtime.step_check import StepLimits, check_step
 
 BLOCK = 4
 
@@ -123,3 +127,45 @@ def test_off_hands_out_and_returns_blocks_exactly_as_a_plain_pool():
     assert list(pool._free) == [4, 5, 6, 7, 1, 2, 3]  # freed blocks go to the back, in order
     with pytest.raises(OutOfBlocks):
         pool.grow([], 8 * BLOCK)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=18), st.integers(1, 5)),
+        min_size=1, max_size=8,
+    ),
+    num_blocks=st.integers(7, 14),
+    publish_early=st.booleans(),
+)
+def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_short(
+    requests: list[tuple[list[int], int]], num_blocks: int, publish_early: bool
+) -> None:
+    """Random prompts over two tokens, so prefixes collide, through the scheduler: admission
+    counts shared and evictable blocks right (``grow`` never runs short), every plan passes the
+    runtime's step check (reads shared, writes private), a segment computes only what is not
+    cached, and every block is free or cached once all requests end."""
+    pool = BlockPool(num_blocks, BLOCK, enable_prefix_caching=True, salt=b"s")
+    sched = Scheduler(pool, budget=8, max_rows=2)
+    limits = StepLimits(BLOCK, num_blocks, 64, 2)
+    reqs = [
+        Request(i, list(p), len(p), SamplingParams(max_tokens=o, ignore_eos=True))
+        for i, (p, o) in enumerate(requests)
+    ]
+    for r in reqs if publish_early else reqs[:1]:
+        sched.add(r)
+    pending = [] if publish_early else reqs[1:]
+    computed = 0
+    for _ in range(500):
+        if not sched.busy:
+            if not pending:
+                break
+            sched.add(pending.pop(0))  # one after another: each finds the last one's blocks
+        plan = sched.schedule()
+        check_step(plan, limits)
+        computed += sum(len(s.token_ids) for s in plan)
+        sched.commit(plan, [[1] if s.num_samples else [] for s in plan])
+    assert not sched.busy and all(r.finish_reason == "length" for r in reqs)
+    assert computed == sum(r.final_cached for r in reqs) - pool.hits  # hits were not computed
+    assert pool.num_free == num_blocks - 1
+    assert all(pool.refcount(b) == 0 for b in range(num_blocks))
