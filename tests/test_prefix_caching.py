@@ -108,7 +108,7 @@ def test_the_engine_follows_the_configs_enable_prefix_caching(hf_model_dir, tmp_
     assert on.pool.hits == 16 and (off_engine.pool.queries, off_engine.pool.hits) == (0, 0)
 
 
-def mooncake_trace(path: Path, requests: int = 30) -> Path:
+def mooncake_trace(path: Path, requests: int = 200) -> Path:
     """A small synthetic trace in Mooncake's JSONL format, blocks of 16 tokens: four system
     prompts of 1 to 4 blocks, each request adding a block of its own and a few tokens."""
     rows = []
@@ -122,7 +122,7 @@ def mooncake_trace(path: Path, requests: int = 30) -> Path:
     return path
 
 
-def test_a_mooncake_trace_replays_with_the_hits_and_calls_the_runtime_counts(
+def test_200_requests_of_a_mooncake_trace_replay_with_the_hits_and_calls_the_runtime_counts(
     artifact, hf_model_dir, tmp_path  # noqa: F811
 ):
     from typer.testing import CliRunner
