@@ -105,6 +105,19 @@ def test_generate_prints_tokens_and_stats(eager_dir):
     assert stats["decode_b2_c128"][0] == "2"  # then both decode together, twice
 
 
+def test_generate_stats_print_the_prefix_cache_hit_rate(eager_dir):
+    # 40 tokens take the whole first step (budget 32); the second prompt enters the next step and
+    # finds the first one's four full blocks cached
+    first = list(range(1, 41))
+    second = first[:32] + [7, 7]
+    result = nb(
+        "generate", eager_dir, "--prompt-ids", ",".join(map(str, first)),
+        "--prompt-ids", ",".join(map(str, second)), "--max-new-tokens", "2", "--stats",
+    )
+    assert result.exit_code == 0, result.output
+    assert "prefix cache: 32 of 74 prompt tokens hit (43%)" in result.output
+
+
 def test_generate_refuses_bad_prompts(eager_dir):
     assert nb("generate", eager_dir, "--prompt-ids", "1,x").exit_code == 2
     too_long = ",".join(["1"] * 200)  # max_model_len is 128

@@ -332,7 +332,7 @@ def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
                 [PrefillChunk([1] * 40, 0, [7, 8, 9, 10, 11]), PrefillChunk([2] * 3, 0, [9])]
             ),
             ValueError,
-            "block 9 is listed twice",
+            "block 9 is written twice",
         ),
         (lambda rt: rt.prefill([]), ValueError, "at least one request"),
         (lambda rt: rt.prefill([PrefillChunk([], 0, [1])]), ValueError, "request 0 has no tokens"),

@@ -152,7 +152,7 @@ def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_bl
     news = [2 + (i * 5) % 8 for i in range(64)]
     prompts = [[10 + (i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
     pool = engine.pool
-    free = pool.num_free
+    free, queries = pool.num_free, pool.queries
     assert sum(pool.blocks_for(n + m) for n, m in zip(lengths, news, strict=True)) > free  # some must wait
 
     async def one(c: openai.AsyncOpenAI, prompt: list[int], max_tokens: int) -> tuple[list[int], str | None]:
@@ -183,6 +183,9 @@ def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_bl
     assert total(samples, "vllm:num_requests_running") == 0
     calls = total(samples, "nb:bucket_calls_total")
     assert calls == sum(s.calls for s in engine.stats.values()) and calls > 0
+    # the artifact's default turns prefix caching on: every prompt is looked up once, at admission
+    assert total(samples, "vllm:prefix_cache_queries_total") == pool.queries == queries + sum(lengths)
+    assert total(samples, "vllm:prefix_cache_hits_total") == pool.hits
 
 
 def test_a_client_leaving_mid_stream_is_aborted_before_the_next_step(engine):

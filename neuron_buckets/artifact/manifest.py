@@ -133,6 +133,7 @@ class DecodeInfo:
     speculation_length: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    enable_prefix_caching: bool = True  # absent from manifests written before prefix caching
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ def print_stats(engine: LLMEngine) -> None:
             cells = (s.calls, s.real_tokens, s.padded_tokens, f"{s.padding_ratio:.0%}")
             table.add_row(label, *map(str, cells))
     err.print(table)
+    pool = engine.pool
+    if pool.enable_prefix_caching:
+        rate = pool.hits / pool.queries if pool.queries else 0.0
+        err.print(f"prefix cache: {pool.hits} of {pool.queries} prompt tokens hit ({rate:.0%})")
+    else:
+        err.print("prefix cache: off")
 
 
 IDS = "comma separated; repeat for more"

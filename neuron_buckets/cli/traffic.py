@@ -20,7 +20,8 @@ from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_b
 from neuron_buckets.traffic.padding_stats import inspect_trace
 from neuron_buckets.traffic.planner import PlanOptions, plan
 from neuron_buckets.traffic.report import print_bucket_plan, print_inspect, toml_snippet
-from neuron_buckets.traffic.runtime_replay import fit_requests, packed_report, replay_runtime
+from neuron_buckets.traffic.runtime_replay import fit_requests, packed_report, prefix_report, replay_runtime
+from neuron_buckets.traffic.trace_prompts import trace_prompts
 from neuron_buckets.traffic.traces import Trace, load_trace
 
 DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
@@ -86,16 +87,20 @@ def inspect(
     replay_requests: Annotated[
         int, typer.Option("--replay-requests", min=1, help="Requests of the trace the packed replay runs")
     ] = 1000,
+    trace_block_size: Annotated[
+        int, typer.Option("--trace-block-size", min=1, help="Tokens per hash_ids block of a Mooncake trace")
+    ] = 512,
 ) -> None:
     """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
-    what the runtime does: the trace replayed through its scheduler and packing (``packed``)."""
+    what the runtime does: the trace replayed through its scheduler and packing (``packed``), and
+    for a trace with ``hash_ids`` the prefix cache's hits, evictions and prefill tokens saved."""
     built = load_manifest_buckets(manifest) if manifest else None
     prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
     data = _load(trace)
     doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
     if built is None and prefill_buckets is None and num_seqs_buckets is None:
-        doc["packed"] = _packed(load_config(config), data, replay_requests)
+        doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size)
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 
@@ -104,12 +109,22 @@ def inspect(
     _emit(doc, as_json, print_inspect)
 
 
-def _packed(config: Config, trace: Trace, limit: int) -> dict:
-    """The runtime's calls and padding for the first ``limit`` requests of the trace."""
+def _packed(config: Config, trace: Trace, limit: int, trace_block_size: int) -> dict:
+    """The runtime's calls and padding for the first ``limit`` requests of the trace; with the
+    trace's ``hash_ids``, also its prefix-cache hits at the configured cache size."""
     cache = config.cache
-    prompts, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
-    counters = replay_runtime(prompts, outputs, enumerate_grid(config), cache.num_blocks, cache.block_size)
-    return packed_report(counters, len(prompts))
+    lens, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
+    prompts = None
+    if trace.hash_ids is not None:
+        prompts = trace_prompts(trace.hash_ids[: len(lens)], lens, trace_block_size)
+    counters, pool = replay_runtime(
+        lens, outputs, enumerate_grid(config), cache.num_blocks, cache.block_size, prompts,
+        cache.enable_prefix_caching,
+    )
+    doc = packed_report(counters, len(lens))
+    if prompts is not None:
+        doc["prefix_cache"] = prefix_report(pool)
+    return doc
 
 
 def _bucket_sets(

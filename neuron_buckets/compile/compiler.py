@@ -153,6 +153,7 @@ class Compiler:
                 speculation_length=config.buckets.speculation_length,
                 max_num_seqs=config.buckets.max_num_seqs,
                 max_num_batched_tokens=config.buckets.max_num_batched_tokens,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
             ),
         )
         self.toolchain = Toolchain(backend_source_digest(self.backend), backend_info.versions)

@@ -1,5 +1,7 @@
 """``[cache]``: the paged KV cache every bucket graph shares, and the geometry rule that the
-config and the artifact check both apply."""
+config and the artifact check both apply. ``enable_prefix_caching`` shapes no graph: it decides
+whether requests share the cached blocks of a common prefix (on by default, as in vLLM), so it
+travels in the manifest beside the graphs, not in their keys."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class CacheConfig:
     num_blocks: int = setting(128, graph=True)
     max_model_len: int = setting(256, graph=False)  # each bucket's own ctx bounds its graph
     dtype: str = setting("float32", graph=True)
+    enable_prefix_caching: bool = setting(True, graph=False)  # block sharing, a runtime decision
 
     def __post_init__(self) -> None:
         check_types(self)

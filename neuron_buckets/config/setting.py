@@ -38,8 +38,8 @@ def not_in_graph(section: type[Section]) -> frozenset[str]:
 
 
 def check_types(obj: Section) -> None:
-    """Every value against its default's type: integers are non-negative, strings strings,
-    tables dicts. Fields without a typed default (None) check themselves."""
+    """Every value against its default's type: integers are non-negative, booleans booleans,
+    strings strings, tables dicts. Fields without a typed default (None) check themselves."""
     for f in fields(obj):
         want = f.default_factory() if f.default is MISSING else f.default
         value, key = getattr(obj, f.name), f"{obj.SECTION}.{f.name}"
@@ -47,6 +47,8 @@ def check_types(obj: Section) -> None:
             not isinstance(value, int) or isinstance(value, bool) or value < 0
         ):
             raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+        if isinstance(want, bool) and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
         if isinstance(want, str) and not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         if isinstance(want, dict) and not isinstance(value, dict):

@@ -20,12 +20,16 @@ Single-threaded: a server drives it from one loop thread.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from neuron_buckets.artifact.manifest import Manifest
 from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.request import Request
@@ -39,6 +43,14 @@ from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
 
 
+def prefix_salt(manifest: Manifest) -> bytes:
+    """What besides its tokens decides a cached block's K/V: the model and the cache's geometry
+    and dtype. Two artifacts that differ in any of them never share a block's name."""
+    identity = {"model": manifest.model.config, "weights": manifest.weights and manifest.weights.sha256,
+                "cache": asdict(manifest.cache)}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -47,11 +59,15 @@ class LLMEngine:
         pool: BlockPool | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
-        """``pool`` defaults to one covering the runtime's whole cache; pass a smaller one to bound
+        """``pool`` defaults to one covering the runtime's whole cache, with prefix caching as the
+        artifact was configured (``cache.enable_prefix_caching``); pass a smaller one to bound
         the blocks in use. ``eos_token_ids`` defaults to the artifact's (from the model
         directory's generation_config.json or config.json; none for older artifacts)."""
         self.runtime, self.tokenizer = runtime, tokenizer
-        self.pool = pool or BlockPool(runtime.num_blocks, runtime.block_size)
+        self.pool = pool or BlockPool(
+            runtime.num_blocks, runtime.block_size, runtime.manifest.decode.enable_prefix_caching,
+            prefix_salt(runtime.manifest),
+        )
         if self.pool.block_size != runtime.block_size or self.pool.num_blocks > runtime.num_blocks:
             raise ValueError(
                 f"pool of {self.pool.num_blocks} blocks of {self.pool.block_size} does not fit the runtime's "

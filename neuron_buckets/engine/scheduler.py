@@ -15,9 +15,18 @@ Admission is conservative: a request enters only if the pool can cover its whole
 top of what the running requests may still need, so nothing is ever preempted and each
 request's tokens are exactly what it would get running alone. A request that ends (its stop
 rule, its length, an abort) gives its blocks and its reservation back at once, so waiting
-requests enter the next step. Requests may be added between steps. The engine drives this with
-a runtime and a sampler; ``nb inspect`` drives the same code with lengths alone, to predict the
-runtime's calls.
+requests enter the next step. Requests may be added between steps.
+
+With prefix caching a waiting request starts with the longest cached run of its prompt's full
+blocks shared (``BlockPool.cached_prefix``; the last prompt token is always computed) and
+prefills only the rest. Shared blocks count once: a request's reservation is what it still
+lacks, ``blocks_for(final_cached) - len(blocks)``, and admitting it costs its unshared blocks
+plus the cached blocks nobody held, since sharing those takes them out of ``num_free``. Blocks
+cached but unreferenced count as free, so eviction is only ever of blocks no running request or
+reservation needs. ``commit`` names each request's newly full blocks once their K/V is written.
+
+The engine drives this with a runtime and a sampler; ``nb inspect`` drives the same code with
+lengths alone, to predict the runtime's calls.
 """
 
 from __future__ import annotations
@@ -88,6 +97,7 @@ class Scheduler:
             if (req := running.get(seg.request_id)) is None:  # aborted since it was planned
                 continue
             req.cached = seg.end
+            self.pool.publish(req.blocks, req.token_ids, req.cached, req.block_hashes)
             for token in tokens:
                 req.append(token)
                 if req.done:
@@ -110,13 +120,20 @@ class Scheduler:
         reserved = sum(self.pool.blocks_for(r.final_cached) - len(r.blocks) for r in self.running)
         free = self.pool.num_free - reserved
         while self.waiting and budget > 0 and len(step) < self.max_rows:
-            need = self.pool.blocks_for(self.waiting[0].final_cached)
+            head = self.waiting[0]
+            prefix = self.pool.cached_prefix(head.token_ids[: head.prompt_len], count=False)
+            # its own blocks, plus the cached ones nobody holds: sharing those takes them off num_free
+            need = self.pool.blocks_for(head.final_cached) - len(prefix)
+            need += sum(self.pool.refcount(b) == 0 for b in prefix)
             if need > free:
                 break
             req = self.waiting.popleft()
+            self.pool.count(req.prompt_len, len(prefix))
+            req.blocks = self.pool.share(prefix)
+            req.cached = len(prefix) * self.pool.block_size
             free -= need
             self.running.append(req)
-            step.append((req, min(req.prompt_len, budget)))
+            step.append((req, min(req.prompt_len - req.cached, budget)))
             budget -= step[-1][1]
         if not step and not self.running and self.waiting:  # a caller's pool already in use
             head = self.waiting[0]

@@ -7,6 +7,11 @@ the runtime's, not the graph's, and every backend refuses the same steps. It cov
 graphs will see: token ids against the vocabulary, positions, and every entry of each block-table
 row (the spare entries beyond the blocks a request needs too). Only integers pass: a float
 would be truncated and a bool read as 0 or 1.
+
+With prefix caching several segments read one block: the full blocks below a segment's context
+(``context_len // block_size`` of them) are read-only, and those may be shared. A block a segment
+writes (from its first new token's block on) must be its own: no other segment of the step may
+write it or read it.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def check_step(plan: Sequence[Segment], limits: StepLimits) -> None:
     """Refuse a plan that cannot run whole."""
     if not plan:
         raise ValueError("a step needs at least one request")
-    needed: list[int] = []
+    writes: list[int] = []
+    reads: dict[int, int] = {}  # read-only block -> the first segment reading it
     for i, row in enumerate(plan):
         n = len(check_token_ids(row.token_ids, limits.vocab_size, f"request {i}"))
         if not n:
@@ -99,6 +105,16 @@ def check_step(plan: Sequence[Segment], limits: StepLimits) -> None:
                 f"block ids must lie in [1, {limits.num_blocks}), got {blocks} (request {i}; "
                 f"entries after the {need} it needs may also be {NULL_BLOCK_ID}, unused)"
             )
-        needed.extend(mine)
-    if twice := [b for b, count in Counter(needed).items() if count > 1]:
-        raise ValueError(f"block {min(twice)} is listed twice in one step; each block has one owner")
+        if len(set(mine)) != len(mine):
+            raise ValueError(f"request {i} lists a block twice in its block table {mine}")
+        frozen = row.context_len // limits.block_size
+        writes.extend(mine[frozen:])
+        for b in mine[:frozen]:
+            reads.setdefault(b, i)
+    if twice := [b for b, count in Counter(writes).items() if count > 1]:
+        raise ValueError(f"block {min(twice)} is written twice in one step; a block it writes has one owner")
+    if shared := sorted(set(writes) & reads.keys()):
+        raise ValueError(
+            f"block {shared[0]} is written in a step in which request {reads[shared[0]]} reads it; "
+            "only full, read-only blocks may be shared"
+        )

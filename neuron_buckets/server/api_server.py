@@ -147,7 +147,9 @@ class OpenAIServer:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics(model_name, lambda: engine.stats)
+        self.metrics = ServerMetrics(
+            model_name, lambda: engine.stats, lambda: (engine.pool.queries, engine.pool.hits)
+        )
         self.loop = EngineLoop(engine, self.metrics, limits.max_open_requests)
         self.created = int(time.time())
 

@@ -2,7 +2,8 @@
 
 Dashboards and alerts written for ``vllm serve`` read the same series here: requests running and
 waiting, time to first token, time per output token, end-to-end latency, prompt and generation
-token counters and finished requests by reason, all labelled with ``model_name``. What vLLM has
+token counters, finished requests by reason and the prefix cache's query and hit counters (in
+tokens), all labelled with ``model_name``. What vLLM has
 no name for is the point of nb: per-bucket calls, real and padded tokens and the padding ratio,
 read from the runtime's own counters at scrape time (so they are exactly ``nb generate --stats``).
 Each server owns its registry, so several servers in one process (tests) do not collide.
@@ -50,10 +51,31 @@ class BucketCollector(Collector):
         yield from (calls, real, padded, ratio)
 
 
+class PrefixCacheCollector(Collector):
+    """vLLM's prefix-cache counters, in prompt tokens, read from the block pool when scraped."""
+
+    def __init__(self, model_name: str, counts: Callable[[], tuple[int, int]]) -> None:
+        self.model_name, self.counts = model_name, counts
+
+    def collect(self) -> Iterator[Metric]:
+        queries, hits = self.counts()
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class ServerMetrics:
     """Everything ``/metrics`` exposes; the engine thread records, any thread may scrape."""
 
-    def __init__(self, model_name: str, bucket_stats: Callable[[], Mapping[str, BucketStats]]) -> None:
+    def __init__(
+        self, model_name: str, bucket_stats: Callable[[], Mapping[str, BucketStats]],
+        prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    ) -> None:
+        """``prefix_cache`` reads the pool's (queries, hits) counters."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -79,6 +101,7 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.registry.register(BucketCollector(bucket_stats))
+        self.registry.register(PrefixCacheCollector(model_name, prefix_cache))
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()

@@ -90,6 +90,12 @@ def print_inspect(console: Console, doc: dict) -> None:
             table.add_row(b["bucket"], _num(b["calls"]), _num(b["real_tokens"]), _num(b["padded_tokens"]))
         console.print(table)
         console.print(f"runtime padding {_pct(packed['padding_ratio'])} of real tokens")
+        if cache := packed.get("prefix_cache"):
+            console.print(
+                f"prefix cache: {cache['hits']:,} of {cache['queries']:,} prompt tokens hit "
+                f"({_pct(cache['hit_rate'])}), {cache['prefill_tokens_saved']:,} prefill tokens saved, "
+                f"{cache['evictions']:,} blocks evicted"
+            )
     if doc["graphs"]:
         total = sum(g["seconds"] for g in doc["graphs"])
         size = sum(g["bytes"] for g in doc["graphs"])

@@ -7,6 +7,11 @@ same requests submitted together (``generate`` with every prompt at once, each r
 output length, as with ``ignore_eos``; arrival times are not replayed here). Unlike the
 per-request figures beside it, this is the padding of packed steps: several prompts share one
 token bucket.
+
+Given the prompts' tokens (a trace with prefix information, ``traffic/trace_prompts.py``) the
+replay runs the block pool with prefix caching as configured, so hits, evictions and the
+prefill they save come out as the runtime will count them; without tokens every prompt is its
+own and nothing is shared.
 """
 
 from __future__ import annotations
@@ -28,19 +33,24 @@ def replay_runtime(
     buckets: Sequence[Bucket],
     num_blocks: int,
     block_size: int,
-) -> dict[str, BucketStats]:
-    """Per-bucket counters, keyed by ``Bucket.name``, of generating every request at once."""
+    prompts: Sequence[Sequence[int]] | None = None,
+    enable_prefix_caching: bool = False,
+) -> tuple[dict[str, BucketStats], BlockPool]:
+    """Per-bucket counters, keyed by ``Bucket.name``, of generating every request at once, and
+    the pool the replay ran on (its prefix-cache counters)."""
     bucket_set = BucketSet.of(buckets)
     stats = {b.name: BucketStats() for b in buckets}
-    sched = Scheduler(BlockPool(num_blocks, block_size), bucket_set.token_budget, bucket_set.max_rows)
+    pool = BlockPool(num_blocks, block_size, enable_prefix_caching and prompts is not None)
+    sched = Scheduler(pool, bucket_set.token_budget, bucket_set.max_rows)
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
-        sched.add(Request(i, [0] * p, p, SamplingParams(max_tokens=o, ignore_eos=True)))
+        tokens = [0] * p if prompts is None else list(prompts[i][:p])
+        sched.add(Request(i, tokens, p, SamplingParams(max_tokens=o, ignore_eos=True)))
     while sched.busy:
         plan = sched.schedule()
         for call in bucket_set.calls(plan):
             stats[call.bucket.name].add(call.real_tokens, call.bucket.tokens)
         sched.commit(plan, [[0] * min(s.num_samples, 1) for s in plan])
-    return stats
+    return stats, pool
 
 
 def fit_requests(
@@ -52,6 +62,18 @@ def fit_requests(
     pairs = zip(prompts, output_lens[:limit], strict=False)
     outputs = [max(1, min(int(o), max_model_len - p)) for p, o in pairs]
     return prompts, outputs
+
+
+def prefix_report(pool: BlockPool) -> dict:
+    """The ``prefix_cache`` part of ``packed``: prompt tokens looked up and found cached (the
+    prefill they save), and cached blocks evicted."""
+    return {
+        "queries": pool.queries,
+        "hits": pool.hits,
+        "hit_rate": pool.hits / max(pool.queries, 1),
+        "evictions": pool.evictions,
+        "prefill_tokens_saved": pool.hits,
+    }
 
 
 def packed_report(counters: dict[str, BucketStats], requests: int) -> dict:

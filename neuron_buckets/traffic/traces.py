@@ -51,12 +51,15 @@ class TraceError(ValueError):
 @dataclass(frozen=True)
 class Trace:
     """One request per row: ``prompt_lens`` (>= 1), ``output_lens`` (>= 0), and ``arrivals`` in
-    seconds after the first request (None when the file has no time column)."""
+    seconds after the first request (None when the file has no time column). ``hash_ids`` (a
+    Mooncake trace's) name each request's prompt blocks, so that equal ids mean equal content:
+    the prefix information a prefix-caching replay needs; None for traces without it."""
 
     prompt_lens: np.ndarray
     output_lens: np.ndarray
     arrivals: np.ndarray | None
     source: str
+    hash_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -75,7 +78,8 @@ class Trace:
 
     def _take(self, idx: np.ndarray) -> Trace:
         arrivals = self.arrivals[idx] if self.arrivals is not None else None
-        return Trace(self.prompt_lens[idx], self.output_lens[idx], arrivals, self.source)
+        hashes = tuple(self.hash_ids[i] for i in idx) if self.hash_ids is not None else None
+        return Trace(self.prompt_lens[idx], self.output_lens[idx], arrivals, self.source, hashes)
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -197,7 +201,21 @@ def _load_jsonl(text: str) -> Trace:
     line_of = _data_lines(text, skip=0)
     p, o = (_parse_ints(c, column(c), line_of) for c in (prompt, output))
     arrivals = _parse_times(time_col, np.array(column(time_col))) if time_col else None
-    return _build(prompt, output, p, o, arrivals, name)
+    trace = _build(prompt, output, p, o, arrivals, name)
+    if "hash_ids" not in records[0]:
+        return trace
+    return Trace(trace.prompt_lens, trace.output_lens, trace.arrivals, name, _hash_ids(column("hash_ids")))
+
+
+def _hash_ids(values: list[object]) -> tuple[tuple[int, ...], ...]:
+    """Mooncake's ``hash_ids``: per record, a list of non-negative integer block ids."""
+    out = []
+    for row, ids in enumerate(values, 1):
+        if not isinstance(ids, list) or any(type(h) is not int or h < 0 for h in ids):
+            shown = repr(ids)[:80]
+            raise TraceError(f"record {row}: hash_ids must be a list of non-negative integers, got {shown}")
+        out.append(tuple(ids))
+    return tuple(out)
 
 
 def _token_count(value: object) -> int | None:

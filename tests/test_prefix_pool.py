@@ -1,0 +1,171 @@
+"""The prefix-caching block pool as a state machine (hypothesis): random requests over a small
+alphabet, so that prefixes collide, are admitted with their cached prefix shared, write their own
+blocks, publish them, and end in any order while the pool evicts what it needs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from neuron_buckets.core.block_table import NULL_BLOCK_ID
+from neuron_buckets.engine.block_pool import BlockPool, OutOfBlocks
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.runtime.step_check import StepLimits, check_step
+
+BLOCK = 4
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(num_blocks=7, block_size=BLOCK, enable_prefix_caching=True, salt=b"m")
+        # id -> (tokens, blocks, how many leading blocks are read-only: shared or published)
+        self.live: dict[int, tuple[list[int], list[int], int]] = {}
+        self.next_id = 0
+        self.content: dict[int, tuple[int, ...] | None] = {}  # the prefix whose K/V a block ends
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=14), extra=st.integers(0, 4))
+    def admit(self, tokens: list[int], extra: int) -> None:
+        prefix = self.pool.cached_prefix(tokens)
+        assert len(prefix) * BLOCK < len(tokens)  # the last token is always computed
+        need = self.pool.blocks_for(len(tokens) + extra) - len(prefix)
+        evictable_shared = sum(self.pool.refcount(b) == 0 for b in prefix)
+        if need > self.pool.num_free - evictable_shared:
+            return  # the scheduler's admission check: it would not admit this request now
+        for i, b in enumerate(prefix):  # a shared block holds exactly this prompt's K/V
+            assert self.content[b] == tuple(tokens[: (i + 1) * BLOCK])
+        blocks = self.pool.share(prefix)
+        self.pool.grow(blocks, len(tokens) + extra)
+        written = blocks[len(prefix) :]
+        self.content.update(dict.fromkeys(written))
+        assert all(self.pool.refcount(b) == 1 for b in written)  # a block it writes is its own
+        self.live[self.next_id] = (tokens, blocks, len(prefix))
+        self.next_id += 1
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        """The request's step wrote its tokens' K/V: its full blocks may now be shared."""
+        key = data.draw(st.sampled_from(sorted(self.live)))
+        tokens, blocks, frozen = self.live[key]
+        for i in range(frozen, len(tokens) // BLOCK):
+            self.content[blocks[i]] = tuple(tokens[: (i + 1) * BLOCK])
+        self.pool.publish(blocks, tokens)
+        self.live[key] = (tokens, blocks, max(frozen, len(tokens) // BLOCK))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def end(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.live)))
+        _, blocks, _ = self.live.pop(key)
+        self.pool.free(blocks)
+        assert blocks == []
+
+    @invariant()
+    def no_block_is_written_by_two_requests(self) -> None:
+        writes = [b for _, blocks, frozen in self.live.values() for b in blocks[frozen:]]
+        assert len(writes) == len(set(writes))
+        reads = {b for _, blocks, frozen in self.live.values() for b in blocks[:frozen]}
+        assert not reads & set(writes)  # nobody writes a block another live request reads
+
+    @invariant()
+    def counts_add_up(self) -> None:
+        held = [b for _, blocks, _ in self.live.values() for b in blocks]
+        assert NULL_BLOCK_ID not in held
+        for b in set(held):
+            assert self.pool.refcount(b) == held.count(b) > 0
+        assert self.pool.num_free + len(set(held)) == self.pool.num_blocks - 1
+
+    def teardown(self) -> None:
+        for _, blocks, _ in self.live.values():
+            self.pool.free(blocks)
+        # every block is empty or cached and evictable: nothing leaked
+        assert self.pool.num_free == self.pool.num_blocks - 1
+        assert all(self.pool.refcount(b) == 0 for b in range(self.pool.num_blocks))
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_shared_prefix_is_found_once_published_and_counted_once():
+    pool = BlockPool(16, BLOCK, enable_prefix_caching=True)
+    first = pool.grow([], 10)
+    prompt = list(range(10))
+    assert pool.cached_prefix(prompt) == []  # nothing is shared before it is written
+    pool.publish(first, prompt)
+    assert pool.cached_prefix(prompt) == first[:2]  # two full blocks; the partial one is private
+    assert pool.cached_prefix(list(range(8))) == first[:1]  # the last token is always computed
+    assert pool.cached_prefix([0, 1, 2, 9, 4, 5, 6, 7, 8]) == []  # a block differs: no match
+    assert (pool.queries, pool.hits) == (10 + 10 + 8 + 9, 8 + 4)
+
+
+def test_a_freed_cached_block_waits_and_is_evicted_only_when_needed():
+    pool = BlockPool(4, BLOCK, enable_prefix_caching=True)  # 3 usable blocks
+    blocks = pool.grow([], 12)
+    pool.publish(blocks, list(range(12)))
+    pool.free(list(blocks))
+    assert pool.num_free == 3 and pool.num_cached == 3
+    again = pool.share(pool.cached_prefix(list(range(13))))
+    assert len(again) == 3
+    pool.free(again)
+    other = pool.grow([], 4)  # the tail block goes first; the prefix's head stays cached
+    assert other == [blocks[2]] and pool.num_cached == 2
+    assert pool.cached_prefix(list(range(9))) == blocks[:2]
+
+
+def test_off_hands_out_and_returns_blocks_exactly_as_a_plain_pool():
+    pool = BlockPool(8, BLOCK)
+    blocks = pool.grow([], 9)
+    pool.publish(blocks, list(range(9)))
+    assert pool.cached_prefix(list(range(9))) == [] and pool.num_cached == 0
+    pool.free(blocks)
+    assert list(pool._free) == [4, 5, 6, 7, 1, 2, 3]  # freed blocks go to the back, in order
+    with pytest.raises(OutOfBlocks):
+        pool.grow([], 8 * BLOCK)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=18), st.integers(1, 5)),
+        min_size=1, max_size=8,
+    ),
+    num_blocks=st.integers(7, 14),
+    publish_early=st.booleans(),
+)
+def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_short(
+    requests: list[tuple[list[int], int]], num_blocks: int, publish_early: bool
+) -> None:
+    """Random prompts over two tokens, so prefixes collide, through the scheduler: admission
+    counts shared and evictable blocks right (``grow`` never runs short), every plan passes the
+    runtime's step check (reads shared, writes private), a segment computes only what is not
+    cached, and every block is free or cached once all requests end."""
+    pool = BlockPool(num_blocks, BLOCK, enable_prefix_caching=True, salt=b"s")
+    sched = Scheduler(pool, budget=8, max_rows=2)
+    limits = StepLimits(BLOCK, num_blocks, 64, 2)
+    reqs = [
+        Request(i, list(p), len(p), SamplingParams(max_tokens=o, ignore_eos=True))
+        for i, (p, o) in enumerate(requests)
+    ]
+    for r in reqs if publish_early else reqs[:1]:
+        sched.add(r)
+    pending = [] if publish_early else reqs[1:]
+    computed = 0
+    for _ in range(500):
+        if not sched.busy:
+            if not pending:
+                break
+            sched.add(pending.pop(0))  # one after another: each finds the last one's blocks
+        plan = sched.schedule()
+        check_step(plan, limits)
+        computed += sum(len(s.token_ids) for s in plan)
+        sched.commit(plan, [[1] if s.num_samples else [] for s in plan])
+    assert not sched.busy and all(r.finish_reason == "length" for r in reqs)
+    assert computed == sum(r.final_cached for r in reqs) - pool.hits  # hits were not computed
+    assert pool.num_free == num_blocks - 1
+    assert all(pool.refcount(b) == 0 for b in range(num_blocks))
