@@ -7,6 +7,7 @@ from neuron_buckets.config.compile import BACKENDS, EXECUTORS, CompileConfig
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.config.loader import Config, ConfigError, load_config, parse_config
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.speculative import SpeculativeConfig
 
 __all__ = [
     "BACKENDS",
@@ -18,6 +19,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ModelSource",
+    "SpeculativeConfig",
     "enumerate_grid",
     "load_config",
     "parse_config",

@@ -16,6 +16,7 @@ from neuron_buckets.config.buckets import BucketConfig
 from neuron_buckets.config.cache import DTYPES, CacheConfig
 from neuron_buckets.config.compile import BACKENDS, EXECUTORS, CompileConfig
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.core.bucket import linear, powers_of_two, validate_buckets
 
 # Below this, a smaller context saves less attention than another set of decode graphs costs.
@@ -32,6 +33,7 @@ class Config:
     cache: CacheConfig
     buckets: BucketConfig
     compile: CompileConfig
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def _sizes(key: str, spec: Any, default_max: int) -> tuple[int, ...]:
@@ -137,7 +139,7 @@ def default_contexts(cache: CacheConfig) -> tuple[int, ...]:
 
 def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Validate a parsed TOML document; relative model paths resolve against ``base_dir``."""
-    sections = {"model", "cache", "buckets", "compile"}
+    sections = {"model", "cache", "buckets", "compile", "speculative"}
     if unknown := set(raw) - sections:
         raise ConfigError(f"unknown section(s) {sorted(unknown)}; allowed: {sorted(sections)}")
     model_raw = _section(ModelSource, "model", raw.get("model", {}))
@@ -172,7 +174,12 @@ def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     _positive("compile", comp, "jobs", "task_cpus")
     if not isinstance(comp.flags, dict):
         raise ConfigError("compile.flags must be a table")
-    return Config(ModelSource(path), cache, _build_buckets(raw.get("buckets", {}), cache), comp)
+    try:
+        spec_raw = _section(SpeculativeConfig, "speculative", raw.get("speculative", {}))
+        speculative = SpeculativeConfig(**spec_raw)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return Config(ModelSource(path), cache, _build_buckets(raw.get("buckets", {}), cache), comp, speculative)
 
 
 def load_config(path: str | Path | None = None) -> Config:
