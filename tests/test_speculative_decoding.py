@@ -17,7 +17,7 @@ from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.llm_engine import LLMEngine, generate
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import write_config
+from tests.conftest import error_line, write_config
 from tests.test_engine import EAGER_SPECULATIVE, make_prompts
 from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle fixture
 
@@ -140,3 +140,38 @@ def test_more_drafts_than_the_artifact_compiled_is_one_line(runtime):
     with pytest.raises(ValueError, match="num_speculative_tokens = 4 exceeds the artifact's "
                        "buckets.speculation_length = 3"):
         LLMEngine(runtime, speculative=SpeculativeConfig(num_speculative_tokens=4))
+
+
+def test_nb_generate_speculates_with_the_same_tokens_and_prints_acceptance(runtime):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+
+    args = ["generate", str(runtime.directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+            "--max-new-tokens", "20", "--ignore-eos", "--stats"]  # fmt: skip
+    plain, spec = (CliRunner().invoke(app, [*args, *extra]) for extra in ([], ["--speculative-ngram", "3"]))
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert plain.stdout.splitlines()[0] == spec.stdout.splitlines()[0]
+    assert "speculation:" not in plain.output
+    line = next(line for line in spec.output.splitlines() if line.startswith("speculation:"))
+    assert "draft tokens accepted" in line and "mean accepted length" in line
+    too_many = CliRunner().invoke(app, [*args, "--speculative-ngram", "4"])
+    assert too_many.exit_code == 2
+    assert error_line(too_many).startswith("error: speculative.num_speculative_tokens = 4 exceeds")
+
+
+def test_metrics_expose_vllms_spec_decode_counters(runtime):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from neuron_buckets.server.metrics import ServerMetrics
+
+    engine = LLMEngine(runtime, speculative=SPEC)
+    run(engine, PROMPTS, greedy_params(20, 20, 20))
+    text = ServerMetrics("tiny", lambda: engine.stats, lambda: engine.spec_stats).exposition().decode()
+    samples = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
+    stats = engine.spec_stats
+    expected = {"drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+                "accepted_tokens": stats.num_accepted_tokens}  # fmt: skip
+    for name, value in expected.items():
+        assert samples[f"vllm:spec_decode_num_{name}_total"] == ({"model_name": "tiny"}, value)
+    assert stats.num_accepted_tokens > 0

@@ -2,10 +2,11 @@
 
 Dashboards and alerts written for ``vllm serve`` read the same series here: requests running and
 waiting, time to first token, time per output token, end-to-end latency, prompt and generation
-token counters and finished requests by reason, all labelled with ``model_name``. What vLLM has
-no name for is the point of nb: per-bucket calls, real and padded tokens and the padding ratio,
-read from the runtime's own counters at scrape time (so they are exactly ``nb generate --stats``).
-Each server owns its registry, so several servers in one process (tests) do not collide.
+token counters, finished requests by reason and speculative decoding's draft and acceptance
+counters, all labelled with ``model_name``. What vLLM has no name for is the point of nb:
+per-bucket calls, real and padded tokens and the padding ratio. Both kinds of counter are read
+from the engine's own at scrape time (so they are exactly ``nb generate --stats``). Each server
+owns its registry, so several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
 from neuron_buckets.runtime.bucket_stats import BucketStats
 
 # vLLM's bucket boundaries, so histograms from both servers can be compared bin by bin.
@@ -50,10 +52,34 @@ class BucketCollector(Collector):
         yield from (calls, real, padded, ratio)
 
 
+class SpecDecodeCollector(Collector):
+    """vLLM's speculative decoding counters, read from the engine's ``SpecDecodeStats`` at scrape
+    time: acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted / drafts."""
+
+    def __init__(self, model_name: str, stats: Callable[[], SpecDecodeStats]) -> None:
+        self.model_name, self.stats = model_name, stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Decode rows that carried drafts", s.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
 class ServerMetrics:
     """Everything ``/metrics`` exposes; the engine thread records, any thread may scrape."""
 
-    def __init__(self, model_name: str, bucket_stats: Callable[[], Mapping[str, BucketStats]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        bucket_stats: Callable[[], Mapping[str, BucketStats]],
+        spec_stats: Callable[[], SpecDecodeStats] = SpecDecodeStats,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -79,6 +105,7 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.registry.register(BucketCollector(bucket_stats))
+        self.registry.register(SpecDecodeCollector(model_name, spec_stats))
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()
