@@ -8,6 +8,7 @@ with drafts actually accepted; rejected drafts must leave nothing that a later s
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.llm_engine import LLMEngine, generate
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.runtime.step_check import StepLimits
 from tests.conftest import error_line, write_config
 from tests.test_engine import EAGER_SPECULATIVE, make_prompts
 from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle fixture
@@ -175,3 +177,51 @@ def test_metrics_expose_vllms_spec_decode_counters(runtime):
     for name, value in expected.items():
         assert samples[f"vllm:spec_decode_num_{name}_total"] == ({"model_name": "tiny"}, value)
     assert stats.num_accepted_tokens > 0
+
+
+class MarkovRuntime:
+    """A runtime double whose logits at a position depend only on that position's token, so the
+    exact distribution of every generated token is known: ``e_last @ P^t`` for the t-th."""
+
+    block_size, num_blocks, max_model_len = 4, 8192, 64
+
+    def __init__(self, probs: torch.Tensor, k: int) -> None:
+        self.log_p = probs.log()
+        self.manifest = SimpleNamespace(text=None)
+        self.buckets = SimpleNamespace(token_budget=512, max_rows=64, decode_seq=1 + k)
+        self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, len(probs))
+
+    def run_plan(self, plan: StepPlan) -> torch.Tensor:
+        last = [t for s in plan for t in list(s.token_ids)[len(s.token_ids) - s.num_samples :]]
+        return self.log_p[torch.tensor(last, dtype=torch.int64)]
+
+
+def p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``probs`` (as tests/test_sampler.py)."""
+    expected = probs.double() * counts.sum()
+    stat = ((counts.double() - expected) ** 2 / expected).sum()
+    dof = torch.tensor((probs.numel() - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, stat / 2))
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_tokens_with_drafts_follow_the_targets_distribution(k):
+    """2000 seeded requests of 4 tokens over a Markov chain that mostly cycles 0 -> 1 -> 2 -> 0,
+    so prompt lookup drafts the cycle and the target accepts part of it: each generated token's
+    marginal, and the joint of the 2nd and 3rd, fit the chain's exact distribution."""
+    vocab, new = 5, 4
+    logits = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+    logits[torch.arange(3), (torch.arange(3) + 1) % 3] += 2.0
+    probs = logits.softmax(-1)
+    engine = LLMEngine(MarkovRuntime(probs, k), speculative=SpeculativeConfig(num_speculative_tokens=k))
+    params = [SamplingParams(max_tokens=new, temperature=1.0, seed=i) for i in range(2000)]
+    tokens = torch.tensor([o.token_ids for o in generate(engine, [[0, 1, 2, 0, 1, 2, 0, 1]] * 2000, params)])
+    marginal = torch.eye(vocab)[1]
+    for t in range(new):
+        marginal = marginal @ probs
+        assert p_value(torch.bincount(tokens[:, t], minlength=vocab), marginal) > 0.001, t
+    joint = (torch.eye(vocab)[1] @ probs @ probs)[:, None] * probs  # P(2nd = a, 3rd = b)
+    pairs = torch.bincount(tokens[:, 1] * vocab + tokens[:, 2], minlength=vocab * vocab)
+    assert p_value(pairs, joint.reshape(-1)) > 0.001
+    stats = engine.spec_stats
+    assert (stats.num_draft_tokens > stats.num_accepted_tokens > 0) == (k > 0)
