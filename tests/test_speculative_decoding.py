@@ -98,6 +98,19 @@ def test_requests_end_mid_draft_exactly_where_they_would_without(runtime):
     assert engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_a_request_filling_max_model_len_drafts_no_further(runtime):
+    """Prompt plus max_tokens equal to max_model_len: drafts stop at the last position the request
+    may write, so no row reaches past the artifact's largest context."""
+    prompt = ([5, 6, 7, 8, 9] * 20)[: runtime.max_model_len - 12]
+    params = greedy_params(12)
+    plain = run(LLMEngine(runtime), [prompt], params)[0]
+    engine = LLMEngine(runtime, speculative=SPEC)
+    plans = recording(engine)
+    assert run(engine, [prompt], params)[0].token_ids == plain.token_ids
+    assert max(s.end for p in plans for s in p) == runtime.max_model_len - 1
+    assert engine.spec_stats.num_drafts > 0
+
+
 def test_rejected_drafts_leave_nothing_behind_and_a_poisoned_cache_changes_nothing(runtime):
     """Everything at or past each request's ``cached`` (rejected drafts' K/V included) is set to
     NaN after every step, and the whole cache before the first: any read of a slot the engine does
