@@ -139,6 +139,12 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
          "buckets.num_seqs_buckets: linear buckets need 0 < min <= max"),
         ("[buckets]\ndecode_context_length_buckets = [40, 256]", "40 is not a multiple of cache.block_size"),
         ("[buckets]\ndecode_context_length_buckets = [128]", "decode_context_length_buckets must equal 256"),
+        ("[speculative]\nmethod = 'draft_model'", "speculative.method = 'draft_model' is not built yet"),
+        ("[speculative]\nmethod = 'eagle'", "speculative.method must be one of .* got 'eagle'"),
+        ("[speculative]\nnum_speculative_tokens = -2", "num_speculative_tokens must be a non-negative"),
+        ("[speculative]\nprompt_lookup_min = 5", "prompt_lookup_min and prompt_lookup_max need 1 <= min"),
+        ("[speculative]\nprompt_lookup_max = 0", "need 1 <= min <= max, got 1 and 0"),
+        ("[speculative]\nk = 3", "speculative. unknown key"),
         # removed keys name the release and say what replaced them
         ("[buckets]\nprefill_batch_buckets = [2]\nnum_batched_tokens_buckets = [128]",
          "prefill_batch_buckets was removed in 0.2: .*packs up to max_num_seqs requests.*delete the key"),
@@ -222,3 +228,13 @@ def test_the_config_and_the_artifact_check_apply_one_geometry_rule(block_size, n
     shape = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16)
     geometry = CacheGeometry(block_size, num_blocks, 2, 2, 16, "float32", max_model_len)
     assert _geometry_problem(geometry, shape, []) == refused
+
+
+def test_speculative_section_is_off_by_default_and_reads_vllms_names(tmp_path):
+    assert not load_config(write(tmp_path, "")).speculative.enabled
+    text = "[speculative]\nnum_speculative_tokens = 3\nprompt_lookup_min = 2\nprompt_lookup_max = 5\n"
+    spec = load_config(write(tmp_path, text)).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 3, 2, 5
+    )
+    assert spec.enabled

@@ -18,6 +18,8 @@ def test_fields_map_to_the_engine_parameters_and_chat_without_max_tokens_fills_t
     )
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     assert chat.sampling_params(room=40).max_tokens == 40
+    opted_out = CompletionRequest.model_validate({"prompt": "hi", "speculative": False})
+    assert not opted_out.sampling_params(room=40).speculative and body.sampling_params(room=40).speculative
 
 
 def test_null_means_the_default_as_openai_clients_send_it():

@@ -47,8 +47,14 @@ def test_draws_follow_the_renormalised_target(t, k, p, m):
     params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
     gen = torch.Generator().manual_seed(0)
     tokens = sample(LOGITS.expand(DRAWS, -1), [params] * DRAWS, [gen] * DRAWS, [[]] * DRAWS)
-    counts = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).double()
-    expected = torch.tensor(target(LOGITS, t, k, p, m), dtype=torch.float64) * DRAWS
+    assert_follows(tokens, torch.tensor(target(LOGITS, t, k, p, m), dtype=torch.float64))
+
+
+def assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
+    """Chi-square goodness of fit of the drawn tokens to ``probs``; a token of probability 0 is
+    never drawn."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
     kept = expected > 0
     assert counts[~kept].sum() == 0  # a filtered-out token is never drawn
     stat = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum()

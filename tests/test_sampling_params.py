@@ -29,6 +29,7 @@ def test_lists_from_json_become_tuples_and_one_stop_string_a_tuple_of_one():
         ({"stop_token_ids": [3, -1]}, r"stop_token_ids must be non-negative integers, got \[-1\]"),
         ({"stop": ["ok", ""]}, r"stop strings must be non-empty strings, got \[''\]"),
         ({"ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
+        ({"speculative": "no"}, "speculative must be true or false, got 'no'"),
     ],
 )
 def test_a_value_out_of_range_is_one_line(fields, message):

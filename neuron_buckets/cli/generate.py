@@ -75,9 +75,20 @@ def print_stats(engine: LLMEngine) -> None:
         err.print(f"prefix cache: {pool.hits} of {pool.queries} prompt tokens hit ({rate:.0%})")
     else:
         err.print("prefix cache: off")
+    if (spec := engine.spec_stats).num_drafts:
+        err.print(
+            f"speculation: {spec.num_drafts} drafted rows, {spec.num_accepted_tokens} of "
+            f"{spec.num_draft_tokens} draft tokens accepted ({spec.acceptance_rate:.0%}), "
+            f"mean accepted length {spec.mean_accepted_length:.2f}",
+            soft_wrap=True,
+        )
 
 
 IDS = "comma separated; repeat for more"
+SPECULATIVE_HELP = (
+    "Draft up to K tokens per decode row by prompt lookup (n-grams of 1 to 4), verified in the same "
+    "step; K <= the artifact's speculation_length. 0 = off"
+)
 
 
 def generate(
@@ -97,10 +108,12 @@ def generate(
     ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="A string that ends a request; repeatable")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Run past end-of-sequence tokens")] = False,
-    stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket counters")] = False,
+    speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
+    stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket and speculation counters")] = False,
 ) -> None:
     """Generate through the runtime (continuous batching, packed and chunked prefill): text for
     --prompt, token ids for --prompt-ids; says why each request finished."""
+    from neuron_buckets.config.speculative import SpeculativeConfig
     from neuron_buckets.engine.llm_engine import LLMEngine
     from neuron_buckets.engine.sampling_params import SamplingParams
     from neuron_buckets.engine.tokenizer import Tokenizer
@@ -126,7 +139,8 @@ def generate(
             ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompt]
         else:
             ids = [tokenizer.encode(p) for p in prompt]
-    engine = LLMEngine(runtime, tokenizer)
+    speculative = SpeculativeConfig(num_speculative_tokens=speculative_ngram)
+    engine = LLMEngine(runtime, tokenizer, speculative=speculative)
     checked = [engine.check_request(p, params, f"prompt {i}") for i, p in enumerate(ids)]
     stream(engine, [engine.add_request(p, params) for p in checked], bool(prompt), max_new_tokens)
     if stats:

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from neuron_buckets.cli.generate import SPECULATIVE_HELP
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -30,11 +31,14 @@ def serve(
     max_body_bytes: Annotated[
         int, typer.Option(min=1, help="Largest request body in bytes; larger get HTTP 413")
     ] = 1 << 20,
+    speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
     shutdown_timeout: Annotated[
         float, typer.Option(min=0, help="Seconds open requests may take to finish after SIGTERM")
     ] = 30.0,
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
+    from neuron_buckets.config.speculative import SpeculativeConfig
+
     try:
         from neuron_buckets.server.api_server import ServerLimits, run_server
     except ModuleNotFoundError as e:
@@ -42,7 +46,8 @@ def serve(
             raise
         raise UserError(f"nb serve needs {e.name}: pip install 'neuron-buckets[serve]'") from None
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
-    run_server(directory, host, port, served_model_name, limits, shutdown_timeout)
+    speculative = SpeculativeConfig(num_speculative_tokens=speculative_ngram)
+    run_server(directory, host, port, served_model_name, limits, shutdown_timeout, speculative)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.config.loader import load_config, parse_config
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.speculative import SpeculativeConfig
 
 __all__ = [
     "BACKENDS",
@@ -22,6 +23,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ModelSource",
+    "SpeculativeConfig",
     "enumerate_grid",
     "load_config",
     "parse_config",

@@ -1,8 +1,8 @@
-"""The whole config: its four sections, and the rules that join them."""
+"""The whole config: its sections, and the rules that join them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from neuron_buckets.config.bucket_sizes import bucket_sizes
 from neuron_buckets.config.buckets import BucketConfig, default_contexts
@@ -10,6 +10,7 @@ from neuron_buckets.config.cache import CacheConfig
 from neuron_buckets.config.compile import CompileConfig
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Config:
     cache: CacheConfig
     buckets: BucketConfig
     compile: CompileConfig
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         """Decode contexts and speculation against the cache: derived when left out, and each

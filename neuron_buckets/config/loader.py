@@ -19,8 +19,9 @@ from neuron_buckets.config.compile import CompileConfig
 from neuron_buckets.config.config import Config
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.speculative import SpeculativeConfig
 
-SECTIONS = {s.SECTION: s for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig)}
+SECTIONS = {s.SECTION: s for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig, SpeculativeConfig)}
 # Keys of earlier releases, with what replaced them.
 REMOVED = {
     "buckets.prefill_batch_buckets": "was removed in 0.2: a prefill step now packs up to max_num_seqs "

@@ -11,9 +11,14 @@ Tokens are picked on the host (``engine/sampler.py``), each request with its own
 random generator.
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
-``1 + speculation_length`` positions; the engine sends one real token per row and the runtime
-pads the others (slot -1: no cache write, no block; causal attention keeps them out of the real
-token's output), so such artifacts generate the same tokens, without the speedup of drafts.
+``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real
+token per row and the runtime pads the others (slot -1: no cache write, no block; causal
+attention keeps them out of the real token's output). With one (``speculative=``, or
+``nb generate/serve --speculative-ngram K``) each decode row carries the last token and up to
+K prompt-lookup drafts (``engine/ngram_drafter.py``), verified in the same step
+(``engine/rejection_sampler.py``): greedy requests keep the drafts the target's argmax agrees
+with, so their tokens are exactly those without speculation; sampled ones use rejection
+sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances.
 
 Single-threaded: a server drives it from one loop thread.
 """
@@ -30,14 +35,18 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.artifact.manifest import Manifest
+from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.ngram_drafter import NgramDrafter
+from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sampled, target_probs
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.request_check import RequestError, check_request
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
@@ -58,11 +67,13 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         pool: BlockPool | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``pool`` defaults to one covering the runtime's whole cache, with prefix caching as the
         artifact was configured (``cache.enable_prefix_caching``); pass a smaller one to bound
         the blocks in use. ``eos_token_ids`` defaults to the artifact's (from the model
-        directory's generation_config.json or config.json; none for older artifacts)."""
+        directory's generation_config.json or config.json; none for older artifacts).
+        ``speculative`` turns drafting on; its drafts must fit the artifact's decode rows."""
         self.runtime, self.tokenizer = runtime, tokenizer
         self.pool = pool or BlockPool(
             runtime.num_blocks, runtime.block_size, runtime.manifest.decode.enable_prefix_caching,
@@ -76,15 +87,24 @@ class LLMEngine:
         text = runtime.manifest.text
         default = text.eos_token_ids if text else []
         self.eos_token_ids = frozenset(default if eos_token_ids is None else eos_token_ids)
-        self.scheduler = Scheduler(self.pool, runtime.buckets.token_budget, runtime.buckets.max_rows)
+        spec = speculative or SpeculativeConfig()
+        spec.check_fits(runtime.buckets.decode_seq - 1)
+        drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.enabled else None
+        self.scheduler = Scheduler(
+            self.pool, runtime.buckets.token_budget, runtime.buckets.max_rows,
+            drafter, spec.num_speculative_tokens,
+        )
+        self.spec_stats = SpecDecodeStats()
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
 
     @classmethod
-    def open(cls, directory: str | Path, device: str | None = None) -> LLMEngine:
+    def open(
+        cls, directory: str | Path, device: str | None = None, speculative: SpeculativeConfig | None = None
+    ) -> LLMEngine:
         """An engine over an artifact directory: its runtime and its tokenizer (if it has one)."""
-        return cls(BucketRuntime.open(directory, device), Tokenizer.open(directory))
+        return cls(BucketRuntime.open(directory, device), Tokenizer.open(directory), speculative=speculative)
 
     @property
     def max_model_len(self) -> int:
@@ -149,20 +169,28 @@ class LLMEngine:
         return outputs
 
     def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:
-        """One token per segment that returned logits, from its last token's; none for the others
+        """The tokens of each segment that returned logits: one from a segment's last token's, or
+        for a row with drafts the accepted drafts and the token after them; none for the others
         (a cut prompt's chunk draws nothing from its generator)."""
-        rows = [i for i, s in enumerate(plan) if s.num_samples]
-        if not rows:
-            return [[] for _ in plan]
-        last = torch.tensor([s.num_samples for s in plan]).cumsum(0)[rows] - 1
-        requests = [self._requests[plan[i].request_id] for i in rows]
-        tokens = sample(
-            logits[last], [r.params for r in requests], [r.generator for r in requests],
-            [r.token_ids for r in requests],
-        )
         sampled: list[list[int]] = [[] for _ in plan]
-        for i, token in zip(rows, tokens, strict=True):
-            sampled[i] = [token]
+        per_segment = logits.split([s.num_samples for s in plan])
+        single = [i for i, s in enumerate(plan) if s.num_samples == 1]
+        if single:
+            requests = [self._requests[plan[i].request_id] for i in single]
+            tokens = sample(
+                torch.cat([per_segment[i] for i in single]), [r.params for r in requests],
+                [r.generator for r in requests], [r.token_ids for r in requests],
+            )
+            for i, token in zip(single, tokens, strict=True):
+                sampled[i] = [token]
+        for i in (i for i, s in enumerate(plan) if s.num_samples > 1):
+            request, draft = self._requests[plan[i].request_id], list(plan[i].token_ids[1:])
+            if request.params.greedy:
+                sampled[i] = accept_greedy(per_segment[i], draft)
+            else:
+                probs = target_probs(per_segment[i], request.params)
+                sampled[i] = accept_sampled(probs, draft, None, request.generator)
+            self.spec_stats.add(len(draft), len(sampled[i]) - 1)
         return sampled
 
 

@@ -67,6 +67,12 @@ class Request:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def speculates(self) -> bool:
+        """Whether drafts may be verified for it: not when it opted out, nor with a repetition
+        penalty, whose history would change at every draft position."""
+        return self.params.speculative and self.params.repetition_penalty == 1
+
+    @property
     def prefilled(self) -> bool:
         return self.cached >= self.prompt_len
 

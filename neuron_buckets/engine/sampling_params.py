@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
     ignore_eos: bool = False
+    speculative: bool = True  # draft tokens for it when the engine speculates; False opts out
 
     def __post_init__(self) -> None:
         # a client's JSON gives lists; keep the dataclass hashable and immutable
@@ -52,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"stop strings must be non-empty strings, got {bad[:5]}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:

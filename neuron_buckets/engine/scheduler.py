@@ -27,6 +27,14 @@ reservation needs. ``commit`` names each request's newly full blocks once their 
 
 The engine drives this with a runtime and a sampler; ``nb inspect`` drives the same code with
 lengths alone, to predict the runtime's calls.
+
+Speculation (``drafter`` and ``num_drafts``): a decode row of a request that speculates carries
+its last token and up to ``num_drafts`` drafted tokens, all sampled, so the target's logits at
+every draft position come back in one step. Drafts are capped so the request never passes its
+``max_tokens`` (and so its ``max_model_len`` and block reservation). The rejected drafts' K/V
+are written too, but ``commit`` advances ``cached`` only over the valid ones (the context, the
+last token, the accepted drafts): the next step writes its own tokens over those slots, so a
+rejected draft leaves nothing that any later token attends to.
 """
 
 from __future__ import annotations
@@ -36,13 +44,23 @@ from collections.abc import Sequence
 
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.ngram_drafter import NgramDrafter
 from neuron_buckets.engine.request import Request
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, budget: int, max_rows: int) -> None:
-        """``budget`` bounds a step's prefill tokens and ``max_rows`` its prefill chunks."""
+    def __init__(
+        self,
+        pool: BlockPool,
+        budget: int,
+        max_rows: int,
+        drafter: NgramDrafter | None = None,
+        num_drafts: int = 0,
+    ) -> None:
+        """``budget`` bounds a step's prefill tokens and ``max_rows`` its prefill chunks; a
+        ``drafter`` proposes up to ``num_drafts`` tokens per decode row."""
         self.pool, self.budget, self.max_rows = pool, budget, max_rows
+        self.drafter, self.num_drafts = drafter, num_drafts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -68,8 +86,9 @@ class Scheduler:
         chunks = self._prefill_chunks()
         for req, n in chunks:
             self.pool.grow(req.blocks, req.cached + n)
-        for req in decoding:
-            self.pool.grow(req.blocks, len(req.token_ids))
+        rows = [(req, req.token_ids[-1:] + self.drafts(req)) for req in decoding]
+        for req, tokens in rows:
+            self.pool.grow(req.blocks, len(req.token_ids) - 1 + len(tokens))
         prefill = tuple(
             Segment(
                 req.request_id,
@@ -81,27 +100,40 @@ class Scheduler:
             for req, n in chunks
         )
         decode = tuple(
-            Segment(r.request_id, r.token_ids[-1:], len(r.token_ids) - 1, tuple(r.blocks), 1)
-            for r in decoding
+            Segment(r.request_id, tokens, len(r.token_ids) - 1, tuple(r.blocks), len(tokens))
+            for r, tokens in rows
         )
         return prefill + decode
 
+    def drafts(self, req: Request) -> list[int]:
+        """The tokens drafted for ``req``'s next row: none unless it speculates, and never so many
+        that the row's tokens plus the one after them pass its ``max_tokens``."""
+        room = min(self.num_drafts, req.params.max_tokens - req.num_generated - 1)
+        if self.drafter is None or room <= 0 or not req.speculates:
+            return []
+        return self.drafter.propose(req.token_ids, room)
+
     def commit(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
-        """Apply a plan that ran: each segment's tokens are cached now, and ``sampled[i]`` (empty
-        where segment i returned no logits) is appended to its request, each token through the
-        request's stop rule. The requests that ended give their blocks back. Returns the plan's
+        """Apply a plan that ran: ``sampled[i]`` (empty where segment i returned no logits) is
+        appended to its request, each token through the request's stop rule, so a request may end
+        mid-draft. A segment's tokens count as cached up to the last one that ``sampled[i]``
+        confirms: a decode row of ``1 + d`` tokens of which ``a`` drafts were accepted returns
+        ``a + 1`` tokens and caches ``1 + a``; the slots of its rejected drafts are free for the
+        next step to overwrite. The requests that ended give their blocks back. Returns the plan's
         requests that got tokens or ended, in plan order."""
         running = {r.request_id: r for r in self.running}
         touched = []
         for seg, tokens in zip(plan, sampled, strict=True):
             if (req := running.get(seg.request_id)) is None:  # aborted since it was planned
                 continue
-            req.cached = seg.end
-            self.pool.publish(req.blocks, req.token_ids, req.cached, req.block_hashes)
+            req.cached = seg.end - max(0, seg.num_samples - len(tokens))
             for token in tokens:
                 req.append(token)
                 if req.done:
                     break
+            # the accepted drafts are appended now; a request that ended mid-draft has fewer
+            valid = min(req.cached, len(req.token_ids))
+            self.pool.publish(req.blocks, req.token_ids, valid, req.block_hashes)
             if tokens:
                 touched.append(req)
         for req in [r for r in self.running if r.done]:

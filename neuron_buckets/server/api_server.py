@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.server.body_limit import BodyLimit
@@ -148,7 +149,10 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(
-            model_name, lambda: engine.stats, lambda: (engine.pool.queries, engine.pool.hits)
+            model_name,
+            lambda: engine.stats,
+            lambda: (engine.pool.queries, engine.pool.hits),
+            lambda: engine.spec_stats,
         )
         self.loop = EngineLoop(engine, self.metrics, limits.max_open_requests)
         self.created = int(time.time())
@@ -298,8 +302,9 @@ def run_server(
     model_name: str | None = None,
     limits: ServerLimits = ServerLimits(),
     shutdown_timeout: float = 30.0,
+    speculative: SpeculativeConfig | None = None,
 ) -> None:
-    """Open the artifact and serve it until SIGINT or SIGTERM.
+    """Open the artifact (drafting as ``speculative`` says) and serve it until SIGINT or SIGTERM.
 
     The address is taken first, so a port in use is one error line before any weight is read.
     On a signal uvicorn stops accepting connections and lets open responses finish for up to
@@ -313,7 +318,7 @@ def run_server(
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     with sock:
         model_name = model_name or str(directory)
-        app = create_app(LLMEngine.open(directory), model_name, limits)
+        app = create_app(LLMEngine.open(directory, speculative=speculative), model_name, limits)
         config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout)
         address = f"[{host}]" if family == socket.AF_INET6 else host
         url = f"http://{address}:{sock.getsockname()[1]}"  # the port taken, when 0 asked for any

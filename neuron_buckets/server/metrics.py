@@ -2,11 +2,12 @@
 
 Dashboards and alerts written for ``vllm serve`` read the same series here: requests running and
 waiting, time to first token, time per output token, end-to-end latency, prompt and generation
-token counters, finished requests by reason and the prefix cache's query and hit counters (in
-tokens), all labelled with ``model_name``. What vLLM has
-no name for is the point of nb: per-bucket calls, real and padded tokens and the padding ratio,
-read from the runtime's own counters at scrape time (so they are exactly ``nb generate --stats``).
-Each server owns its registry, so several servers in one process (tests) do not collide.
+token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens)
+and speculative decoding's draft and acceptance counters, all labelled with ``model_name``. What
+vLLM has no name for is the point of nb: per-bucket calls, real and padded tokens and the padding
+ratio. Both kinds of counter are read from the engine's own at scrape time (so they are exactly
+``nb generate --stats``). Each server owns its registry, so several servers in one process
+(tests) do not collide.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
 from neuron_buckets.runtime.bucket_stats import BucketStats
 
 # vLLM's bucket boundaries, so histograms from both servers can be compared bin by bin.
@@ -51,17 +53,24 @@ class BucketCollector(Collector):
         yield from (calls, real, padded, ratio)
 
 
-class PrefixCacheCollector(Collector):
-    """vLLM's prefix-cache counters, in prompt tokens, read from the block pool when scraped."""
+class EngineCounterCollector(Collector):
+    """vLLM's counters that the engine keeps itself (the prefix cache's, in prompt tokens, and
+    speculative decoding's), read when Prometheus scrapes: acceptance rate = accepted / draft
+    tokens, mean accepted length = 1 + accepted / drafts."""
 
-    def __init__(self, model_name: str, counts: Callable[[], tuple[int, int]]) -> None:
-        self.model_name, self.counts = model_name, counts
+    def __init__(
+        self, model_name: str, pool: Callable[[], tuple[int, int]], spec: Callable[[], SpecDecodeStats]
+    ) -> None:
+        self.model_name, self.pool, self.spec = model_name, pool, spec
 
     def collect(self) -> Iterator[Metric]:
-        queries, hits = self.counts()
+        (queries, hits), s = self.pool(), self.spec()
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits),
+            ("vllm:spec_decode_num_drafts", "Decode rows that carried drafts", s.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -72,10 +81,14 @@ class ServerMetrics:
     """Everything ``/metrics`` exposes; the engine thread records, any thread may scrape."""
 
     def __init__(
-        self, model_name: str, bucket_stats: Callable[[], Mapping[str, BucketStats]],
+        self,
+        model_name: str,
+        bucket_stats: Callable[[], Mapping[str, BucketStats]],
         prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        spec_stats: Callable[[], SpecDecodeStats] = SpecDecodeStats,
     ) -> None:
-        """``prefix_cache`` reads the pool's (queries, hits) counters."""
+        """``prefix_cache`` reads the pool's (queries, hits) counters, ``spec_stats`` the engine's
+        speculative decoding counters."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -101,7 +114,7 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.registry.register(BucketCollector(bucket_stats))
-        self.registry.register(PrefixCacheCollector(model_name, prefix_cache))
+        self.registry.register(EngineCounterCollector(model_name, prefix_cache, spec_stats))
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()

@@ -3,7 +3,8 @@
 Field names, defaults and response shapes follow the OpenAI API as vLLM serves it, so existing
 clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchanged; vLLM's own
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids``) are accepted too. Unknown fields are ignored, as OpenAI does, except the
+``return_token_ids``) are accepted too, and nb's ``speculative: false`` opts a request out of
+the server's drafting. Unknown fields are ignored, as OpenAI does, except the
 ones that would change the answer and that nb does not implement (``n`` > 1, log probabilities,
 penalties, ``echo``...): those are refused by name rather than silently dropped.
 """
@@ -55,6 +56,7 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    speculative: bool = True  # nb's: false = no drafts for this request when the server speculates
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -94,6 +96,7 @@ class SamplingRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids),
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
         )
 
 

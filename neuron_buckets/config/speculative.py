@@ -1,0 +1,52 @@
+"""``[speculative]``: drafting tokens that the target verifies in one decode row (vLLM's names).
+
+Off by default (``num_speculative_tokens = 0``). Drafts ride in the ``1 + speculation_length``
+positions a decode row already has, so ``num_speculative_tokens`` may not exceed the artifact's
+compiled ``buckets.speculation_length``; the engine checks that when it opens the artifact. No
+field shapes a graph: the decode rows' width is ``buckets.speculation_length``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from neuron_buckets.config.config_error import ConfigError
+from neuron_buckets.config.setting import check_types, setting
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    SECTION: ClassVar[str] = "speculative"
+
+    method: str = setting("ngram", graph=False)  # prompt lookup: no second model
+    num_speculative_tokens: int = setting(0, graph=False)  # 0 = off
+    prompt_lookup_min: int = setting(1, graph=False)
+    prompt_lookup_max: int = setting(4, graph=False)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ConfigError("speculative.method = 'draft_model' is not built yet; use 'ngram'")
+        check_types(self)
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                "speculative.prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    def check_fits(self, speculation_length: int) -> None:
+        """One line when the drafts do not fit the artifact's decode rows."""
+        if self.num_speculative_tokens > speculation_length:
+            raise ConfigError(
+                f"speculative.num_speculative_tokens = {self.num_speculative_tokens} exceeds the "
+                f"artifact's buckets.speculation_length = {speculation_length}: recompile with "
+                f"speculation_length >= {self.num_speculative_tokens} or draft fewer tokens"
+            )

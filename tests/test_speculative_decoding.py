@@ -1,0 +1,240 @@
+"""Speculative decoding end to end: n-gram drafts verified in decode rows of 1 + 3 tokens.
+
+One eager artifact with ``speculation_length = 3`` and blocks of 8, so drafts cross block
+boundaries often. Greedy tokens with speculation must equal those without (and transformers'),
+with drafts actually accepted; rejected drafts must leave nothing that a later step reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from neuron_buckets.config.speculative import SpeculativeConfig
+from neuron_buckets.core.step_plan import StepPlan
+from neuron_buckets.engine.llm_engine import LLMEngine, generate
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.runtime.step_check import StepLimits
+from tests.conftest import error_line, write_config
+from tests.test_engine import EAGER_SPECULATIVE, make_prompts
+from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle fixture
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+# Text that repeats (prompt lookup's home ground), a random prompt, and one long enough to be
+# prefilled in two chunks beside the others' decode rows.
+PROMPTS = [[5, 6, 7, 8, 9] * 4, make_prompts((9,))[0], [3, 1, 4, 1, 5, 9, 2, 6] * 5]
+
+
+@pytest.fixture(scope="module")
+def runtime(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> BucketRuntime:
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    tmp = tmp_path_factory.mktemp("speculative")
+    text = EAGER_SPECULATIVE.replace("speculation_length = 2", "speculation_length = 3")
+    config = load_config(write_config(tmp, hf_model_dir, text))
+    assert not Compiler(config, tmp / "artifact", tmp / "cache").run(jobs=1).failed
+    runtime = BucketRuntime.open(tmp / "artifact")
+    assert runtime.buckets.decode_seq == 4
+    return runtime
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    return generate(engine, prompts, params)
+
+
+def greedy_params(*max_tokens: int, **kw) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n in max_tokens]
+
+
+def recording(engine: LLMEngine) -> list[StepPlan]:
+    """The plans ``engine`` runs from now on."""
+    plans: list[StepPlan] = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # type: ignore[method-assign]
+    return plans
+
+
+def test_greedy_tokens_are_identical_with_speculation_and_drafts_are_accepted(runtime, hf_greedy):
+    params = greedy_params(40, 40, 40)
+    plain = run(LLMEngine(runtime), PROMPTS, params)
+    engine = LLMEngine(runtime, speculative=SPEC)
+    plans = recording(engine)
+    spec = run(engine, PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain] == hf_greedy(PROMPTS, 40)
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens <= 3 * stats.num_drafts
+    assert 1 < stats.mean_accepted_length <= 4
+    rows = [s for plan in plans for s in plan if s.num_samples > 1]
+    bs = runtime.block_size
+    assert any(s.context_len // bs != (s.end - 1) // bs for s in rows)  # drafts across a block edge
+    # packed prefill: the long prompt's second chunk ran in a step beside drafted decode rows
+    assert any(any(s.num_samples > 1 for s in p) and any(s.num_samples <= 1 and len(s.token_ids) > 1
+               for s in p) for p in plans)
+    # every accepted draft is a token that needed no row of its own
+    rows_sampled = sum(1 for p in plans for s in p if s.num_samples)
+    assert rows_sampled + stats.num_accepted_tokens == 3 * 40
+
+
+def test_requests_end_mid_draft_exactly_where_they_would_without(runtime):
+    """Short max_tokens cap the drafts; a stop token ends a request inside an accepted draft."""
+    params = greedy_params(40, 40, 40)
+    plain = [o.token_ids for o in run(LLMEngine(runtime), PROMPTS, params)]
+    for lengths in ((1, 2, 3), (5, 6, 7)):
+        engine = LLMEngine(runtime, speculative=SPEC)
+        got = run(engine, PROMPTS, greedy_params(*lengths))
+        assert [o.token_ids for o in got] == [p[:n] for p, n in zip(plain, lengths, strict=True)]
+        assert all(o.finish_reason == "length" for o in got)
+    stops = [p[12] for p in plain]  # a token late enough that drafts were accepted before it
+    engine = LLMEngine(runtime, speculative=SPEC)
+    got = run(engine, PROMPTS, [SamplingParams(max_tokens=40, stop_token_ids=(t,)) for t in stops])
+    for o, p, t in zip(got, plain, stops, strict=True):
+        assert o.token_ids == p[: p.index(t) + 1] and o.finish_reason == "stop" and o.stop_reason == t
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_request_filling_max_model_len_drafts_no_further(runtime):
+    """Prompt plus max_tokens equal to max_model_len: drafts stop at the last position the request
+    may write, so no row reaches past the artifact's largest context."""
+    prompt = ([5, 6, 7, 8, 9] * 20)[: runtime.max_model_len - 12]
+    params = greedy_params(12)
+    plain = run(LLMEngine(runtime), [prompt], params)[0]
+    engine = LLMEngine(runtime, speculative=SPEC)
+    plans = recording(engine)
+    assert run(engine, [prompt], params)[0].token_ids == plain.token_ids
+    assert max(s.end for p in plans for s in p) == runtime.max_model_len - 1
+    assert engine.spec_stats.num_drafts > 0
+
+
+def test_rejected_drafts_leave_nothing_behind_and_a_poisoned_cache_changes_nothing(runtime):
+    """Everything at or past each request's ``cached`` (rejected drafts' K/V included) is set to
+    NaN after every step, and the whole cache before the first: any read of a slot the engine does
+    not count as valid would turn the logits to NaN and change the tokens."""
+    params = greedy_params(30, 30, 30)
+    plain = [o.token_ids for o in run(LLMEngine(runtime), PROMPTS, params)]
+    runtime.k_cache.fill_(float("nan"))
+    runtime.v_cache.fill_(float("nan"))
+    engine = LLMEngine(runtime, speculative=SPEC)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    final, bs, poisoned = {}, runtime.block_size, 0
+    while len(final) < len(ids):
+        final.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        for req in engine.scheduler.running:
+            slots = torch.arange(req.cached, len(req.blocks) * bs)
+            blocks = torch.tensor(req.blocks)[slots // bs]
+            for cache in (runtime.k_cache, runtime.v_cache):
+                cache[:, blocks, slots % bs] = float("nan")
+            poisoned += len(slots)
+    assert [final[i] for i in ids] == plain
+    assert poisoned and engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_sampled_requests_speculate_and_a_request_may_opt_out(runtime):
+    engine = LLMEngine(runtime, speculative=SPEC)
+    sampled = SamplingParams(max_tokens=30, temperature=0.7, seed=3, ignore_eos=True)
+    out = run(engine, PROMPTS[:1], [sampled])[0]
+    assert len(out.token_ids) == 30 and all(0 <= t < runtime.limits.vocab_size for t in out.token_ids)
+    assert engine.spec_stats.num_drafts > 0
+    again = run(LLMEngine(runtime, speculative=SPEC), PROMPTS[:1], [sampled])[0]
+    assert again.token_ids == out.token_ids  # a seed still decides the tokens
+    engine = LLMEngine(runtime, speculative=SPEC)
+    off = greedy_params(20, 20, 20, speculative=False)
+    penalised = [SamplingParams(max_tokens=20, repetition_penalty=1.3, ignore_eos=True)] * 3
+    plain = run(LLMEngine(runtime), PROMPTS, penalised)
+    assert [o.token_ids for o in run(engine, PROMPTS, penalised)] == [o.token_ids for o in plain]
+    run(engine, PROMPTS, off)
+    assert engine.spec_stats.num_drafts == 0
+
+
+def test_more_drafts_than_the_artifact_compiled_is_one_line(runtime):
+    with pytest.raises(ValueError, match="num_speculative_tokens = 4 exceeds the artifact's "
+                       "buckets.speculation_length = 3"):
+        LLMEngine(runtime, speculative=SpeculativeConfig(num_speculative_tokens=4))
+
+
+def test_nb_generate_speculates_with_the_same_tokens_and_prints_acceptance(runtime):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+
+    args = ["generate", str(runtime.directory), "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+            "--max-new-tokens", "20", "--ignore-eos", "--stats"]  # fmt: skip
+    plain, spec = (CliRunner().invoke(app, [*args, *extra]) for extra in ([], ["--speculative-ngram", "3"]))
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert plain.stdout.splitlines()[0] == spec.stdout.splitlines()[0]
+    assert "speculation:" not in plain.output
+    line = next(line for line in spec.output.splitlines() if line.startswith("speculation:"))
+    assert "draft tokens accepted" in line and "mean accepted length" in line
+    too_many = CliRunner().invoke(app, [*args, "--speculative-ngram", "4"])
+    assert too_many.exit_code == 2
+    assert error_line(too_many).startswith("error: speculative.num_speculative_tokens = 4 exceeds")
+
+
+def test_metrics_expose_vllms_spec_decode_counters(runtime):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from neuron_buckets.server.metrics import ServerMetrics
+
+    engine = LLMEngine(runtime, speculative=SPEC)
+    run(engine, PROMPTS, greedy_params(20, 20, 20))
+    text = ServerMetrics("tiny", lambda: engine.stats, lambda: engine.spec_stats).exposition().decode()
+    samples = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
+    stats = engine.spec_stats
+    expected = {"drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+                "accepted_tokens": stats.num_accepted_tokens}  # fmt: skip
+    for name, value in expected.items():
+        assert samples[f"vllm:spec_decode_num_{name}_total"] == ({"model_name": "tiny"}, value)
+    assert stats.num_accepted_tokens > 0
+
+
+class MarkovRuntime:
+    """A runtime double whose logits at a position depend only on that position's token, so the
+    exact distribution of every generated token is known: ``e_last @ P^t`` for the t-th."""
+
+    block_size, num_blocks, max_model_len = 4, 8192, 64
+
+    def __init__(self, probs: torch.Tensor, k: int) -> None:
+        self.log_p = probs.log()
+        self.manifest = SimpleNamespace(text=None)
+        self.buckets = SimpleNamespace(token_budget=512, max_rows=64, decode_seq=1 + k)
+        self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, len(probs))
+
+    def run_plan(self, plan: StepPlan) -> torch.Tensor:
+        last = [t for s in plan for t in list(s.token_ids)[len(s.token_ids) - s.num_samples :]]
+        return self.log_p[torch.tensor(last, dtype=torch.int64)]
+
+
+def p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``probs`` (as tests/test_sampler.py)."""
+    expected = probs.double() * counts.sum()
+    stat = ((counts.double() - expected) ** 2 / expected).sum()
+    dof = torch.tensor((probs.numel() - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, stat / 2))
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_tokens_with_drafts_follow_the_targets_distribution(k):
+    """2000 seeded requests of 4 tokens over a Markov chain that mostly cycles 0 -> 1 -> 2 -> 0,
+    so prompt lookup drafts the cycle and the target accepts part of it: each generated token's
+    marginal, and the joint of the 2nd and 3rd, fit the chain's exact distribution."""
+    vocab, new = 5, 4
+    logits = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
+    logits[torch.arange(3), (torch.arange(3) + 1) % 3] += 2.0
+    probs = logits.softmax(-1)
+    engine = LLMEngine(MarkovRuntime(probs, k), speculative=SpeculativeConfig(num_speculative_tokens=k))
+    params = [SamplingParams(max_tokens=new, temperature=1.0, seed=i) for i in range(2000)]
+    tokens = torch.tensor([o.token_ids for o in generate(engine, [[0, 1, 2, 0, 1, 2, 0, 1]] * 2000, params)])
+    marginal = torch.eye(vocab)[1]
+    for t in range(new):
+        marginal = marginal @ probs
+        assert p_value(torch.bincount(tokens[:, t], minlength=vocab), marginal) > 0.001, t
+    joint = (torch.eye(vocab)[1] @ probs @ probs)[:, None] * probs  # P(2nd = a, 3rd = b)
+    pairs = torch.bincount(tokens[:, 1] * vocab + tokens[:, 2], minlength=vocab * vocab)
+    assert p_value(pairs, joint.reshape(-1)) > 0.001
+    stats = engine.spec_stats
+    assert (stats.num_draft_tokens > stats.num_accepted_tokens > 0) == (k > 0)
