@@ -161,3 +161,23 @@ def test_weights_round_trip_through_one_file_and_into_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(last_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "shard", ["../../x.safetensors", "/etc/passwd", "sub/../../y.safetensors", "link.safetensors"]
+)
+def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tmp_path, shard):
+    """Probe 12: the index's shard names were joined to the directory unchecked."""
+    from neuron_buckets.model.checkpoint import CheckpointError, shard_files
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "x.safetensors").write_bytes(b"")
+    (model / "link.safetensors").symlink_to(tmp_path / "x.safetensors")
+    index = {"weight_map": {"a": "model-00001.safetensors", "b": shard}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"shard '{shard}' is not a file name inside"):
+        shard_files(model)
+    index["weight_map"]["b"] = "model-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [p.name for p in shard_files(model)] == ["model-00001.safetensors", "model-00002.safetensors"]

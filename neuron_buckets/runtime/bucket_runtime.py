@@ -23,7 +23,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.model.llama import fuse_layer_weights, head_weight_names, layer_weight_keys, unfused_views
-from neuron_buckets.runtime.artifact_check import check_servable
+from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
@@ -54,7 +54,7 @@ class BucketRuntime:
     def __init__(self, directory: Path, manifest: Manifest, device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
         self.backend = get_backend(manifest.backend.name)
-        self.config = check_servable(manifest, self.directory, device)
+        self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
         self._check_versions()
         weights = self._load_weights()
         geo = manifest.cache
@@ -128,11 +128,11 @@ class BucketRuntime:
         path = self.directory / rec.file
         if not path.is_file():
             raise ArtifactError(f"graph of piece {rec.name} is missing: {path}")
-        if sha256_file(path) != rec.sha256:
-            raise ArtifactError(
-                f"graph {path} of piece {rec.name} does not match its sha256 (corrupt or tampered)"
-            )
-        fn = self.backend.load(path, self.manifest.model.config, self.device)
+        try:
+            with verified_copy(path, rec.sha256, f"graph of piece {rec.name}") as copy:
+                fn = self.backend.load(copy, self.manifest.model.config, self.device)
+        except ValueError as e:
+            raise ArtifactError(str(e)) from None
         self._graphs[key] = fn
         return fn
 
