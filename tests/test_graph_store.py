@@ -183,3 +183,48 @@ def test_records_are_plain_json_with_what_ls_shows(tmp_path):
     raw = json.loads((tmp_path / StoreEntry.record_name(KEY, "pt2")).read_text())
     assert raw["sha256"] == entry.sha256 and raw["piece"] == "layer_t16_b1_c128"
     assert raw["toolchain"] == "0.1.0" and raw["versions"] == {"torch": "x"}
+
+
+@pytest.mark.parametrize("target", ["store", "record", "graph"])
+def test_a_local_entry_others_can_write_is_refused_with_the_chmod_that_fixes_it(tmp_path, target):
+    """An entry is native code an artifact links: a group-writable one is never used."""
+    from neuron_buckets.utils.owner_only import LoosePermissions
+
+    store = GraphStore(tmp_path / "store")
+    graph = graph_file(tmp_path / "w", b"graph bytes")
+    entry = store.publish(graph, entry_for(graph))
+    assert store.verified(entry) == store.graph_file(entry)
+    path = {"store": tmp_path / "store", "record": tmp_path / "store" / StoreEntry.record_name(KEY, "pt2"),
+            "graph": store.graph_file(entry)}[target]
+    path.chmod(path.stat().st_mode | 0o020)
+    with pytest.raises(LoosePermissions, match=f"chmod go-w {path}"):
+        store.verified(entry)
+
+
+def test_a_store_named_by_a_file_or_unwritable_or_missing_is_one_error_up_front(tmp_path, monkeypatch):
+    """Probes 8 and 10: a file as --cache-dir, a read-only one, a pull from nowhere (which said
+    "copied 0 entries" and exited 0)."""
+    (afile := tmp_path / "afile").write_text("")
+    with pytest.raises(StoreError, match=f"graph store {afile}: it is a file, not a directory"):
+        GraphStore(afile)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    store = GraphStore(tmp_path / "ro")
+    monkeypatch.setattr("tempfile.NamedTemporaryFile", refuse)  # a read-only directory, even for root
+    with pytest.raises(StoreError, match=r"ro: cannot write into it \(Permission denied\)"):
+        GraphCache(store).check()
+    monkeypatch.undo()
+    assert not GraphStore(f"file://{tmp_path}/nowhere").exists()
+
+
+def test_nb_cache_pull_from_a_store_that_is_not_there_is_an_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from tests.conftest import error_line
+
+    args = ["cache", "pull", f"file://{tmp_path}/nowhere", "--cache-dir", str(tmp_path / "c")]
+    result = CliRunner().invoke(app, args)
+    assert "nothing is there to pull" in error_line(result)

@@ -16,6 +16,7 @@ from typing import Any
 
 from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest, sha256_file
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.owner_only import check_owner_only
 
 
 class Tokenizer:
@@ -39,7 +40,14 @@ class Tokenizer:
             raise UserError(
                 "reading text needs transformers: pip install 'neuron-buckets[text]' (or pass token ids)"
             ) from None
-        return cls(AutoTokenizer.from_pretrained(directory / TOKENIZER, local_files_only=True))
+        folder = directory / TOKENIZER
+        check_owner_only(folder, "tokenizer folder")
+        try:
+            return cls(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+        except Exception as e:  # transformers' errors (JSON, Rust, sentencepiece) name no file
+            files = ", ".join(sorted(Path(rel).name for rel in text.files))
+            why = " ".join(str(e).split()) or type(e).__name__
+            raise UserError(f"{folder}: transformers cannot read the tokenizer ({files}): {why}") from None
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``, with the special tokens (a BOS) the tokenizer adds to a prompt."""
