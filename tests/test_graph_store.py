@@ -228,3 +228,29 @@ def test_nb_cache_pull_from_a_store_that_is_not_there_is_an_error(tmp_path):
     args = ["cache", "pull", f"file://{tmp_path}/nowhere", "--cache-dir", str(tmp_path / "c")]
     result = CliRunner().invoke(app, args)
     assert "nothing is there to pull" in error_line(result)
+
+
+def test_with_a_signing_key_only_records_signed_with_it_are_used(tmp_path, monkeypatch):
+    """Probe 13: anyone who can write a shared store could publish code under a key not built yet.
+    With NB_STORE_SIGNING_KEY, an unsigned or forged record is damaged: discarded, then rebuilt."""
+    from neuron_buckets.compile.store_entry import SIGNING_KEY_ENV
+
+    shared = GraphStore(f"file://{tmp_path}/shared")
+    evil = graph_file(tmp_path / "evil", b"attacker's code")
+    shared.publish(evil, entry_for(evil))  # written without the key: what an intruder can do
+    monkeypatch.setenv(SIGNING_KEY_ENV, "team secret")
+    with pytest.raises(ValueError, match="unsigned: not published with this machine's NB_STORE_SIGNING_KEY"):
+        shared.read_record(KEY, "pt2")
+    assert shared.entries() == []
+    damaged: list[str] = []
+    cache = GraphCache(GraphStore(tmp_path / "local"), shared)
+    assert cache.get(KEY, "pt2", damaged.append, listed=False) is None and "unsigned" in damaged[0]
+    assert StoreEntry.record_name(KEY, "pt2") not in shared.names()  # the key is free for a signed compile
+    good = graph_file(tmp_path / "good", b"our graph")
+    held = shared.publish(good, entry_for(good))
+    assert held.signature and shared.read_record(KEY, "pt2") == held
+    monkeypatch.setenv(SIGNING_KEY_ENV, "another secret")  # a forger's key
+    with pytest.raises(ValueError, match="its signature does not match"):
+        shared.read_record(KEY, "pt2")
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    assert json.loads(shared.fs.cat_file(shared.path(StoreEntry.record_name(KEY, "pt2"))))["signature"]

@@ -177,7 +177,8 @@ def test_a_stream_cut_by_the_shutdown_timeout_ends_with_an_error_event(engine, c
     class Stalls(PausableEngine):  # two steps, then nothing more until the test resumes it
         def step(self):
             out = super().step()
-            self.running = self.running and self.steps < 2
+            if self.steps == 2:
+                self.running = False
             return out
 
     stalled = Stalls(engine)

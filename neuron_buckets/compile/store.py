@@ -32,7 +32,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from neuron_buckets.artifact.manifest import sha256_file
-from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry
+from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry, signing_key
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.owner_only import check_owner_only
 
@@ -111,10 +111,12 @@ class GraphStore:
 
     def check_writable(self) -> None:
         """A local store this compile will publish into can be written, said once up front instead
-        of as a traceback per piece (a read-only cache directory, a full or foreign disk)."""
+        of as a traceback per piece (a read-only cache directory, a full or foreign disk). Nothing
+        is created: a store not made yet needs its nearest existing parent writable."""
         root = Path(self.root)
+        while not root.exists() and root != root.parent:
+            root = root.parent
         try:
-            root.mkdir(mode=0o755, parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=root, prefix=".scratch-probe.", suffix=".tmp"):
                 pass
         except OSError as e:
@@ -138,7 +140,7 @@ class GraphStore:
                 data = self.fs.cat_file(self.path(StoreEntry.record_name(key, ext)))
             except (FileNotFoundError, IsADirectoryError):
                 return None
-        return StoreEntry.from_json(data)
+        return StoreEntry.from_json(data).check_signature(signing_key())
 
     def entries(self, names: dict[str, dict] | None = None) -> list[StoreEntry]:
         """Every readable record (one listing, one batched read); damaged records are skipped."""
@@ -147,9 +149,10 @@ class GraphStore:
         with self._io("cannot read its records"):
             data = self.fs.cat(paths, on_error="omit") if paths else {}
         entries = []
+        key = signing_key()
         for raw in data.values():
             with contextlib.suppress(ValueError):
-                entries.append(StoreEntry.from_json(raw))
+                entries.append(StoreEntry.from_json(raw).check_signature(key))
         return entries
 
     def fetch(self, entry: StoreEntry, dest: Path) -> bool:
@@ -174,7 +177,9 @@ class GraphStore:
 
     def publish(self, graph: Path, entry: StoreEntry) -> StoreEntry:
         """Put the graph, then create its record exclusively. Returns the entry the store now holds:
-        ours, or the one another compile published first (then our graph goes, unless it is theirs)."""
+        ours, or the one another compile published first (then our graph goes, unless it is theirs).
+        With ``NB_STORE_SIGNING_KEY`` set, the record is signed (``store_entry.py``)."""
+        entry = entry.signed(signing_key())
         graph_path = self.path(entry.graph_name)
         record_path = self.path(StoreEntry.record_name(entry.key, entry.ext))
         with self._io(f"cannot publish {entry.piece}"):
