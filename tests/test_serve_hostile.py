@@ -233,3 +233,38 @@ def test_text_is_tokenized_off_the_engine_thread_and_bad_text_is_a_400(text_arti
         status, body = post(f"{base}/v1/chat/completions", chat)
         assert status == 400 and "messages[0].content is not valid Unicode" in body["error"]["message"]
     assert threads and not any(name == "nb-engine-loop" for name in threads), threads
+
+
+def test_nb_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(compiled_dir):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from tests.conftest import error_line
+
+    refused = CliRunner().invoke(app, ["serve", "x", "--key-metrics"], env={"NB_API_KEY": ""})
+    assert "--key-metrics needs --api-key" in error_line(refused)
+    cmd = [sys.executable, "-m", "neuron_buckets.cli", "serve", str(compiled_dir), "--host", "0.0.0.0",
+           "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if m := re.search(r"serving .* at http://0\.0\.0\.0:(\d+)", line):
+                break
+        else:
+            pytest.fail(f"nb serve exited with {proc.wait()}: {lines}")
+        warnings = [line for line in lines if "without --api-key" in line]
+        assert len(warnings) == 1 and "WARNING" in warnings[0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/health", timeout=60) as r:
+            assert r.status == 200  # any Host is served on a non-loopback bind
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
+    assert "Traceback" not in proc.stderr.read()
