@@ -268,3 +268,22 @@ def test_nb_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(compi
     finally:
         proc.kill()
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_failed_accepts_near_the_descriptor_limit_log_one_line_a_minute_without_a_traceback():
+    """Probe 3: asyncio logged a traceback per failed accept(), 208 MB in 90 s."""
+    import logging
+
+    from neuron_buckets.server.slow_clients import QuietAcceptErrors
+
+    quiet = QuietAcceptErrors()
+
+    def record(message: str) -> logging.LogRecord:
+        exc = OSError(24, "Too many open files")
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, (), (OSError, exc, None))
+
+    first = record("socket.accept() out of system resource\nsocket: <socket>")
+    assert quiet.filter(first) and first.exc_info is None and "\n" not in first.getMessage()
+    assert not any(quiet.filter(record("socket.accept() out of system resource")) for _ in range(1000))
+    other = record("Task exception was never retrieved")
+    assert quiet.filter(other) and other.exc_info is not None
