@@ -41,6 +41,10 @@ from neuron_buckets.utils.owner_only import check_owner_only
 MISSING = "(absent)"
 
 
+class DigestMismatch(ValueError):
+    """A file whose bytes are not the sha256 its manifest records."""
+
+
 def check_artifact_files(directory: Path) -> None:
     """The directory, its manifest and the folders nb loads code and data from: owner-writable only."""
     for rel in (".", MANIFEST, GRAPHS, TOKENIZER):
@@ -83,8 +87,8 @@ def _bucket_piece_problem(manifest: Manifest, dynamic: bool) -> str | None:
 @contextlib.contextmanager
 def verified_copy(path: Path, sha256: str, what: str) -> Iterator[Path]:
     """A private copy of ``path`` (in a directory only this user can read), hashed while it was
-    written; a ``ValueError`` naming ``what`` if its bytes are not ``sha256``. Loading the copy
-    closes the gap between checking a file and reading it again to load it."""
+    written; ``DigestMismatch`` if its bytes are not ``sha256``. Loading the copy closes the gap
+    between checking a file and reading it again to load it. ``what`` names it in a refusal."""
     check_owner_only(path, what)
     with tempfile.TemporaryDirectory(prefix="nb-graph-") as private:
         copy = Path(private) / path.name
@@ -94,7 +98,7 @@ def verified_copy(path: Path, sha256: str, what: str) -> Iterator[Path]:
                 digest.update(chunk)
                 dst.write(chunk)
         if digest.hexdigest() != sha256:
-            raise ValueError(f"{what} {path} does not match its sha256 (corrupt or tampered)")
+            raise DigestMismatch(path)
         yield copy
 
 

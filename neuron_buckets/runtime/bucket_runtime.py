@@ -23,7 +23,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.model.llama import fuse_layer_weights, head_weight_names, layer_weight_keys, unfused_views
-from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
+from neuron_buckets.runtime.artifact_check import DigestMismatch, check_servable, verified_copy
 from neuron_buckets.runtime.packing import ChunkShape, group_decode, pack_prefill, split_long
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
@@ -131,8 +131,10 @@ class BucketRuntime:
         try:
             with verified_copy(path, rec.sha256, f"graph of piece {rec.name}") as copy:
                 fn = self.backend.load(copy, self.manifest.model.config, self.device)
-        except ValueError as e:
-            raise ArtifactError(str(e)) from None
+        except DigestMismatch:
+            raise ArtifactError(
+                f"graph {path} of piece {rec.name} does not match its sha256 (corrupt or tampered)"
+            ) from None
         self._graphs[key] = fn
         return fn
 
