@@ -48,4 +48,7 @@ class BodyLimit:
                     return message
             raise HTTPException(413, f"the request body is over the server's limit of {self.max_bytes} bytes")
 
-        await self.app(scope, limited, send)
+        try:
+            await self.app(scope, limited, send)
+        except asyncio.CancelledError:  # the shutdown timeout: the stream said so (api_server.sse)
+            return
