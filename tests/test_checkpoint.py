@@ -198,3 +198,23 @@ def test_weights_fuse_once_at_load_and_split_back_to_the_checkpoint_names(hf):
     assert all(torch.equal(back[n], t) for n, t in tensors.items())
     assert (weights.lm_head is None) == config.tie_word_embeddings
     assert weights.head[1] is (weights.embed if config.tie_word_embeddings else weights.lm_head)
+
+
+@pytest.mark.parametrize(
+    "shard", ["../../x.safetensors", "/etc/passwd", "sub/../../y.safetensors", "link.safetensors"]
+)
+def test_an_index_naming_a_shard_outside_the_model_directory_is_refused(tmp_path, shard):
+    """Probe 12: the index's shard names were joined to the directory unchecked."""
+    from neuron_buckets.model.checkpoint import CheckpointError, shard_files
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "x.safetensors").write_bytes(b"")
+    (model / "link.safetensors").symlink_to(tmp_path / "x.safetensors")
+    index = {"weight_map": {"a": "model-00001.safetensors", "b": shard}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"shard '{shard}' is not a file name inside"):
+        shard_files(model)
+    index["weight_map"]["b"] = "model-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [p.name for p in shard_files(model)] == ["model-00001.safetensors", "model-00002.safetensors"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from neuron_buckets.artifact.manifest import Manifest
 from neuron_buckets.cli import app
 from tests.conftest import TINY_CONFIG, error_line, write_config
 
@@ -127,10 +128,17 @@ def test_a_manifest_that_is_a_directory_is_one_error_line(tmp_path, command):
     assert f"{tmp_path / 'manifest.json'}: cannot read it (Is a directory)" in line
 
 
-def edited_copy(compiled_dir: Path, tmp_path: Path, edit) -> Path:
+def edited_copy(compiled_dir: Path, tmp_path: Path, edit, forge: bool = False) -> Path:
+    """The artifact with its manifest edited; ``forge``: its pieces' ``compiled_for`` too, as if
+    they had been compiled so (past the check that each piece was compiled for the manifest, to
+    the checks of the values themselves)."""
     copy = Path(shutil.copytree(compiled_dir, tmp_path / "artifact"))
     manifest = json.loads((copy / "manifest.json").read_text())
     edit(manifest)
+    if forge:
+        facts = Manifest.from_dict(manifest).graph_facts()
+        for piece in manifest["pieces"].values():
+            piece["compiled_for"] = facts
     (copy / "manifest.json").write_text(json.dumps(manifest))
     return copy
 
@@ -149,7 +157,7 @@ REFUSED_AT_OPEN = {
 @pytest.mark.parametrize("command", ["verify", "generate"])
 @pytest.mark.parametrize(("edit", "message"), REFUSED_AT_OPEN.values(), ids=REFUSED_AT_OPEN.keys())
 def test_an_artifact_the_runtime_refuses_is_one_error_line(compiled_dir, tmp_path, command, edit, message):
-    copy = edited_copy(compiled_dir, tmp_path, edit)
+    copy = edited_copy(compiled_dir, tmp_path, edit, forge=True)
     args = ["--prompt-ids", "1,2"] if command == "generate" else []
     assert message in error_line(nb(command, copy, *args))
 

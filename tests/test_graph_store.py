@@ -183,3 +183,74 @@ def test_records_are_plain_json_with_what_ls_shows(tmp_path):
     raw = json.loads((tmp_path / StoreEntry.record_name(KEY, "pt2")).read_text())
     assert raw["sha256"] == entry.sha256 and raw["piece"] == "layer_t16_b1_c128"
     assert raw["toolchain"] == "0.1.0" and raw["versions"] == {"torch": "x"}
+
+
+@pytest.mark.parametrize("target", ["store", "record", "graph"])
+def test_a_local_entry_others_can_write_is_refused_with_the_chmod_that_fixes_it(tmp_path, target):
+    """An entry is native code an artifact links: a group-writable one is never used."""
+    from neuron_buckets.utils.owner_only import LoosePermissions
+
+    store = GraphStore(tmp_path / "store")
+    graph = graph_file(tmp_path / "w", b"graph bytes")
+    entry = store.publish(graph, entry_for(graph))
+    assert store.verified(entry) == store.graph_file(entry)
+    path = {"store": tmp_path / "store", "record": tmp_path / "store" / StoreEntry.record_name(KEY, "pt2"),
+            "graph": store.graph_file(entry)}[target]
+    path.chmod(path.stat().st_mode | 0o020)
+    with pytest.raises(LoosePermissions, match=f"chmod go-w {path}"):
+        store.verified(entry)
+
+
+def test_a_store_named_by_a_file_or_unwritable_or_missing_is_one_error_up_front(tmp_path, monkeypatch):
+    """Probes 8 and 10: a file as --cache-dir, a read-only one, a pull from nowhere (which said
+    "copied 0 entries" and exited 0)."""
+    (afile := tmp_path / "afile").write_text("")
+    with pytest.raises(StoreError, match=f"graph store {afile}: it is a file, not a directory"):
+        GraphStore(afile)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    store = GraphStore(tmp_path / "ro")
+    monkeypatch.setattr("tempfile.NamedTemporaryFile", refuse)  # a read-only directory, even for root
+    with pytest.raises(StoreError, match=r"ro: cannot write into it \(Permission denied\)"):
+        GraphCache(store).check()
+    monkeypatch.undo()
+    assert not GraphStore(f"file://{tmp_path}/nowhere").exists()
+
+
+def test_nb_cache_pull_from_a_store_that_is_not_there_is_an_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from tests.conftest import error_line
+
+    args = ["cache", "pull", f"file://{tmp_path}/nowhere", "--cache-dir", str(tmp_path / "c")]
+    result = CliRunner().invoke(app, args)
+    assert "nothing is there to pull" in error_line(result)
+
+
+def test_with_a_signing_key_only_records_signed_with_it_are_used(tmp_path, monkeypatch):
+    """Probe 13: anyone who can write a shared store could publish code under a key not built yet.
+    With NB_STORE_SIGNING_KEY, an unsigned or forged record is damaged: discarded, then rebuilt."""
+    from neuron_buckets.compile.store_entry import SIGNING_KEY_ENV
+
+    shared = GraphStore(f"file://{tmp_path}/shared")
+    evil = graph_file(tmp_path / "evil", b"attacker's code")
+    shared.publish(evil, entry_for(evil))  # written without the key: what an intruder can do
+    monkeypatch.setenv(SIGNING_KEY_ENV, "team secret")
+    with pytest.raises(ValueError, match="unsigned: not published with this machine's NB_STORE_SIGNING_KEY"):
+        shared.read_record(KEY, "pt2")
+    assert shared.entries() == []
+    damaged: list[str] = []
+    cache = GraphCache(GraphStore(tmp_path / "local"), shared)
+    assert cache.get(KEY, "pt2", damaged.append, listed=False) is None and "unsigned" in damaged[0]
+    assert StoreEntry.record_name(KEY, "pt2") not in shared.names()  # the key is free for a signed compile
+    good = graph_file(tmp_path / "good", b"our graph")
+    held = shared.publish(good, entry_for(good))
+    assert held.signature and shared.read_record(KEY, "pt2") == held
+    monkeypatch.setenv(SIGNING_KEY_ENV, "another secret")  # a forger's key
+    with pytest.raises(ValueError, match="its signature does not match"):
+        shared.read_record(KEY, "pt2")
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    assert json.loads(shared.fs.cat_file(shared.path(StoreEntry.record_name(KEY, "pt2"))))["signature"]

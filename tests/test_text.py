@@ -104,3 +104,36 @@ def test_an_eos_id_outside_the_vocabulary_is_refused_before_anything_compiles(te
     vocab = len(tiny_tokenizer())
     assert f"{model / 'generation_config.json'}: eos_token_id must be a token id or a list of them" in line
     assert f"in [0, {vocab}); got [5, 100000]" in line and not (tmp_path / "art").exists()
+
+
+def copy_with_tokenizer_file(text_artifact: Path, tmp_path: Path, name: str, edit) -> Path:
+    """The artifact with one tokenizer file rewritten and its sha256 recorded, as if compiled so."""
+    out = Path(shutil.copytree(text_artifact, tmp_path / "art", ignore=shutil.ignore_patterns(".nb-lock*")))
+    path = out / "tokenizer" / name
+    path.write_text(edit(path.read_text()))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["text"]["files"][f"tokenizer/{name}"] = sha256_file(path)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_a_garbage_tokenizer_json_is_an_error_naming_the_file(text_artifact, tmp_path):
+    """Probe 10: transformers' own error named no file."""
+    out = copy_with_tokenizer_file(text_artifact, tmp_path, "tokenizer.json", lambda _: "not json {")
+    line = error_line(nb("generate", out, "--prompt", PROMPT))
+    assert f"{out / 'tokenizer'}: transformers cannot read the tokenizer" in line and "tokenizer.json" in line
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_one_error_line(text_artifact):
+    """Probe 7: invalid UTF-8 in argv arrives as lone surrogates (Python's surrogateescape)."""
+    prompt = b"caf\xe9".decode("utf-8", "surrogateescape")
+    line = error_line(nb("generate", text_artifact, "--prompt", prompt))
+    assert "prompt is not valid Unicode: a lone surrogate at character 3" in line
+
+
+def test_a_chat_template_that_refuses_is_one_error_line(text_artifact, tmp_path):
+    """Probe 9: nb serve answered 400, nb generate --chat printed a traceback."""
+    refusing = "{{ raise_exception('roles must alternate') }}"
+    out = copy_with_tokenizer_file(text_artifact, tmp_path, "chat_template.jinja", lambda _: refusing)
+    line = error_line(nb("generate", out, "--prompt", PROMPT, "--chat"))
+    assert "the chat template refused these messages: roles must alternate" in line

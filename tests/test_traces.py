@@ -141,6 +141,20 @@ def test_bad_traces_get_one_clear_error(tmp_path: Path, text: str, message: str)
     assert str(info.value).startswith(str(f)) and "\n" not in str(info.value)
 
 
+def test_a_gzip_bomb_is_refused_before_it_is_held_in_memory(tmp_path: Path, monkeypatch) -> None:
+    """Probe 6: a 1.5 MB gzip of a GiB passed 4 GB of memory; the expansion is capped as it is read."""
+    import neuron_buckets.traffic.traces as traces
+
+    monkeypatch.setattr(traces, "MAX_GUNZIPPED_BYTES", 1 << 20)
+    bomb = tmp_path / "bomb.csv.gz"
+    bomb.write_bytes(gzip.compress(b"input_length,output_length\n" + b"0" * (8 << 20)))
+    with pytest.raises(TraceError, match=r"bomb.csv.gz: expands to more than 1 MiB"):
+        load_trace(bomb)
+    ok = tmp_path / "ok.csv.gz"
+    ok.write_bytes(gzip.compress(b"input_length,output_length\n" + b"5,1\n" * 1000))
+    assert len(load_trace(ok)) == 1000
+
+
 def test_missing_file_is_a_trace_error(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read trace"):
         load_trace(tmp_path / "nope.csv")

@@ -50,7 +50,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
     A failure (a full disk) is an OSError naming ``path``, not the temp file, which is removed.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # never group-writable (owner_only.py)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
@@ -164,6 +164,9 @@ class PieceRecord:
     status: str = "ok"
     error: str | None = None
     log: str | None = None
+    # ``graph_facts`` of the manifest it was compiled with: the runtime refuses one that differs
+    # (None: compiled before nb recorded it; refused too)
+    compiled_for: dict[str, Any] | None = None
 
 
 @dataclass
@@ -222,7 +225,25 @@ class Manifest:
         d = asdict(self)
         if d["text"] is None:
             del d["text"]
+        for piece in d["pieces"].values():
+            if piece["compiled_for"] is None:
+                del piece["compiled_for"]
         return d
+
+    def graph_facts(self) -> dict[str, Any]:
+        """Every value of this manifest that a compiled piece depends on, by its path here.
+
+        A graph takes its cache, weights and step tensors at fixed shapes and dtypes, and no
+        backend checks them at call time (AOTInductor only with ``AOTI_RUNTIME_CHECK_INPUTS``):
+        a cache allocated from an edited ``num_blocks`` or ``block_size`` is read and written
+        past what the graph was built for. So each piece records these when it is compiled and
+        the runtime compares them before it allocates anything.
+        """
+        facts: dict[str, Any] = {f"cache.{k}": v for k, v in asdict(self.cache).items()}
+        facts |= {f"model.config.{k}": v for k, v in self.model.config.items()}
+        facts["model.dtype"] = self.model.dtype
+        facts["decode.speculation_length"] = self.decode.speculation_length
+        return facts
 
     def files(self) -> list[tuple[str, str, str]]:
         """(relative path, sha256, what) of every file the manifest vouches for."""

@@ -99,6 +99,8 @@ def _sync(direction: str, remote: str, local: Path | None) -> None:
     if cache.remote is None:
         raise ValueError(f"nb cache {direction}: {remote} is not a URL; give the remote store as s3://... or file://...")
     cache.check()
+    if direction == "pull" and not cache.remote.exists():
+        raise cache.remote.error("nothing is there to pull")
     damaged = lambda why: err.print(f"damaged: {why}")  # noqa: E731
     count: SyncCount = cache.push(damaged) if direction == "push" else cache.pull(damaged)
     source, dest = (cache.local, cache.remote) if direction == "push" else (cache.remote, cache.local)

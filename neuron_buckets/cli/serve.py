@@ -35,19 +35,33 @@ def serve(
     shutdown_timeout: Annotated[
         float, typer.Option(min=0, help="Seconds open requests may take to finish after SIGTERM")
     ] = 30.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="NB_API_KEY", show_default=False,
+                     help="Require 'Authorization: Bearer KEY' on every /v1 route (env NB_API_KEY)"),
+    ] = None,
+    key_metrics: Annotated[bool, typer.Option(help="Require the API key on /metrics too")] = False,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="A Host name clients may use besides the loopback names (repeatable)"),
+    ] = None,
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
     from neuron_buckets.config.speculative import SpeculativeConfig
 
     try:
+        from neuron_buckets.server.access import ServerAccess
         from neuron_buckets.server.api_server import ServerLimits, run_server
     except ModuleNotFoundError as e:
         if e.name not in SERVE_EXTRA:
             raise
         raise UserError(f"nb serve needs {e.name}: pip install 'neuron-buckets[serve]'") from None
+    if key_metrics and not api_key:
+        raise UserError("--key-metrics needs --api-key (or NB_API_KEY)")
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
     speculative = SpeculativeConfig(num_speculative_tokens=speculative_ngram)
-    run_server(directory, host, port, served_model_name, limits, shutdown_timeout, speculative)
+    access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
+    run_server(directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access)
 
 
 def register(app: typer.Typer) -> None:

@@ -215,6 +215,7 @@ class Compiler:
             status=o.status,
             error=o.error,
             log=o.log,
+            compiled_for=self.manifest.graph_facts() if ok else None,
         )
 
     def _bucket_records(self, done: dict[PieceShape, Outcome]) -> list[BucketRecord]:
@@ -385,7 +386,7 @@ class Compiler:
 
 def place(src: Path, dest: Path) -> None:
     """Put a cached graph into an artifact directory atomically: hard link, else copy."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # never group-writable (owner_only.py)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:

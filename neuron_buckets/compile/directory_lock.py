@@ -26,7 +26,7 @@ class DirectoryLocked(UserError, RuntimeError):
 @contextmanager
 def directory_lock(directory: Path) -> Iterator[None]:
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # never group-writable (owner_only.py)
     holder = directory / HOLDER_FILE
     lock = FileLock(directory / LOCK_FILE, blocking=False)
     try:

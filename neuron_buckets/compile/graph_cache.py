@@ -52,7 +52,9 @@ class GraphCache:
         return self.remote or self.local
 
     def check(self) -> None:
-        """Reach the remote store once before any work, and list what it holds."""
+        """Reach the remote store once before any work, and list what it holds; the local store
+        must take writes (every compile and pull publishes into it)."""
+        self.local.check_writable()
         if self.remote:
             self.remote.check()
             self.remote_names = set(self.remote.names())

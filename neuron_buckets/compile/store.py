@@ -32,8 +32,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from neuron_buckets.artifact.manifest import sha256_file
-from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry
+from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry, signing_key
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.owner_only import check_owner_only
 
 RECORD_NAME = re.compile(r"([0-9a-f]{64})\.(\w+)\.json")
 GRAPH_NAME = re.compile(rf"[0-9a-f]{{64}}\.[0-9a-f]{{{SHA_IN_NAME}}}\.\w+")
@@ -68,6 +69,8 @@ class GraphStore:
             raise self.error("the URL names no bucket or path")
         self.fs, self.root = fs, root.rstrip("/") or "/"
         self.local = isinstance(fs, LocalFileSystem)
+        if self.local and Path(self.root).exists() and not Path(self.root).is_dir():
+            raise self.error("it is a file, not a directory")
 
     def error(self, what: str) -> StoreError:
         return StoreError(f"graph store {self.location}: {what}")
@@ -101,6 +104,25 @@ class GraphStore:
             if not exists:
                 raise self.error(f"{bucket!r} does not exist")
 
+    def exists(self) -> bool:
+        """Whether anything is at the root: a store to pull from must exist, one to publish to may not yet."""
+        with self._io("cannot reach it"):
+            return bool(self.fs.exists(self.root))
+
+    def check_writable(self) -> None:
+        """A local store this compile will publish into can be written, said once up front instead
+        of as a traceback per piece (a read-only cache directory, a full or foreign disk). Nothing
+        is created: a store not made yet needs its nearest existing parent writable."""
+        root = Path(self.root)
+        while not root.exists() and root != root.parent:
+            root = root.parent
+        try:
+            with tempfile.NamedTemporaryFile(dir=root, prefix=".scratch-probe.", suffix=".tmp"):
+                pass
+        except OSError as e:
+            raise self.error(f"cannot write into it ({e.strerror or e}); give --cache-dir a writable "
+                             f"directory") from None
+
     def names(self) -> dict[str, dict]:
         """Every object directly under the root, by name, with fsspec's info (size, times)."""
         with self._io("cannot list it"):
@@ -118,7 +140,7 @@ class GraphStore:
                 data = self.fs.cat_file(self.path(StoreEntry.record_name(key, ext)))
             except (FileNotFoundError, IsADirectoryError):
                 return None
-        return StoreEntry.from_json(data)
+        return StoreEntry.from_json(data).check_signature(signing_key())
 
     def entries(self, names: dict[str, dict] | None = None) -> list[StoreEntry]:
         """Every readable record (one listing, one batched read); damaged records are skipped."""
@@ -127,9 +149,10 @@ class GraphStore:
         with self._io("cannot read its records"):
             data = self.fs.cat(paths, on_error="omit") if paths else {}
         entries = []
+        key = signing_key()
         for raw in data.values():
             with contextlib.suppress(ValueError):
-                entries.append(StoreEntry.from_json(raw))
+                entries.append(StoreEntry.from_json(raw).check_signature(key))
         return entries
 
     def fetch(self, entry: StoreEntry, dest: Path) -> bool:
@@ -142,14 +165,21 @@ class GraphStore:
         return dest.stat().st_size == entry.bytes and sha256_file(dest) == entry.sha256
 
     def verified(self, entry: StoreEntry) -> Path | None:
-        """A local store's graph of ``entry`` if its bytes still match the record, else None."""
+        """A local store's graph of ``entry`` if its bytes still match the record, else None.
+        The store, the record and the graph must be owner-writable only (``owner_only.py``):
+        what is linked from here into an artifact directory runs as native code there."""
         path = self.graph_file(entry)
+        for what, p in (("graph store", Path(self.root)), ("graph store record", Path(self.path(
+                StoreEntry.record_name(entry.key, entry.ext)))), ("graph store entry", path)):
+            check_owner_only(p, what)
         ok = path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256
         return path if ok else None
 
     def publish(self, graph: Path, entry: StoreEntry) -> StoreEntry:
         """Put the graph, then create its record exclusively. Returns the entry the store now holds:
-        ours, or the one another compile published first (then our graph goes, unless it is theirs)."""
+        ours, or the one another compile published first (then our graph goes, unless it is theirs).
+        With ``NB_STORE_SIGNING_KEY`` set, the record is signed (``store_entry.py``)."""
+        entry = entry.signed(signing_key())
         graph_path = self.path(entry.graph_name)
         record_path = self.path(StoreEntry.record_name(entry.key, entry.ext))
         with self._io(f"cannot publish {entry.piece}"):
@@ -188,6 +218,7 @@ class GraphStore:
                 os.link(graph, tmp)  # same disk (the compile scratch lives in the store): no copy
             except OSError:
                 shutil.copyfile(graph, tmp)
+            tmp.chmod(0o644)  # whatever the umask: a group-writable entry is refused on use
             os.replace(tmp, dest)
 
     def _create(self, dest: str, data: bytes) -> None:
@@ -197,6 +228,7 @@ class GraphStore:
             return
         with self._temp(dest) as tmp:
             tmp.write_bytes(data)
+            tmp.chmod(0o644)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             try:
@@ -209,7 +241,7 @@ class GraphStore:
     @contextlib.contextmanager
     def _temp(self, dest: str) -> Iterator[Path]:
         """A temp name beside ``dest`` in a local store, removed whatever happens."""
-        Path(self.root).mkdir(parents=True, exist_ok=True)
+        Path(self.root).mkdir(mode=0o755, parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{PurePosixPath(dest).name}.", suffix=".tmp", dir=self.root)
         os.close(fd)
         tmp = Path(name)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from neuron_buckets.runtime.step_check import is_int
 
+INT64_MAX = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,12 +45,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             if not ok(value):
                 raise ValueError(f"{name} must be {rule}, got {value!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer of at least 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if bad := [t for t in self.stop_token_ids if not is_int(t) or t < 0]:
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {bad[:5]}")
+        # Integers go into int64 tensors and torch's 64-bit seed: a larger one would overflow
+        # inside a step, where it would fail every request of the batch instead of this one.
+        if not is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be an integer in [0, 2**63) (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        if bad := [t for t in self.stop_token_ids if not is_int(t) or not 0 <= t <= INT64_MAX]:
+            raise ValueError(f"stop_token_ids must be integers in [0, 2**63), got {bad[:5]}")
         if bad := [s for s in self.stop if not isinstance(s, str) or not s]:
             raise ValueError(f"stop strings must be non-empty strings, got {bad[:5]}")
         if not isinstance(self.ignore_eos, bool):

@@ -16,6 +16,7 @@ from typing import Any
 
 from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest, sha256_file
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.owner_only import check_owner_only
 
 
 class Tokenizer:
@@ -39,11 +40,18 @@ class Tokenizer:
             raise UserError(
                 "reading text needs transformers: pip install 'neuron-buckets[text]' (or pass token ids)"
             ) from None
-        return cls(AutoTokenizer.from_pretrained(directory / TOKENIZER, local_files_only=True))
+        folder = directory / TOKENIZER
+        check_owner_only(folder, "tokenizer folder")
+        try:
+            return cls(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+        except Exception as e:  # transformers' errors (JSON, Rust, sentencepiece) name no file
+            files = ", ".join(sorted(Path(rel).name for rel in text.files))
+            why = " ".join(str(e).split()) or type(e).__name__
+            raise UserError(f"{folder}: transformers cannot read the tokenizer ({files}): {why}") from None
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``, with the special tokens (a BOS) the tokenizer adds to a prompt."""
-        return self.hf.encode(text)
+        return self.hf.encode(unicode_text(text, "prompt"))
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``; special tokens (BOS, EOS, padding) are not text and are skipped."""
@@ -61,5 +69,23 @@ class Tokenizer:
         """
         if not self.has_chat_template:
             raise UserError("this model's tokenizer has no chat template; send plain prompts instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for i, m in enumerate(messages):
+            for field, value in m.items():
+                unicode_text(value, f"messages[{i}].{field}")
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except (TemplateError, OverflowError) as e:  # roles out of order, the sandbox's refusals
+            raise UserError(f"the chat template refused these messages: {e}") from None
         return self.hf.encode(text, add_special_tokens=False)
+
+
+def unicode_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode; a JSON string may hold a lone surrogate (``"\\ud800"``),
+    which no tokenizer can encode: a UserError naming ``what`` and where, not a tokenizer crash."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{what} is not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text

@@ -77,6 +77,16 @@ def read_config(path: str | Path) -> LlamaConfig:
     return parse_hf_config(_read_json(file), str(file))
 
 
+def _inside(directory: Path, name: str) -> bool:
+    """Whether ``name`` names a file in ``directory`` (transformers writes plain file names): no
+    absolute path, no ``..``, no link that resolves elsewhere, so an index cannot make nb read
+    (and copy into an artifact) another file of the machine."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        return False
+    return (directory / relative).resolve().is_relative_to(directory.resolve())
+
+
 def shard_files(path: str | Path) -> list[Path]:
     """The safetensors files of a directory's single or sharded checkpoint."""
     path = Path(path)
@@ -86,7 +96,10 @@ def shard_files(path: str | Path) -> list[Path]:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map object")
-        return [path / shard for shard in sorted(set(map(str, weight_map.values())))]
+        shards = sorted(set(map(str, weight_map.values())))
+        if outside := next((s for s in shards if not _inside(path, s)), None):
+            raise CheckpointError(f"{index}: shard {outside!r} is not a file name inside {path}")
+        return [path / shard for shard in shards]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []

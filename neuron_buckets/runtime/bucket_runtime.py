@@ -26,7 +26,7 @@ from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.weights import ModelWeights
-from neuron_buckets.runtime.artifact_check import check_servable
+from neuron_buckets.runtime.artifact_check import DigestMismatch, check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.step_check import StepLimits, check_step
@@ -41,7 +41,7 @@ class BucketRuntime:
     def __init__(self, directory: Path, manifest: Manifest, device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
         self.backend = get_backend(manifest.backend.name)
-        self.config = check_servable(manifest, self.directory, device)
+        self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
         self._check_versions()
         weights = self._load_weights()
         geo = manifest.cache
@@ -104,11 +104,13 @@ class BucketRuntime:
         path = self.directory / rec.file
         if not path.is_file():
             raise ArtifactError(f"graph of piece {rec.name} is missing: {path}")
-        if sha256_file(path) != rec.sha256:
+        try:
+            with verified_copy(path, rec.sha256, f"graph of piece {rec.name}") as copy:
+                fn = self.backend.load(copy, self.manifest.model.config, self.device)
+        except DigestMismatch:
             raise ArtifactError(
                 f"graph {path} of piece {rec.name} does not match its sha256 (corrupt or tampered)"
-            )
-        fn = self.backend.load(path, self.manifest.model.config, self.device)
+            ) from None
         self._graphs[key] = fn
         return fn
 

@@ -7,17 +7,25 @@ connection's request goes to the one engine loop (``engine_loop.py``), which bat
 Errors have OpenAI's shape and status codes a client can act on: 400 for a request that can
 never be served (bad fields, too long for ``max_model_len``, no tokenizer or chat template),
 404 for another model's name, 413 for a body over the size limit, 429 when the server already
-holds its limit of open requests, 503 once the engine has failed. Nothing is compiled at start
-and no graph is loaded before it listens: each loads on first use.
+holds its limit of open requests, 500 for a request whose step failed (the others go on), 503
+once the engine has stopped. Nothing is compiled at start and no graph is loaded before it
+listens: each loads on first use.
+
+Who may call it is ``access.py`` (API key, Host header); connections that send too slowly are
+closed by ``slow_clients.py`` and ``body_limit.py``. A text prompt or a chat is tokenized on a
+thread of its own, with its own copy of the tokenizer, before the request reaches the engine
+thread, so tokenizing a client's megabyte of text never holds back the requests already running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +33,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,8 +43,11 @@ from starlette.exceptions import HTTPException
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.request_output import RequestOutput
-from neuron_buckets.server.body_limit import BodyLimit
-from neuron_buckets.server.engine_loop import Encode, EngineDead, EngineLoop, ServerBusy
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.tokenizer import Tokenizer
+from neuron_buckets.server.access import ServerAccess, is_loopback
+from neuron_buckets.server.body_limit import BODY_TIMEOUT_S, BodyLimit
+from neuron_buckets.server.engine_loop import Encode, EngineDead, EngineLoop, ServerBusy, StepFailed
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.openai_protocol import (
     ChatChoice,
@@ -56,7 +67,10 @@ from neuron_buckets.server.openai_protocol import (
     SamplingRequest,
     Usage,
 )
+from neuron_buckets.server.slow_clients import HeaderTimeoutH11, QuietAcceptErrors
 from neuron_buckets.utils.errors import UserError
+
+log = logging.getLogger("uvicorn.error")
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,7 @@ class ServerLimits:
 
     max_open_requests: int = 256  # queued, waiting for blocks and running, together; more get 429
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are buffered
+    body_timeout_s: float = BODY_TIMEOUT_S  # a body that stops this long before its end gets 408
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -85,7 +100,7 @@ def validation_message(exc: RequestValidationError) -> str:
 
 # The status of each error a route may raise; the first type that matches wins.
 STATUS: dict[type[Exception], int] = {
-    ServerBusy: 429, EngineDead: 503, UserError: 400, ValueError: 400, Exception: 500
+    ServerBusy: 429, EngineDead: 503, StepFailed: 500, UserError: 400, ValueError: 400, Exception: 500
 }
 
 
@@ -102,15 +117,20 @@ def sse(events: AsyncIterator[BaseModel]) -> StreamingResponse:
     """Server-sent events as OpenAI streams them: one JSON object per event, then ``[DONE]``.
 
     A failure after the stream started cannot change the status code any more, so it is sent as
-    an error event, as vLLM does.
+    an error event, as vLLM does; so is the end of a stream cut short by the server's shutdown
+    timeout, which the client would otherwise see as a bare end of file.
     """
 
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield f"data: {event.model_dump_json()}\n\n"
-        except EngineDead as e:
-            yield f"data: {error_response(503, str(e)).body.decode()}\n\n"
+        except (EngineDead, StepFailed) as e:
+            yield f"data: {error_response(STATUS[type(e)], str(e)).body.decode()}\n\n"
+        except asyncio.CancelledError:  # the shutdown timeout: say so, then stop quietly
+            cut = error_response(503, "the server shut down before this stream ended")
+            yield f"data: {cut.body.decode()}\n\n"
+            return
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -145,8 +165,13 @@ class OpenAIServer:
     """The routes' shared state: the engine loop, the model's name and its tokenizer."""
 
     def __init__(self, engine: LLMEngine, model_name: str, limits: ServerLimits) -> None:
-        self.model_name = model_name
-        self.tokenizer = engine.tokenizer
+        self.model_name, self.engine = model_name, engine
+        # The engine's tokenizer is the engine thread's (its detokenizers); requests are encoded
+        # with a copy of it, on a thread of its own, one at a time.
+        self.tokenizer = Tokenizer(copy.deepcopy(engine.tokenizer.hf)) if engine.tokenizer else None
+        self.encoder = ThreadPoolExecutor(1, thread_name_prefix="nb-tokenize")
+        self.encoding = 0  # requests being tokenized or waiting to be, bounded like open ones
+        self.max_open_requests = limits.max_open_requests
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(
             model_name,
@@ -172,12 +197,25 @@ class OpenAIServer:
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
-        from jinja2 import TemplateError  # transformers renders chat templates with jinja2 (text extra)
+        return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
 
+    async def prepare(self, body: SamplingRequest, encode: Encode) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and the request's parameters, checked as the engine checks them, on the
+        tokenizer thread: a refused request never reaches the engine thread."""
+        if self.encoding >= self.max_open_requests:
+            limit = self.max_open_requests
+            raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")
+
+        def work() -> tuple[list[int], SamplingParams]:
+            ids = encode()
+            params = body.sampling_params(self.max_model_len - len(ids))
+            return self.engine.check_request(ids, params), params
+
+        self.encoding += 1
         try:
-            return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
-        except TemplateError as e:  # a template may refuse messages (roles out of order...)
-            raise UserError(f"the chat template refused these messages: {e}") from None
+            return await asyncio.get_running_loop().run_in_executor(self.encoder, work)
+        finally:
+            self.encoding -= 1
 
     async def respond(
         self,
@@ -192,7 +230,8 @@ class OpenAIServer:
         """Admit a request (or raise the error its status code comes from), then answer with its
         events as they come (``stream``) or with its ``final`` response."""
         self.check_model(body)
-        stream = await self.loop.submit(encode, lambda n: body.sampling_params(self.max_model_len - n))
+        ids, params = await self.prepare(body, encode)
+        stream = await self.loop.submit(lambda: ids, lambda _: params)
         outputs = self.loop.outputs(stream)
         if body.stream:
 
@@ -253,8 +292,15 @@ class OpenAIServer:
         )
 
 
-def create_app(engine: LLMEngine, model_name: str, limits: ServerLimits = ServerLimits()) -> FastAPI:
-    """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread."""
+LOOPBACK_ONLY = ServerAccess()
+
+
+def create_app(
+    engine: LLMEngine, model_name: str, limits: ServerLimits = ServerLimits(),
+    access: ServerAccess = LOOPBACK_ONLY,
+) -> FastAPI:
+    """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread.
+    ``access`` defaults to no key and a loopback server's Host check."""
     server = OpenAIServer(engine, model_name, limits)
 
     @asynccontextmanager
@@ -262,9 +308,11 @@ def create_app(engine: LLMEngine, model_name: str, limits: ServerLimits = Server
         server.loop.start()
         yield
         await asyncio.to_thread(server.loop.stop)
+        server.encoder.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="nb serve", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app = FastAPI(title="nb serve", lifespan=lifespan, dependencies=[Depends(access.check_host)])
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(access.check_key)])
 
     for exc_type in (*STATUS, HTTPException, RequestValidationError):
         app.add_exception_handler(exc_type, on_error)
@@ -275,23 +323,24 @@ def create_app(engine: LLMEngine, model_name: str, limits: ServerLimits = Server
             return Response(status_code=200)
         return error_response(503, str(server.loop.dead()))
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(access.check_metrics)])
     async def metrics() -> Response:
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> ModelList:
         card = ModelCard(id=model_name, created=server.created, max_model_len=server.max_model_len)
         return ModelList(data=[card])
 
-    @app.post("/v1/completions", response_model=None)
+    @v1.post("/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> BaseModel | Response:
         return await server.completion(body, request)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @v1.post("/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
         return await server.chat_completion(body, request)
 
+    app.include_router(v1)
     return app
 
 
@@ -303,6 +352,7 @@ def run_server(
     limits: ServerLimits = ServerLimits(),
     shutdown_timeout: float = 30.0,
     speculative: SpeculativeConfig | None = None,
+    access: ServerAccess | None = None,
 ) -> None:
     """Open the artifact (drafting as ``speculative`` says) and serve it until SIGINT or SIGTERM.
 
@@ -316,11 +366,17 @@ def run_server(
         sock = socket.create_server((host, port), family=family)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    access = access or ServerAccess.for_bind(host, None, False, ())
     with sock:
         model_name = model_name or str(directory)
-        app = create_app(LLMEngine.open(directory, speculative=speculative), model_name, limits)
-        config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout)
+        app = create_app(LLMEngine.open(directory, speculative=speculative), model_name, limits, access)
+        config = uvicorn.Config(
+            app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, http=HeaderTimeoutH11
+        )
+        logging.getLogger("asyncio").addFilter(QuietAcceptErrors())
         address = f"[{host}]" if family == socket.AF_INET6 else host
         url = f"http://{address}:{sock.getsockname()[1]}"  # the port taken, when 0 asked for any
-        logging.getLogger("uvicorn.error").info("serving %r at %s (CTRL+C to quit)", model_name, url)
+        if access.api_key is None and not is_loopback(host):
+            log.warning("serving on %s without --api-key: anyone who can reach it may generate", host)
+        log.info("serving %r at %s (CTRL+C to quit)", model_name, url)
         uvicorn.Server(config).run(sockets=[sock])

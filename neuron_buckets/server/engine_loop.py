@@ -6,10 +6,18 @@ request's outputs back to the connection's asyncio queue on the event loop. Ever
 whatever requests are in the engine at that moment, whichever connection they came from; that
 is continuous batching across HTTP requests, through the runtime's bucket selection and packing.
 
-Commands run in order between steps, so a connection that goes away is aborted (its blocks back
-in the pool) before the next step runs. When idle the thread sleeps on the command queue; it does
-not poll. An exception from a step is a bug or a broken artifact: every open request gets it, the
-loop stops, and ``/health`` says so.
+Commands run in order between steps, at most ``MAX_COMMANDS`` before each step, so a flood of
+submissions cannot hold back the requests already running; a connection that goes away is aborted
+(its blocks back in the pool) before the next step runs. When idle the thread sleeps on the
+command queue; it does not poll. Tokenizing and chat templating happen before a command is
+queued, off this thread (``api_server.py``): a client's megabyte of text costs it, not everyone.
+
+An exception from a step (a graph refused at first use, a bug) fails the requests that step
+touched: a batch cannot say which row caused it, so each of them gets ``StepFailed`` and is
+aborted, its blocks back in the pool. Requests still waiting were not touched and go on, and so
+does the loop: one bucket's broken graph fails that bucket's requests, not the server. A step
+that fails with no open request to blame is a broken engine: the loop stops, every request
+still open gets the error, and ``/health`` says so.
 """
 
 from __future__ import annotations
@@ -40,6 +48,15 @@ class ServerBusy(UserError):
 
 class EngineDead(RuntimeError):
     """The engine loop stopped after an error; nothing more can be served (HTTP 503)."""
+
+
+class StepFailed(RuntimeError):
+    """The step that ran this request raised; the request is aborted, the loop goes on (HTTP 500)."""
+
+
+# Commands run between two steps at most: a queue of thousands of adds waits for later steps
+# instead of delaying the running requests' next token by all of them.
+MAX_COMMANDS = 64
 
 
 class RequestStream:
@@ -183,7 +200,7 @@ class EngineLoop:
         try:
             while not (self._stopping and not self.engine.has_unfinished):
                 self._drain(block=not self.engine.has_unfinished and not self._stopping)
-                outputs = self.engine.step() if self.engine.has_unfinished else []
+                outputs = self._step() if self.engine.has_unfinished else []
                 self.metrics.running.set(self.engine.num_running)
                 self.metrics.waiting.set(self.engine.num_waiting)
                 # Counted before delivered: a client holding its final output finds it in
@@ -197,11 +214,37 @@ class EngineLoop:
                 connection.stream.deliver(self.dead())
             self._drain(block=False)  # requests queued meanwhile are refused
 
+    def _step(self) -> list[RequestOutput]:
+        """``engine.step()``; if it raises, the requests it touched (all but the waiting ones)
+        get ``StepFailed`` and are aborted, and the loop carries on. A step that fails with no
+        request to blame fails for good: the error stops the loop."""
+        try:
+            return self.engine.step()
+        except Exception as e:
+            waiting = {r.index for r in self.engine.scheduler.waiting}
+            failed = [rid for rid in self._tracked if rid not in waiting]
+            if not failed:
+                raise
+            why = f"{type(e).__name__}: {e}"
+            if isinstance(e, UserError):  # a refused graph: its message says it all
+                log.error("a step failed, %d request(s) aborted: %s", len(failed), why)
+            else:
+                log.exception("a step failed, %d request(s) aborted", len(failed))
+            for rid in failed:
+                tracked = self._tracked.pop(rid)
+                tracked.stream.deliver(StepFailed(f"the step running this request failed: {why}"))
+                tracked.stream.attached = False
+                self.engine.abort(rid)
+                self._open.release()
+                self.metrics.finished("abort")
+            return []
+
     def _drain(self, block: bool) -> None:
-        """Run the queued commands; wait for the first one when there is nothing else to do."""
+        """Run up to ``MAX_COMMANDS`` queued commands; wait for the first one when there is
+        nothing else to do."""
         if block:
             self._commands.get()()
-        while True:
+        for _ in range(MAX_COMMANDS):
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

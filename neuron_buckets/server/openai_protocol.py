@@ -7,33 +7,46 @@ extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``
 the server's drafting. Unknown fields are ignored, as OpenAI does, except the
 ones that would change the answer and that nb does not implement (``n`` > 1, log probabilities,
 penalties, ``echo``...): those are refused by name rather than silently dropped.
+
+Integers are strict: JSON's ``true`` is not the number 1 (pydantic's lax mode would take it as
+one), so ``max_tokens: true`` and ``prompt: [true, 1]`` are refused by name.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
 
-# A field nb does not implement, and the value that means "not used" (sent by many clients).
-UNSUPPORTED: dict[str, Any] = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
-    "logit_bias": None,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "suffix": None,
-    "tools": None,
-    "response_format": None,
+Int = Annotated[int, Strict()]  # no bools, no numeric strings
+
+# A field nb does not implement, and the values that mean "not used" (sent by many clients);
+# null always does. Chat's ``logprobs`` is a boolean (false: off), completions' a count.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "suffix": (),
+    "tools": ([],),
+    "response_format": (),
 }
+
+
+def means_off(value: Any, offs: tuple[Any, ...]) -> bool:
+    """``value`` is null or one of ``offs``, a bool only where a bool is (``0 == False``)."""
+    return value is None or any(
+        value == off and isinstance(value, bool) == isinstance(off, bool) for off in offs
+    )
 
 
 class StreamOptions(BaseModel):
@@ -46,15 +59,15 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[Int] = []
     ignore_eos: bool = False
     speculative: bool = True  # nb's: false = no drafts for this request when the server speculates
     stream: bool = False
@@ -72,7 +85,7 @@ class SamplingRequest(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingRequest:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and value not in (UNSUPPORTED[name], None):
+            if name in UNSUPPORTED and not means_off(value, UNSUPPORTED[name]):
                 raise ValueError(f"{name}={value!r} is not supported by nb serve")
         return self
 
@@ -103,8 +116,8 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or as token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
     return_token_ids: bool = False
 
     @model_validator(mode="after")
@@ -137,7 +150,7 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: messages rendered with the artifact's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _newer_name(self) -> ChatCompletionRequest:

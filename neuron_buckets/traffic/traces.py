@@ -42,6 +42,9 @@ OTHER_ARCHIVES = (
     (b"7z\xbc\xaf\x27\x1c", "7z"),
 )
 FORMATS = "nb reads CSV or JSONL traces, plain or gzip-compressed"
+# The most a compressed trace may expand to. Public traces are tens of MB; a 1.5 MB gzip "bomb"
+# holds a GiB of zeros, and parsing what it expands to takes several times that in memory.
+MAX_GUNZIPPED_BYTES = 256 << 20
 
 
 class TraceError(ValueError):
@@ -105,9 +108,13 @@ def _read_text(path: Path) -> str:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
     if data.startswith(GZIP_MAGIC):
         try:
-            data = gzip.decompress(data)
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+                data = f.read(MAX_GUNZIPPED_BYTES + 1)  # never more than the cap in memory
         except (OSError, EOFError, zlib.error) as e:
             raise TraceError(f"{path}: a damaged gzip file ({e})") from None
+        if len(data) > MAX_GUNZIPPED_BYTES:
+            raise TraceError(f"{path}: expands to more than {MAX_GUNZIPPED_BYTES >> 20} MiB; "
+                             f"decompress it yourself if it really is a trace that large")
     elif kind := next((name for magic, name in OTHER_ARCHIVES if data.startswith(magic)), None):
         raise TraceError(f"{path} is a {kind} archive; {FORMATS}")
     try:
