@@ -204,7 +204,10 @@ def test_backend_device_and_flags_change_every_key(config, keys_of, change):
 
 # A value other than the tiny config's for every setting of the sections a key could depend on.
 OTHER_VALUE = {
-    "cache": {"block_size": 16, "num_blocks": 32, "max_model_len": 256, "dtype": "bfloat16"},
+    "cache": {
+        "block_size": 16, "num_blocks": 32, "max_model_len": 256, "dtype": "bfloat16",
+        "enable_prefix_caching": False,
+    },
     "compile": {
         "backend": "eager", "jobs": 1, "device": "cuda", "flags": {"compile_threads": 1},
         "executor": "ray", "task_cpus": 4, "retries": 0,

@@ -15,6 +15,7 @@ import torch
 
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.core.step_plan import StepPlan
+from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.llm_engine import LLMEngine, generate
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
@@ -182,7 +183,8 @@ def test_metrics_expose_vllms_spec_decode_counters(runtime):
 
     engine = LLMEngine(runtime, speculative=SPEC)
     run(engine, PROMPTS, greedy_params(20, 20, 20))
-    text = ServerMetrics("tiny", lambda: engine.stats, lambda: engine.spec_stats).exposition().decode()
+    metrics = ServerMetrics("tiny", lambda: engine.stats, spec_stats=lambda: engine.spec_stats)
+    text = metrics.exposition().decode()
     samples = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
     stats = engine.spec_stats
     expected = {"drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
@@ -226,7 +228,9 @@ def test_sampled_tokens_with_drafts_follow_the_targets_distribution(k):
     logits = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0))
     logits[torch.arange(3), (torch.arange(3) + 1) % 3] += 2.0
     probs = logits.softmax(-1)
-    engine = LLMEngine(MarkovRuntime(probs, k), speculative=SpeculativeConfig(num_speculative_tokens=k))
+    runtime = MarkovRuntime(probs, k)
+    pool = BlockPool(runtime.num_blocks, runtime.block_size)  # the double has no manifest to salt
+    engine = LLMEngine(runtime, pool=pool, speculative=SpeculativeConfig(num_speculative_tokens=k))
     params = [SamplingParams(max_tokens=new, temperature=1.0, seed=i) for i in range(2000)]
     tokens = torch.tensor([o.token_ids for o in generate(engine, [[0, 1, 2, 0, 1, 2, 0, 1]] * 2000, params)])
     marginal = torch.eye(vocab)[1]

@@ -221,8 +221,8 @@ class EngineLoop:
         try:
             return self.engine.step()
         except Exception as e:
-            waiting = {r.index for r in self.engine.scheduler.waiting}
-            failed = [rid for rid in self._tracked if rid not in waiting]
+            waiting = {r.request_id for r in self.engine.scheduler.waiting}
+            failed = [rid for rid in self._connections if rid not in waiting]
             if not failed:
                 raise
             why = f"{type(e).__name__}: {e}"
@@ -231,9 +231,9 @@ class EngineLoop:
             else:
                 log.exception("a step failed, %d request(s) aborted", len(failed))
             for rid in failed:
-                tracked = self._tracked.pop(rid)
-                tracked.stream.deliver(StepFailed(f"the step running this request failed: {why}"))
-                tracked.stream.attached = False
+                connection = self._connections.pop(rid)
+                connection.stream.deliver(StepFailed(f"the step running this request failed: {why}"))
+                connection.stream.attached = False
                 self.engine.abort(rid)
                 self._open.release()
                 self.metrics.finished("abort")
