@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 from filelock import FileLock
 
 from neuron_buckets.config import DTYPES, Config, load_config
@@ -207,10 +208,13 @@ class KernelGlue(torch.nn.Module):
     """The torch side of the NKI attention kernel's call (layouts, masks, slot ids), which the
     Neuron layer graph traces around the kernel."""
 
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, table: Tensor, lens: Tensor, segments: Tensor
+    ) -> tuple[Tensor, ...]:
         from neuron_buckets.kernels import nki_ops
+        from neuron_buckets.kernels.attention_step import AttentionStep
 
-        return nki_ops.attention_kernel_inputs(*args, 8)
+        return nki_ops.attention_kernel_inputs(q, k, v, AttentionStep(table, lens, segments), 8)
 
 
 def test_the_nki_kernels_torch_glue_lowers_to_one_static_graph_and_runs_as_on_cpu():
