@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 from filelock import FileLock
+from torch import Tensor
 
 from neuron_buckets.config import DTYPES, Config, load_config
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
