@@ -17,7 +17,7 @@ from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
-from neuron_buckets.config import EXECUTORS, enumerate_grid, load_config
+from neuron_buckets.config import enumerate_grid, load_config
 
 if TYPE_CHECKING:
     from neuron_buckets.compile.compiler import Compiler
@@ -104,8 +104,6 @@ def compile_(
     options = (("jobs", jobs), ("backend", backend), ("device", device), ("executor", executor))
     overrides = {k: v for k, v in options if v is not None}
     cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
-    if cfg.compile.executor not in EXECUTORS:
-        raise ValueError(f"--executor must be one of {EXECUTORS}, got {cfg.compile.executor!r}")
     cache = cache_dir or default_cache_dir()
     compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
     if dry_run:
