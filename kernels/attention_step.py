@@ -14,13 +14,9 @@ from torch import Tensor
 
 
 class AttentionStep(NamedTuple):
-    """B block-table rows of S step tokens each: a decode row per request, or one packed prefill row."""
+    """B step rows of S tokens over R block-table rows: a decode row per request (B = R), or one
+    packed row (B = 1) whose segment g reads block-table row g."""
 
-    block_table: Tensor  # (B, M) int64: row b's logical block j lives in physical block [b, j]; -1 unused
-    cache_lens: Tensor  # (B,) int64: positions of each row already cached before this step
-    segment_ids: Tensor  # (B, S) int64: which request of its row each token belongs to (0 continues)
-
-    @classmethod
-    def of_flat(cls, block_table: Tensor, cache_lens: Tensor, segment_ids: Tensor) -> AttentionStep:
-        """The step of graph inputs whose segment ids are flat (T,), T = B * S row-major."""
-        return cls(block_table, cache_lens, segment_ids.view(block_table.shape[0], -1))
+    block_table: Tensor  # (R, M) int64: row r's logical block j lives in physical block [r, j]; -1 unused
+    cache_lens: Tensor  # (R,) int64: positions of each block-table row already cached before this step
+    segment_ids: Tensor  # (B, S) int64: which segment each token belongs to (decode rows: 0)

@@ -1,8 +1,8 @@
 """The fast torch path of block-KV attention: the golden's contract through ``flex_attention``.
 
-Which (query, key) pairs may meet is sparse in every step nb runs: a packed prefill row holds
-several requests that must not see each other, only its first request sees the cached context,
-and a context bucket is usually longer than a row's real context. A dense fused kernel
+Which (query, key) pairs may meet is sparse in every step nb runs: a packed row holds several
+requests that must not see each other, each sees only its own cached context, and a context
+bucket is usually longer than a row's real context. A dense fused kernel
 (``scaled_dot_product_attention`` with a mask) still computes every pair and masks afterwards.
 ``flex_attention`` takes the mask as a ``BlockMask``: tiles where no pair may meet are never
 computed, so attention costs what the requests' real lengths cost. Inductor compiles it to a CPU
@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
 from neuron_buckets.kernels.attention_step import AttentionStep
+from neuron_buckets.core.masks import segment_positions
 from neuron_buckets.kernels.block_kv_torch import gather_context
 
 # Query and key tile of the block mask: a tile pair is skipped when no pair in it may meet. On the
@@ -55,18 +56,21 @@ def block_kv_attention(
     kernel = block_kv_paged if seq <= PAGED_ROWS else block_kv_sdpa
     if seq <= DENSE_ROWS:
         return kernel.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
-    k_ctx, v_ctx, _ = gather_context(k_cache, v_cache, step)
-    s_ctx = k_ctx.shape[1]
+    k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, step, batch)
+    s_ctx, row_len = k_ctx.shape[1], cached.shape[2]
+    lens = cached.sum(-1)  # (B, K): each context row's length
+    position = segment_positions(cached, step.segment_ids)  # (B, S)
 
     def may_attend(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-        # Keys are the row's context (ki < s_ctx) followed by the step's own tokens.
+        # Keys are the context rows the row reads (ki < s_ctx), then the step's own tokens.
         own_ki = (ki - s_ctx).clamp(min=0)
-        segments, cache_len = step.segment_ids[b], step.cache_lens[b]
+        row, pos = ki.clamp(max=s_ctx - 1) // row_len, ki.clamp(max=s_ctx - 1) % row_len
+        segments = step.segment_ids[b]
         own = (ki >= s_ctx) & (own_ki <= qi) & (segments[own_ki] == segments[qi])
-        context = (ki < cache_len) & (segments[qi] == 0)
-        if window is not None:  # segment 0's token qi sits at position cache_len + qi
+        context = (ki < s_ctx) & (segments[qi] == row) & (pos < lens[b, row])
+        if window is not None:
             own = own & (qi - own_ki < window)
-            context = context & (cache_len + qi - ki < window)
+            context = context & (position[b, qi] - pos < window)
         return own | context
 
     mask = create_block_mask(

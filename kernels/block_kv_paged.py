@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
+from neuron_buckets.core.masks import gen_segment_masks
 from neuron_buckets.kernels.attention_step import AttentionStep
+from neuron_buckets.kernels.block_kv_torch import context_rows
 
 
 def block_kv_attention(
@@ -43,14 +44,15 @@ def block_kv_attention(
     batch, seq, num_heads, head_dim = q.shape
     kv_heads = k_active.shape[2]
     group = num_heads // kv_heads
-    max_blocks, block_size = step.block_table.shape[1], k_cache.shape[1]
-    cached = gen_cache_mask(step.cache_lens, 1, 1, max_blocks * block_size)[:, 0, 0]
+    block_size = k_cache.shape[1]
+    table, cached = context_rows(step, batch, block_size)  # (B, K * M): a packed row reads K rows
+    max_blocks = table.shape[1]
     ctx_mask, own_mask = gen_segment_masks(cached, step.segment_ids, window)  # (B, S, ctx), (B, S, S)
     # Context axes (B, S, blocks, KVH, group, slots, D); the step's own (B, S, KVH, group, S, D).
     ctx_mask = ctx_mask.view(batch, seq, max_blocks, 1, 1, block_size)
     own_mask = own_mask[:, :, None, None, :]
     queries = q.view(batch, seq, 1, kv_heads, group, 1, head_dim).float()
-    blocks = step.block_table.clamp(min=0)
+    blocks = table.clamp(min=0)
     cache_axes = (batch, 1, max_blocks, kv_heads, 1, block_size, head_dim)
     k_ctx = k_cache[blocks].permute(0, 1, 3, 2, 4).reshape(cache_axes)
     v_ctx = v_cache[blocks].permute(0, 1, 3, 2, 4).reshape(cache_axes)

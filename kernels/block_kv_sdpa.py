@@ -39,7 +39,7 @@ def block_kv_attention(
     """
 
     def step_only(q: Tensor, k_active: Tensor, v_active: Tensor, *_: Tensor) -> Tensor:
-        cached = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
+        cached = torch.zeros(q.shape[0], 1, 0, dtype=torch.bool, device=q.device)
         _, active_mask = gen_segment_masks(cached, step.segment_ids, window)
         return _attend(q, k_active, v_active, active_mask, scale)
 
@@ -47,7 +47,7 @@ def block_kv_attention(
                      block_table: Tensor, cache_lens: Tensor) -> Tensor:
         # torch.cond hands a branch its operands: the step is rebuilt from them, not closed over.
         own = step._replace(block_table=block_table, cache_lens=cache_lens)
-        k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, own)
+        k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, own, q.shape[0])
         ctx_mask, active_mask = gen_segment_masks(cached, step.segment_ids, window)
         keys = torch.cat([k_ctx.to(q.dtype), k_active], dim=1)
         values = torch.cat([v_ctx.to(q.dtype), v_active], dim=1)

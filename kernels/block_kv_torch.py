@@ -12,19 +12,21 @@ Contract (shapes per layer; B rows of S tokens, NB blocks of BS slots, KVH kv he
   in place. Slot -1 (a pad token) writes nothing: every cache byte stays as it was, including the
   null block's.
 - ``block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None)``, with
-  ``step`` an ``AttentionStep`` of ``block_table``, ``cache_lens`` and ``segment_ids``: a row's S
-  tokens are one or more requests laid end to end, told apart by ``segment_ids`` (B, S). Token s
-  sees step token u iff u <= s and both are in the same segment (each request causal, requests blind
-  to each other). Segment 0 alone continues the row's cached context: positions below
-  ``cache_lens[b]`` of the blocks in ``block_table[b]`` (logical position p lives in block
-  ``block_table[b, p // BS]``). A decode row is one segment (all zeros); a packed prefill step is
-  one row whose segments are its requests, only the first of which may continue a cached prompt.
-  Table entries of -1 read the null block 0 and are masked, as are all positions at or beyond the
-  cache length, so whatever the cache holds there (garbage, NaN, another request's data) never
-  reaches the output. Every token sees at least itself, so no softmax row is empty. With a sliding
-  ``window`` W (Mistral), a token sees only the W positions ending at its own, in the context and in
-  the step alike (segment 0's token s sits at position ``cache_lens[b] + s``); the window is a
-  constant of the compiled graph.
+  ``step`` an ``AttentionStep`` of ``block_table`` (R, M), ``cache_lens`` (R,) and ``segment_ids``
+  (B, S): a row's S tokens are one or more requests laid end to end, told apart by
+  ``segment_ids``. Token s sees step token u iff u <= s and both are in the same segment (each
+  request causal, requests blind to each other). Two layouts: decode rows (R = B), where row b is
+  one request (segment 0) over block-table row b; and one packed row (B = 1) whose segment g
+  continues the cached context of block-table row g, so every packed request (fresh prompt,
+  continuing chunk, prefix-cache hit, decode row) has its own context. A segment id at or past R
+  (pad tokens) has no context. A context is the positions below ``cache_lens[r]`` of the blocks in
+  ``block_table[r]`` (logical position p lives in block ``block_table[r, p // BS]``). Table
+  entries of -1 read the null block 0 and are masked, as are all positions at or beyond the cache
+  length, so whatever the cache holds there (garbage, NaN, another request's data) never reaches
+  the output. Every token sees at least itself, so no softmax row is empty. With a sliding
+  ``window`` W (Mistral), a token sees only the W positions ending at its own, in the context and
+  in the step alike (token s of segment g sits at position ``cache_lens[g]`` plus its index in the
+  segment); the window is a constant of the compiled graph.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
+from neuron_buckets.core.masks import gen_segment_masks
 from neuron_buckets.kernels.attention_step import AttentionStep
 
 
@@ -53,18 +55,32 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         cache.index_put_(index, values)
 
 
-def gather_context(k_cache: Tensor, v_cache: Tensor, step: AttentionStep) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's cached K/V, (B, M * BS, KVH, D), zero beyond ``cache_lens``, and that mask (B, M * BS).
+def context_rows(step: AttentionStep, batch: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """The blocks each of the ``batch`` step rows reads, (B, K * M), and which of their positions
+    hold context, (B, K, M * BS): K = 1 for decode rows (row b reads block-table row b), K = R for
+    one packed row (it reads every block-table row, segment g the g-th)."""
+    rows, cols = step.block_table.shape
+    if rows == batch:
+        table, lens = step.block_table, step.cache_lens[:, None]
+    elif batch == 1:
+        table, lens = step.block_table.reshape(1, -1), step.cache_lens[None, :]
+    else:
+        raise ValueError(f"{batch} step rows over {rows} block-table rows: need one each, or one packed row")
+    positions = torch.arange(cols * block_size, device=lens.device)
+    return table, positions < lens[..., None]
+
+
+def gather_context(k_cache: Tensor, v_cache: Tensor, step: AttentionStep, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The cached K/V each step row reads, (B, K * M * BS, KVH, D), zero beyond the cache lengths,
+    and which positions are valid, (B, K, M * BS) (``context_rows``).
 
     -1 table entries read the null block and are masked. 0 * NaN is NaN, so masking scores alone
     is not enough: whatever the cache holds past a row's length is zeroed before any matmul.
     """
-    batch, cols = step.block_table.shape
-    s_ctx = cols * k_cache.shape[1]
-    blocks = step.block_table.clamp(min=0)
-    cached = gen_cache_mask(step.cache_lens, 1, 1, s_ctx)[:, 0, 0]
-    valid = cached[:, :, None, None]
-    shape = (batch, s_ctx, *k_cache.shape[2:])
+    table, cached = context_rows(step, batch, k_cache.shape[1])
+    blocks = table.clamp(min=0)
+    valid = cached.reshape(batch, -1)[:, :, None, None]
+    shape = (batch, valid.shape[1], *k_cache.shape[2:])
     k_ctx = torch.where(valid, k_cache[blocks].reshape(shape), 0)
     v_ctx = torch.where(valid, v_cache[blocks].reshape(shape), 0)
     return k_ctx, v_ctx, cached
@@ -92,8 +108,8 @@ def block_kv_attention(
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_active.shape[2]
     group = num_heads // num_kv_heads
-    k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, step)
-    s_ctx = cached.shape[1]
+    k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, step, batch)
+    s_ctx = k_ctx.shape[1]
     ctx_mask, active_mask = gen_segment_masks(cached, step.segment_ids, window)  # (B, S, s_ctx), (B, S, S)
 
     # (B, KVH, group, S, D) x (B, KVH, 1, D, L): GQA by broadcasting, no repeated K/V.

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neuron_buckets.core.masks import gen_cache_mask, gen_segment_masks
+from neuron_buckets.core.masks import gen_segment_masks
 from neuron_buckets.kernels import block_kv_torch
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_nki import MAX_CTX, PMAX, jitted
+from neuron_buckets.kernels.block_kv_torch import context_rows
 from neuron_buckets.kernels.dispatch import KernelSet
 
 
@@ -47,9 +48,8 @@ def attention_kernel_inputs(
     batch, seq, num_heads, head_dim = q.shape
     kv_heads = k_active.shape[2]
     rows = num_heads // kv_heads * seq
-    ctx = step.block_table.shape[1] * bs
     q_k = q.permute(0, 2, 1, 3).reshape(batch, kv_heads, rows, head_dim).contiguous()
-    cached = gen_cache_mask(step.cache_lens, 1, 1, ctx)[:, 0, 0]
+    _, cached = context_rows(step, batch, bs)  # a packed row reads every block-table row's context
     context, active = gen_segment_masks(cached, step.segment_ids, window)  # (B, S, ctx), (B, S, S)
     group = num_heads // kv_heads
 
@@ -62,7 +62,7 @@ def attention_kernel_inputs(
         q_k,
         k_active.permute(0, 2, 1, 3).contiguous(),
         v_active.permute(0, 2, 1, 3).contiguous(),
-        context_slots(step.block_table, step.cache_lens, bs),
+        context_slots(step.block_table, step.cache_lens, bs).reshape(batch, -1, 1),
         per_row(context).to(torch.uint8),
         per_row(active).to(torch.uint8),
     )
@@ -96,7 +96,7 @@ def block_kv_attention(
     compiles from its torch ops like the rest of the graph.
     """
     batch, seq, num_heads, head_dim = q.shape
-    if not attention_kernel_fits(q.shape, k_active.shape[2], step.block_table.shape[1] * k_cache.shape[1]):
+    if not attention_kernel_fits(q.shape, k_active.shape[2], step.block_table.numel() // batch * k_cache.shape[1]):
         return block_kv_torch.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     _, attend = jitted()
     q_k, k_act, v_act, slots, mask_cache, mask_active = attention_kernel_inputs(

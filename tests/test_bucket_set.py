@@ -55,13 +55,10 @@ def test_chunks_pack_end_to_end_into_the_smallest_bucket_that_holds_them():
     ]
 
 
-def test_each_continuing_chunk_opens_a_call_that_fresh_chunks_may_join():
+def test_continuing_chunks_and_fresh_ones_share_one_call_each_over_its_own_context():
     plan = [chunk(10), chunk(20, context=64), chunk(5), chunk(3, context=8), chunk(4, context=40, samples=0)]
     assert layout(buckets(32, 64).calls(plan)) == [
-        ("prefill_s32", [(0, 0, 10)]),
-        ("prefill_s32", [(1, 0, 20), (2, 0, 5)]),
-        ("prefill_s32", [(3, 0, 3)]),
-        ("prefill_s32", [(4, 0, 4)]),
+        ("prefill_s64", [(0, 0, 10), (1, 0, 20), (2, 0, 5), (3, 0, 3), (4, 0, 4)]),
     ]
 
 
@@ -76,14 +73,28 @@ def test_decode_rows_of_similar_context_share_the_smallest_context_bucket():
         buckets(64).calls([row(256)])
 
 
-def test_a_mixed_plan_runs_its_prefill_calls_then_its_decode_rows():
+def test_a_mixed_plan_runs_in_one_call_with_its_decode_rows_riding_behind_the_chunks():
     plan = [row(40), chunk(20, context=16), chunk(1, context=7), chunk(8)]
     calls = buckets(32).calls(plan)
     assert [c.parts for c in calls] == [
-        (Part(1, 0, 20), Part(3, 0, 8)),  # the one-token chunk that ends its prompt is a decode row
-        (Part(2, 0, 1), Part(0, 0, 1)),
+        # the one-token chunk that ends its prompt is a decode row
+        (Part(1, 0, 20), Part(3, 0, 8), Part(0, 0, 1), Part(2, 0, 1)),
     ]
-    assert [c.bucket.kind for c in calls] == ["prefill", "decode"]
+    assert [c.bucket.kind for c in calls] == ["prefill"]
+    bs = buckets(32)
+    assert [bs.part_samples(plan, p) for p in calls[0].parts] == [1, 1, 1, 1]
+
+
+def test_decode_rows_that_do_not_fit_the_packed_call_take_the_decode_graphs():
+    full = [chunk(31), row(40), row(50)]  # 33 tokens: the rows do not fit the 32-token budget
+    assert [(c.bucket.kind, [p.segment for p in c.parts]) for c in buckets(32).calls(full)] == [
+        ("prefill", [0]),
+        ("decode", [1, 2]),
+    ]
+    rows_only = [row(40), row(50)]  # a decode-only step keeps the decode graphs
+    assert [c.bucket.kind for c in buckets(32).calls(rows_only)] == ["decode"]
+    crowded = [chunk(2), *(row(9) for _ in range(4))]  # 5 segments, the packed call holds 4
+    assert [c.bucket.kind for c in buckets(32, max_rows=4).calls(crowded)] == ["prefill", "decode"]
 
 
 def test_a_segment_no_bucket_can_sample_is_refused_by_name():
@@ -102,8 +113,8 @@ def test_every_token_of_a_plan_is_computed_once_in_order_and_fits_its_call(shape
     done = [0] * len(plan)
     for call in calls:
         assert call.real_tokens <= call.bucket.tokens and len(call.parts) <= call.bucket.batch
-        if call.bucket.kind == "prefill":  # today's graph: only its first chunk reads a context
-            assert all(plan[p.segment].context_len + p.offset == 0 for p in call.parts[1:])
+        returned = sum(bs.part_samples(plan, p) for p in call.parts)
+        assert returned <= bs.samples(call.bucket)  # the head returns every logit asked for
         for p in call.parts:
             assert p.offset == done[p.segment]  # a piece runs after the one before it
             done[p.segment] += p.tokens

@@ -253,3 +253,73 @@ def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packe
     got = kernel.block_kv_attention(*args)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def packed_case(lens: list[int], counts: list[int], pads: int, seed: int, fill: float):
+    """One packed step row over ``len(lens)`` block-table rows: segment g continues the cached
+    context of row g with ``counts[g]`` tokens; ``pads`` pad tokens (segment R) at the tail; the
+    null block and every slot past a context hold ``fill``. Returns kernel args and references."""
+    bs, max_blocks = 8, 5
+    case = paged_case(lens, max(counts), bs, max_blocks, KVH * 3, seed)
+    q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
+    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        live[table[b, pos // bs], pos % bs] = True
+    k_cache = torch.where(live[..., None, None], k_cache, fill)
+    v_cache = torch.where(live[..., None, None], v_cache, fill)
+    gen = torch.Generator().manual_seed(seed)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:  # (R, seq, ...) -> (1, T, ...), pads random
+        real = [x[g, :n] for g, n in enumerate(counts)]
+        return torch.cat([*real, torch.randn(pads, *x.shape[2:], generator=gen)])[None]
+
+    segments = torch.repeat_interleave(torch.arange(len(lens) + 1), torch.tensor([*counts, pads]))[None]
+    step = AttentionStep(remap_null_block_to_sentinel(table), torch.tensor(lens), segments)
+    refs = [(q[g, :n], k_seq[g], v_seq[g], lens[g]) for g, n in enumerate(counts)]
+    return (packed(q), packed(k_act), packed(v_act), k_cache, v_cache, step), refs
+
+
+PACKED = dict(
+    lens=st.lists(st.integers(0, 30), min_size=1, max_size=4),
+    counts=st.lists(st.integers(1, 9), min_size=4, max_size=4),
+    pads=st.integers(0, 3),
+    fill=st.sampled_from([float("nan"), 1e30]),
+    window=st.sampled_from([None, 1, 4, 20]),
+    seed=st.integers(0, 2**16),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(**PACKED)
+def test_each_packed_segment_attends_to_its_own_context_like_a_request_alone(lens, counts, pads, fill, window,
+                                                                            seed):
+    """Fresh prompts, continuing chunks and decode rows in one packed row, each over its own
+    block-table row: each segment equals the dense attention of its own request alone, and
+    garbage outside every context never reaches an output."""
+    args, refs = packed_case(lens, counts[: len(lens)], pads, seed, fill)
+    out = block_kv_attention(*args, 0.3, window)
+    assert torch.isfinite(out).all()
+    start = 0
+    for q, k_seq, v_seq, n in refs:
+        want = dense_reference(q, k_seq, v_seq, n, 0.3, window)
+        torch.testing.assert_close(out[0, start : start + len(q)], want, rtol=1e-5, atol=1e-5)
+        start += len(q)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize(
+    "kernel", [block_kv_paged, block_kv_sdpa, block_kv_flex], ids=["paged", "sdpa", "flex"]
+)
+@settings(max_examples=20, deadline=None)
+@given(long=st.booleans(), **PACKED)
+def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(kernel, long, lens, counts, pads, fill, window,
+                                                               seed):
+    """The same packed rows through each fast path (a long pad tail sends flex down its
+    block-sparse path) within float tolerance of the golden."""
+    pads += (block_kv_flex.DENSE_ROWS + 1) * long
+    args, _ = packed_case(lens, counts[: len(lens)], pads, seed, fill)
+    want = block_kv_attention(*args, 0.3, window)
+    got = kernel.block_kv_attention(*args, 0.3, window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

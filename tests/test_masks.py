@@ -40,7 +40,7 @@ def test_active_mask_for_plain_decode_is_the_token_itself():
 def test_a_sliding_window_counts_positions_within_each_segment():
     """A row of 3 cached positions, then request A (segment 0, positions 3, 4, 5) and request B
     (segment 1, positions 0, 1): with W = 2 each token sees itself and the position before it."""
-    cached = gen_cache_mask(torch.tensor([3]), 1, 1, 4)[:, 0, 0]  # 4 context slots, 3 valid
+    cached = gen_cache_mask(torch.tensor([3]), 1, 1, 4)[:, 0, 0][:, None]  # 4 context slots, 3 valid
     segments = torch.tensor([[0, 0, 0, 1, 1]])
     context, active = gen_segment_masks(cached, segments, window=2)
     assert context[0].int().tolist() == [
@@ -59,3 +59,28 @@ def test_a_sliding_window_counts_positions_within_each_segment():
     ]
     wide = gen_segment_masks(cached, segments, window=100)  # wider than the row: no window at all
     assert all(torch.equal(a, b) for a, b in zip(wide, gen_segment_masks(cached, segments), strict=True))
+
+
+def test_each_packed_segment_sees_its_own_context_row_within_the_window():
+    """One packed row over two block-table rows: request A (segment 0) continues 3 cached
+    positions, request B (segment 1) continues 2 of its own; pads (segment 2) see no context.
+    With W = 2 each token sees the position before it, in its own row's context only."""
+    cached = gen_cache_mask(torch.tensor([3, 2]), 1, 1, 4)[:, 0, 0][None]  # (1, 2 rows, 4)
+    segments = torch.tensor([[0, 0, 1, 1, 2]])
+    context, active = gen_segment_masks(cached, segments, window=2)
+    assert context[0].int().tolist() == [
+        [0, 0, 1, 0, 0, 0, 0, 0],  # A at position 3 sees its cached position 2
+        [0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 1, 0, 0],  # B at position 2 sees its own cached position 1, not A's
+        [0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0],  # a pad: no context
+    ]
+    assert active[0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 1],
+    ]
+    full, _ = gen_segment_masks(cached, segments)
+    assert full[0, 3].int().tolist() == [0, 0, 0, 0, 1, 1, 0, 0]  # no window: all of B's context

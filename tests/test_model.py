@@ -61,40 +61,60 @@ class Session:
         with torch.no_grad():
             return self.hf(torch.tensor([tokens])).logits[0]
 
+    def chunk(self, r: int, chunk: int | None = None) -> PrefillChunk:
+        start = self.cached[r]
+        ids = self.seqs[r][start : None if chunk is None else start + chunk]
+        return PrefillChunk(ids, start, self.alloc(r, start + len(ids)))
+
+    def row(self, r: int, drafts: list[int]) -> DecodeRow:
+        ids = [self.seqs[r][-1], *drafts]
+        return DecodeRow(ids, self.cached[r], self.alloc(r, self.cached[r] + len(ids)), len(ids))
+
+    def prefilled(self, r: int, c: PrefillChunk, logits: torch.Tensor) -> None:
+        """Check a chunk's last logits against transformers over everything cached so far; a
+        chunk that ends its prompt appends its greedy token."""
+        self.cached[r] += len(c.token_ids)
+        ref = self.reference(self.seqs[r][: self.cached[r]])[-1]
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+        assert int(logits.argmax()) == int(ref.argmax())
+        if self.cached[r] == len(self.seqs[r]):
+            self.seqs[r].append(int(logits.argmax()))
+
+    def decoded(self, r: int, d: DecodeRow, logits: torch.Tensor) -> None:
+        """Check a (speculative) row's logits; accept matching drafts plus one bonus token, greedily."""
+        n = len(d.token_ids)
+        ref = self.reference(self.seqs[r] + list(d.token_ids[1:]))[-n:]
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+        greedy = logits.argmax(-1).tolist()
+        assert greedy == ref.argmax(-1).tolist()
+        accepted = 0
+        while accepted < n - 1 and d.token_ids[1 + accepted] == greedy[accepted]:
+            accepted += 1
+        self.seqs[r] += greedy[: accepted + 1]
+        self.cached[r] += accepted + 1  # rejected drafts' K/V stay behind, beyond cache_len
+
     def prefill(self, reqs: list[int], bucket: Bucket, chunk: int | None = None) -> None:
         """Prefill (a chunk of) each request's uncached prompt in one step; check the last logits."""
-        chunks = []
-        for r in reqs:
-            start = self.cached[r]
-            ids = self.seqs[r][start : None if chunk is None else start + chunk]
-            chunks.append(PrefillChunk(ids, start, self.alloc(r, start + len(ids))))
+        chunks = [self.chunk(r, chunk) for r in reqs]
         logits = self.run(pad_prefill(chunks, bucket, BS))
         for row, (r, c) in enumerate(zip(reqs, chunks, strict=True)):
-            self.cached[r] += len(c.token_ids)
-            ref = self.reference(self.seqs[r][: self.cached[r]])[-1]
-            torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
-            assert int(logits[row].argmax()) == int(ref.argmax())
-            if self.cached[r] == len(self.seqs[r]):
-                self.seqs[r].append(int(logits[row].argmax()))
+            self.prefilled(r, c, logits[row])
 
     def decode(self, reqs: list[int], bucket: Bucket, drafts: dict[int, list[int]]) -> None:
-        """One (speculative) decode step; accept matching drafts plus one bonus token, greedily."""
-        rows = []
-        for r in reqs:
-            ids = [self.seqs[r][-1], *drafts.get(r, [])]
-            rows.append(DecodeRow(ids, self.cached[r], self.alloc(r, self.cached[r] + len(ids))))
+        """One (speculative) decode step of decode rows."""
+        rows = [self.row(r, drafts.get(r, [])) for r in reqs]
         logits = self.run(pad_decode(rows, bucket, BS)).view(len(reqs), bucket.seq, -1)
-        for row, (r, d) in enumerate(zip(reqs, rows, strict=True)):
-            n = len(d.token_ids)
-            ref = self.reference(self.seqs[r] + list(d.token_ids[1:]))[-n:]
-            torch.testing.assert_close(logits[row, :n], ref, rtol=1e-4, atol=1e-4)
-            greedy = logits[row, :n].argmax(-1).tolist()
-            assert greedy == ref.argmax(-1).tolist()
-            accepted = 0
-            while accepted < n - 1 and d.token_ids[1 + accepted] == greedy[accepted]:
-                accepted += 1
-            self.seqs[r] += greedy[: accepted + 1]
-            self.cached[r] += accepted + 1  # rejected drafts' K/V stay behind, beyond cache_len
+        for i, (r, d) in enumerate(zip(reqs, rows, strict=True)):
+            self.decoded(r, d, logits[i, : len(d.token_ids)])
+
+    def mixed(self, chunks: dict[int, int | None], rows: dict[int, list[int]], bucket: Bucket) -> None:
+        """One packed step of prefill chunks (request: tokens, None for the rest of its prompt)
+        and decode rows (request: drafts) behind them, each over its own context."""
+        segments = [self.chunk(r, n) for r, n in chunks.items()] + [self.row(r, d) for r, d in rows.items()]
+        step = pad_prefill(segments, bucket, BS, samples=bucket.batch * 4)
+        logits = self.run(step).split([c.num_samples for c in segments])
+        for r, seg, out in zip([*chunks, *rows], segments, logits, strict=True):
+            (self.prefilled if r in chunks else self.decoded)(r, seg, out[-1] if r in chunks else out)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -118,6 +138,23 @@ def test_prefill_decode_and_speculative_match_transformers(arch):
     s.decode([4, 0, 2], Bucket("decode", 4, 4, CTX), {4: [1, 2, 3], 0: [4], 2: [5, 6]})
     s.decode([0, 1, 2, 3, 4], Bucket("decode", 8, 1, CTX), {})  # after rejected drafts
     assert len(s.seqs[3]) == 21 + 1 + 3 + 4 + 1  # the perfect drafts were all accepted
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_mixed_packed_steps_match_transformers(arch):
+    """Prefill chunks beside decode rows, several continuing chunks, speculative rows: each a
+    segment of one packed call over its own block-table row and context, over a NaN cache."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 19, 26, 11, 30)]
+    s = Session(hf_model(arch), prompts)
+    bucket = Bucket("prefill", 6, 48, CTX)
+    s.mixed({0: None, 1: 8, 2: 10}, {}, bucket)  # 1 and 2 are cut
+    s.mixed({1: None, 2: 9, 3: None}, {0: []}, bucket)  # two continuing chunks and a decode row
+    s.mixed({2: None, 4: 12}, {0: [], 1: [], 3: []}, bucket)  # 2 continues a second time
+    drafts = {0: s.reference(s.seqs[0])[-1:].argmax(-1).tolist(), 3: [5, 6, 7]}  # one right, wrong
+    s.mixed({4: None}, {0: drafts[0], 1: [], 2: [1, 2], 3: drafts[3]}, bucket)  # speculative rows
+    s.mixed({}, {0: [], 1: [3], 2: [], 3: [], 4: [8, 9, 10]}, bucket)  # after rejected drafts
+    assert all(len(seq) > len(p) for seq, p in zip(s.seqs, prompts, strict=True))
 
 
 def test_llama3_rope_scaling_matches_transformers():

@@ -19,7 +19,7 @@ def test_seed_prefill_100_tokens_padded_to_128():
     assert step.block_table.tolist() == [[10, 15, -1, -1]]
     assert step.cache_lens.tolist() == [0]
     assert step.sampling_positions.tolist() == [99]  # the last real token, not the last pad
-    assert step.segment_ids.tolist() == [0] * 100 + [1] * 28  # pads: a segment of their own
+    assert step.segment_ids.flatten().tolist() == [0] * 100 + [1] * 28  # pads: a segment of their own
     assert (step.num_rows, step.num_samples) == (1, 1)
     order = (step.input_ids, step.positions, step.slot_mapping, step.block_table, step.cache_lens,
              step.segment_ids, step.sampling_positions)  # fmt: skip
@@ -49,7 +49,7 @@ def test_seed_decode_bucket_8_with_2_active_requests():
     assert step.cache_lens.tolist() == [50, 75, 0, 0, 0, 0, 0, 0]
     assert step.real_sampling_positions.tolist() == [0, 1]
     assert step.sampling_positions.tolist() == list(range(8))  # S = 1: token 0 of each row
-    assert step.segment_ids.tolist() == [0] * 8  # decode: one request per row
+    assert step.segment_ids.flatten().tolist() == [0] * 8  # decode: one request per row
     assert (step.num_rows, step.num_samples) == (2, 2)
 
 
@@ -63,21 +63,33 @@ def test_packed_prefill_of_two_chunks_and_a_pad_tail():
     assert step.input_ids.tolist() == [6, 7, 8, 1, 2, 3, 4, 5] + [0] * 8  # end to end, padded at the tail
     assert step.positions.tolist() == [6, 7, 8, 0, 1, 2, 3, 4] + [0] * 8
     assert step.slot_mapping.tolist() == [30, 31, 8, 12, 13, 14, 15, 36, *pad8]  # 7*4+2, 7*4+3, 2*4
-    assert step.segment_ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 1] + [2] * 8  # pads: segment 2
-    assert step.block_table.tolist() == [[4, 7, 2, -1]]  # one row: the first chunk's blocks
-    assert step.cache_lens.tolist() == [6]  # the first chunk's start
+    assert step.segment_ids.flatten().tolist() == [0, 0, 0, 1, 1, 1, 1, 1] + [2] * 8  # pads: segment 2
+    assert step.block_table.tolist() == [[4, 7, 2, -1], [3, 9, -1, -1], [-1] * 4]  # a row per segment
+    assert step.cache_lens.tolist() == [6, 0, 0]  # each segment's start; the spare row's none
     assert step.sampling_positions.tolist() == [2, 7, 0]  # each chunk's last token; pad entry 0
     assert step.real_sampling_positions.tolist() == [2, 7]
     assert (step.num_rows, step.num_samples) == (2, 2)
-    for t in (step.input_ids, step.positions, step.slot_mapping, step.segment_ids):
+    for t in (step.input_ids, step.positions, step.slot_mapping):
         assert t.shape == (bucket.seq,) == (bucket.tokens,)  # seq is the total, not per request
+    assert step.segment_ids.shape == (1, bucket.seq)  # one packed step row
     assert all(t.dtype == torch.int64 for t in step.args())
 
 
-def test_only_the_first_packed_chunk_may_continue_a_cached_prompt():
-    chunks = [PrefillChunk([1, 2], 0, [3]), PrefillChunk([6, 7], 6, [4, 7])]
-    with pytest.raises(ValueError, match="only the first chunk of a packed prefill step"):
-        pad_prefill(chunks, Bucket("prefill", 2, 16, 16), block_size=4)
+def test_every_packed_segment_continues_its_own_context_and_returns_its_samples():
+    # A continuing chunk, a fresh prompt, a decode row riding along (all its tokens sampled) and a
+    # chunk that does not end its prompt (no sample), in one run of 16 with 8 sample entries.
+    chunks = [PrefillChunk([6, 7, 8], 6, [4, 7, 2]), PrefillChunk([1, 2, 3, 4, 5], 0, [3, 9]),
+              PrefillChunk([9, 10], 5, [5, 6], 2), PrefillChunk([1, 2], 3, [8, 10], 0)]  # fmt: skip
+    step = pad_prefill(chunks, Bucket("prefill", 4, 16, 16), block_size=4, samples=8)
+    assert step.block_table.tolist() == [[4, 7, 2, -1], [3, 9, -1, -1], [5, 6, -1, -1], [8, 10, -1, -1]]
+    assert step.cache_lens.tolist() == [6, 0, 5, 3]
+    assert step.positions.tolist() == [6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 3, 4] + [0] * 4
+    assert step.slot_mapping.tolist()[8:12] == [25, 26, 35, 40]  # 6*4+1, 6*4+2, 8*4+3, 10*4+0
+    assert step.segment_ids.flatten().tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 3, 3] + [4] * 4
+    assert step.sampling_positions.tolist() == [2, 7, 8, 9, 0, 0, 0, 0]
+    assert step.num_samples == 4
+    with pytest.raises(NoBucketFits, match="samples"):
+        pad_prefill(chunks, Bucket("prefill", 4, 16, 16), block_size=4, samples=3)
 
 
 def test_packed_prefill_refuses_more_tokens_or_requests_than_the_bucket_holds():
@@ -125,7 +137,7 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
         return row.block_ids[p // block_size] * block_size + p % block_size
 
     ids, pos, slots, segment, table, lens, sampling = [], [], [], [], [], [], []
-    if not decode:  # packed: chunks end to end in one run, pads at the tail; one table row
+    if not decode:  # packed: chunks end to end in one run, pads at the tail; a table row each
         for i, row in enumerate(rows):
             for j, token in enumerate(row.token_ids):
                 ids.append(token)
@@ -135,8 +147,9 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
             sampling.append(len(ids) - 1)
         pads = bucket.seq - len(ids)
         return dict(input_ids=ids + [0] * pads, positions=pos + [0] * pads, slot_mapping=slots + [-1] * pads,
-                    segment_ids=segment + [len(rows)] * pads, block_table=[table_row(rows[0])],
-                    cache_lens=[rows[0].start_pos],
+                    segment_ids=segment + [len(rows)] * pads,
+                    block_table=[table_row(r) for r in rows] + [[-1] * max_blocks] * (bucket.batch - len(rows)),
+                    cache_lens=[r.start_pos for r in rows] + [0] * (bucket.batch - len(rows)),
                     sampling_positions=sampling + [0] * (bucket.batch - len(rows)))  # fmt: skip
     for r in range(bucket.batch):
         row = rows[r] if r < len(rows) else rows[0]
@@ -164,13 +177,13 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
 def steps(draw):
     """Random real rows over shuffled physical blocks, padded to a random larger bucket.
 
-    Decode: one row per request. Prefill: chunks packed into one run; only the first continues."""
+    Decode: one row per request. Prefill: chunks packed into one run, each over its own context."""
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     decode = draw(st.booleans())
     n = draw(st.integers(1, 4))
     longest = draw(st.integers(1, 6 if decode else 24))
     lens = [draw(st.integers(1, longest)) for _ in range(n)]
-    starts = [draw(st.integers(0, 40)) if decode or i == 0 else 0 for i in range(n)]
+    starts = [draw(st.integers(0, 40)) for _ in range(n)]
     needed = [-(-(s + n_tok) // block_size) for s, n_tok in zip(starts, lens, strict=True)]
     max_blocks = max(needed) + draw(st.integers(0, 2))
     physical = draw(st.permutations(range(1, sum(needed) + 1)))  # distinct blocks, any order
@@ -193,7 +206,8 @@ def test_padding_matches_the_reference_and_keeps_the_slot_invariants(case):
     step: StepInputs = (pad_decode if decode else pad_prefill)(rows, bucket, block_size)
     want = reference_step(rows, bucket, block_size, decode)
     for name, expected in want.items():
-        assert getattr(step, name).tolist() == expected, name
+        got = getattr(step, name)
+        assert (got.flatten() if name == "segment_ids" else got).tolist() == expected, name
     slots = step.slot_mapping
     assert slots.shape == (bucket.tokens,)
     if decode:
@@ -203,11 +217,11 @@ def test_padding_matches_the_reference_and_keeps_the_slot_invariants(case):
         real = real.flatten()
     else:
         real = torch.arange(bucket.seq) < sum(len(row.token_ids) for row in rows)
-        assert (step.segment_ids[~real] == len(rows)).all()  # pads attend to no request
+        assert (step.segment_ids[0][~real] == len(rows)).all()  # pads attend to no request
         last = step.real_sampling_positions
-        assert step.segment_ids[last].tolist() == list(range(len(rows)))  # one sample per request...
-        after = step.segment_ids[(last + 1).clamp(max=bucket.seq - 1)]
-        assert ((after != step.segment_ids[last]) | (last == bucket.seq - 1)).all()  # ...its last token
+        assert step.segment_ids[0][last].tolist() == list(range(len(rows)))  # one sample per request...
+        after = step.segment_ids[0][(last + 1).clamp(max=bucket.seq - 1)]
+        assert ((after != step.segment_ids[0][last]) | (last == bucket.seq - 1)).all()  # ...its last token
     assert (slots[~real] == -1).all()  # a pad maps to -1 and nothing else
     assert (slots[real] >= block_size).all()  # a real token never lands on -1 or the null block
     assert slots[real].unique().numel() == int(real.sum())  # no two real tokens share a slot

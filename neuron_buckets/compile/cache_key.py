@@ -74,7 +74,7 @@ def graph_key(
 ) -> str:
     """sha256 of everything that changes one piece's compiled graph, as canonical JSON."""
     material = {
-        "piece": [piece.role, piece.tokens, piece.rows, piece.ctx, piece.samples],
+        "piece": [piece.role, piece.tokens, piece.rows, piece.ctx, piece.samples, piece.packed],
         "model_config": model_config,
         "cache": {k: v for k, v in cache.items() if k not in not_in_graph(CacheConfig)},
         "backend": backend,

@@ -132,7 +132,9 @@ class Compiler:
         self.buckets = enumerate_grid(config)
         local_jobs = config.compile.jobs if config.compile.executor == "local" else 0
         check_compile_memory(config, self.model_config, local_jobs)
-        self.bucket_pieces = {b: bucket_pieces(b, self.backend.dynamic_shapes) for b in self.buckets}
+        decode_seq = 1 + config.buckets.speculation_length
+        dynamic = self.backend.dynamic_shapes
+        self.bucket_pieces = {b: bucket_pieces(b, dynamic, decode_seq) for b in self.buckets}
         self.shapes = sorted({s for pieces in self.bucket_pieces.values() for s in pieces.values()})
         backend_info = BackendInfo(
             name=self.backend.name,

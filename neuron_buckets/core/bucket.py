@@ -19,8 +19,9 @@ Kind = Literal["prefill", "decode"]
 class Bucket:
     """One compiled shape over ``ctx`` positions of context.
 
-    Decode: ``batch`` block-table rows of ``seq`` (1 + speculation_length) tokens each. Prefill:
-    ``seq`` tokens in one run, holding the chunks of up to ``batch`` requests end to end.
+    Decode: ``batch`` block-table rows of ``seq`` (1 + speculation_length) tokens each. Prefill
+    (packed): ``seq`` tokens in one run, holding up to ``batch`` segments end to end (prefill
+    chunks and decode rows), each over its own block-table row.
     """
 
     kind: Kind
@@ -32,6 +33,11 @@ class Bucket:
     def tokens(self) -> int:
         """Token positions the graph computes per call (its padded work)."""
         return self.seq if self.kind == "prefill" else self.batch * self.seq
+
+    def samples(self, decode_seq: int) -> int:
+        """Logits the head returns per call: every decode token; in a packed call, one per chunk
+        or all ``decode_seq`` of a decode row riding in it, for up to ``batch`` segments."""
+        return self.batch * self.seq if self.kind == "decode" else min(self.seq, self.batch * decode_seq)
 
     @property
     def name(self) -> str:

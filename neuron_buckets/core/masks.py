@@ -4,8 +4,8 @@
 slots, other requests' data), so cache contents there can never reach an output.
 ``gen_active_mask`` is the causal mask among the tokens of the step itself (one token for plain
 decode, 1 + k draft tokens for speculative decode, a whole chunk for prefill);
-``gen_segment_masks`` narrows both to segments, for steps that pack several requests in a row, and
-to a sliding window where the model has one (Mistral).
+``gen_segment_masks`` narrows both to segments, for steps that pack several requests in a row, each
+segment over its own context row, and to a sliding window where the model has one (Mistral).
 """
 
 from __future__ import annotations
@@ -29,25 +29,45 @@ def gen_active_mask(
     return causal.expand(batch, num_heads, s_tkg, s_tkg)
 
 
+def segment_offsets(segment_ids: Tensor) -> Tensor:
+    """(B, S): each token's index within its segment (segments are contiguous runs of a row)."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def segment_positions(cached: Tensor, segment_ids: Tensor) -> Tensor:
+    """(B, S): each token's position, its segment's context length plus its index in the segment
+    (``cached`` as in ``gen_segment_masks``; a pad's segment past the rows has no context)."""
+    batch = cached.shape[0]
+    lens = torch.cat([cached.sum(-1), cached.new_zeros(batch, 1, dtype=torch.int64)], dim=1)
+    return lens.gather(1, segment_ids.clamp(max=cached.shape[1])) + segment_offsets(segment_ids)
+
+
 def gen_segment_masks(
     cached: Tensor, segment_ids: Tensor, window: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Bool (B, S, s_ctx) and (B, S, S) masks of a row whose tokens belong to segments.
+    """Bool (B, S, K * C) and (B, S, S) masks of a row whose tokens belong to segments.
 
-    ``cached`` (B, s_ctx) marks the row's valid cache positions, a prefix of each row (from
-    ``gen_cache_mask``). Token s sees step token u iff u <= s in the same segment; only segment 0
-    sees the row's cached context. With a sliding ``window`` W, a token sees only the W positions
-    ending at its own: a segment's tokens are consecutive positions, and segment 0's token s sits
-    at position cache_len + s, so distances follow from the indices and the cache length alone.
+    ``cached`` (B, K, C) marks the valid positions of the K context rows step row b may read,
+    each a prefix (from ``gen_cache_mask``): K = 1 when each step row is one request over its own
+    block-table row (decode), K = R when one packed row holds segments over R block-table rows.
+    Token s of segment g sees context row g (rows at or past K: none) and step token u iff u <= s
+    in the same segment. With a sliding ``window`` W, a token sees only the W positions ending at
+    its own: a segment's tokens are consecutive positions after its context, so token s of segment
+    g sits at position ``len(g) + offset(s)``, and distances follow from indices and lengths alone.
     """
+    batch, rows, ctx = cached.shape
     seq = segment_ids.shape[1]
     index = torch.arange(seq, device=segment_ids.device)
     back = index[:, None] - index[None, :]  # (S, S): how many positions u lies behind s
     active = (back >= 0) & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    context = cached[:, None, :] & (segment_ids == 0)[:, :, None]
+    row_ids = torch.arange(rows, device=cached.device)
+    context = cached[:, None] & (segment_ids[:, :, None, None] == row_ids[:, None])  # (B, S, K, C)
     if window is not None:
-        lens = cached.sum(-1)[:, None, None]
-        ctx_back = lens + index[None, :, None] - torch.arange(cached.shape[1], device=cached.device)
+        position = segment_positions(cached, segment_ids)[:, :, None, None]
+        ctx_back = position - torch.arange(ctx, device=cached.device)
         context = context & (ctx_back < window)
         active = active & (back < window)
-    return context, active
+    return context.reshape(batch, seq, rows * ctx), active

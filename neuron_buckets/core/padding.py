@@ -2,10 +2,11 @@
 
 Decode: ``batch`` block-table rows of ``seq`` (1 + speculation_length) token positions each,
 flattened row-major; dummy rows copy row 0's block table (they allocate nothing) and have cache
-length 0. Prefill: the chunks of several requests laid end to end in one run of ``seq`` tokens,
-padded only at the tail, told apart by ``segment_ids``; the one block-table row is the first
-chunk's, the only one that may continue a cached prompt. Pad tokens get position 0, slot -1
-(they write nothing) and a segment of their own; only real tokens are sampled. Blocks are
+length 0. Packed: the segments of several requests (prefill chunks, decode rows) laid end to end
+in one run of ``seq`` tokens, padded only at the tail, told apart by ``segment_ids``; segment g
+reads block-table row g and its own cache length, so any segment may continue a cached context.
+Pad tokens get position 0, slot -1 (they write nothing) and a segment of their own past the real
+ones; only real tokens are sampled. Blocks are
 allocated by the caller for actual tokens only, so padding never needs a block.
 """
 
@@ -29,14 +30,17 @@ from neuron_buckets.core.bucket import Bucket, NoBucketFits
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Tokens of one request written at positions ``start_pos``, ``start_pos + 1``, ..."""
+    """Tokens of one request written at positions ``start_pos``, ``start_pos + 1``, ...; in a
+    packed step the logits of its last ``num_samples`` come back (a decode row riding in a packed
+    call samples all its tokens, a chunk that does not end its prompt none)."""
 
     token_ids: Sequence[int] | Tensor
     start_pos: int
     block_ids: Sequence[int]
+    num_samples: int = 1
 
 
-DecodeRow = PrefillChunk  # one request's 1 + speculation_length tokens, same fields
+DecodeRow = PrefillChunk  # one request's 1 + speculation_length tokens, all sampled by pad_decode
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,9 @@ class StepInputs:
     input_ids: Tensor  # (T,) with T = batch * seq
     positions: Tensor  # (T,)
     slot_mapping: Tensor  # (T,)
-    block_table: Tensor  # (batch, ctx // block_size), -1 for unused entries
-    cache_lens: Tensor  # (batch,) tokens already cached before this step
-    segment_ids: Tensor  # (T,) which request of its row each token belongs to; pads their own
+    block_table: Tensor  # (R, ctx // block_size), a row per request; -1 for unused entries
+    cache_lens: Tensor  # (R,) tokens already cached before this step
+    segment_ids: Tensor  # (B, S): decode (R, seq) zeros; packed (1, seq), segment g over row g
     sampling_positions: Tensor  # (N,) flat token indices whose logits the graph returns
     num_rows: int  # real rows at the front
     num_samples: int  # real entries at the front of sampling_positions
@@ -70,9 +74,12 @@ class StepInputs:
         return self.sampling_positions[: self.num_samples]
 
 
-def pad_prefill(chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int) -> StepInputs:
-    """Chunks end to end in ``bucket.seq`` tokens, at most ``bucket.batch`` of them; the logits of
-    each chunk's last token are sampled. Only the first chunk may start past position 0."""
+def pad_prefill(
+    chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int, samples: int | None = None
+) -> StepInputs:
+    """Segments end to end in ``bucket.seq`` tokens, at most ``bucket.batch`` of them, segment g
+    over block-table row g; the logits of each one's last ``num_samples`` tokens are sampled, in
+    segment order, into ``samples`` entries (``bucket.batch`` unless given)."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     if len(chunks) > bucket.batch:
@@ -86,29 +93,36 @@ def pad_prefill(chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int)
     starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
     if int(starts.min()) < 0:
         raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
-    if bool((starts[1:] > 0).any()):
-        raise ValueError("only the first chunk of a packed prefill step may continue a cached prompt")
-    table = _block_rows(chunks, starts, lens, bucket, block_size)
+    wanted = torch.tensor([c.num_samples for c in chunks], dtype=torch.int64)
+    samples = bucket.batch if samples is None else samples
+    if bool(((wanted < 0) | (wanted > lens)).any()) or int(wanted.sum()) > samples:
+        raise NoBucketFits(f"samples {wanted.tolist()} do not fit bucket {bucket.name} ({samples} samples)")
+    table = torch.full((bucket.batch, bucket.ctx // block_size), NULL_BLOCK_ID, dtype=torch.int64)
+    table[: len(chunks)] = _block_rows(chunks, starts, lens, bucket, block_size)
     segment = torch.repeat_interleave(torch.arange(len(chunks)), lens)
-    offsets = torch.arange(total) - (lens.cumsum(0) - lens)[segment]
+    ends = lens.cumsum(0)
+    offsets = torch.arange(total) - (ends - lens)[segment]
     positions = starts[segment] + offsets
     slots = _real_slots(table, segment, positions, block_size)
 
-    def padded(real: Tensor, fill: int) -> Tensor:
-        return torch.cat([real, torch.full((bucket.seq - total,), fill, dtype=torch.int64)])
+    def padded(real: Tensor, fill: int, size: int = bucket.seq) -> Tensor:
+        return torch.cat([real, torch.full((size - real.numel(),), fill, dtype=torch.int64)])
 
-    sampling = torch.zeros(bucket.batch, dtype=torch.int64)
-    sampling[: len(chunks)] = lens.cumsum(0) - 1
+    # each segment's last ``wanted`` tokens: count back from its end
+    owner = torch.repeat_interleave(torch.arange(len(chunks)), wanted)
+    back = torch.arange(int(wanted.sum())) - (wanted.cumsum(0) - wanted)[owner]
+    cache_lens = torch.zeros(bucket.batch, dtype=torch.int64)
+    cache_lens[: len(chunks)] = starts
     return StepInputs(
         input_ids=padded(flat_ids, 0),
         positions=padded(positions, 0),
         slot_mapping=padded(slots, PAD_SLOT_ID),
-        block_table=remap_null_block_to_sentinel(table[:1]),
-        cache_lens=starts[:1],
-        segment_ids=padded(segment, len(chunks)),
-        sampling_positions=sampling,
+        block_table=remap_null_block_to_sentinel(table),
+        cache_lens=cache_lens,
+        segment_ids=padded(segment, len(chunks))[None],
+        sampling_positions=padded(ends[owner] - wanted[owner] + back, 0, samples),
         num_rows=len(chunks),
-        num_samples=len(chunks),
+        num_samples=int(wanted.sum()),
     )
 
 
@@ -160,7 +174,7 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> St
         slot_mapping=slot_mapping,
         block_table=remap_null_block_to_sentinel(table),
         cache_lens=cache_lens,
-        segment_ids=torch.zeros(batch * seq, dtype=torch.int64),  # one request per row
+        segment_ids=torch.zeros(batch, seq, dtype=torch.int64),  # one request per row
         sampling_positions=torch.where(flat_real, tokens, tokens // seq * seq),  # pads: row's token 0
         num_rows=len(rows),
         num_samples=len(rows) * seq,

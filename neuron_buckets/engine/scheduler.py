@@ -1,10 +1,11 @@
 """Continuous batching as plain data: ``schedule`` plans a step, ``commit`` applies its result.
 
-``schedule`` returns a ``StepPlan``: a prefill budget filled the way vLLM does (the request whose
-prompt was cut last step continues first, then waiting requests are admitted in order while the
-budget ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the block pool allow; the
-last one admitted may be cut, to continue next step), then one decode row for every request
-whose prompt is complete, its last token fed back. Blocks for every token the plan writes are
+``schedule`` returns a ``StepPlan``: one decode row for every request whose prompt is complete,
+its last token fed back, then a token budget filled the way vLLM does: the decode rows' tokens
+and rows count first (they ride in the prefill call), then the request whose prompt was cut last
+step continues, then waiting requests are admitted in order while the budget
+``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the block pool allow; the last one
+admitted may be cut, to continue next step. Blocks for every token the plan writes are
 allocated before it is returned. The caller runs the plan and hands ``commit`` the tokens it
 sampled; ``commit`` appends them, retires the requests that ended and frees their blocks. A
 request whose prompt completes in a step decodes from the next one, because a plan is decided
@@ -57,7 +58,8 @@ class Scheduler:
         drafter: NgramDrafter | None = None,
         num_drafts: int = 0,
     ) -> None:
-        """``budget`` bounds a step's prefill tokens and ``max_rows`` its prefill chunks; a
+        """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
+        chunks: the packed call's block-table rows); a
         ``drafter`` proposes up to ``num_drafts`` tokens per decode row."""
         self.pool, self.budget, self.max_rows = pool, budget, max_rows
         self.drafter, self.num_drafts = drafter, num_drafts
@@ -83,10 +85,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """This step's plan: prefill chunks (the continuing prompt first), then decode rows."""
         decoding = [r for r in self.running if r.prefilled]
-        chunks = self._prefill_chunks()
+        rows = [(req, req.token_ids[-1:] + self.drafts(req)) for req in decoding]
+        # decode rows ride in the prefill call (one weight pass): their tokens and rows come first
+        chunks = self._prefill_chunks(
+            self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows)
+        )
         for req, n in chunks:
             self.pool.grow(req.blocks, req.cached + n)
-        rows = [(req, req.token_ids[-1:] + self.drafts(req)) for req in decoding]
         for req, tokens in rows:
             self.pool.grow(req.blocks, len(req.token_ids) - 1 + len(tokens))
         prefill = tuple(
@@ -141,17 +146,17 @@ class Scheduler:
             self.running.remove(req)
         return touched
 
-    def _prefill_chunks(self) -> list[tuple[Request, int]]:
-        """(request, tokens to prefill) pairs within the budget, admitting waiting requests."""
-        budget = self.budget
+    def _prefill_chunks(self, budget: int, max_rows: int) -> list[tuple[Request, int]]:
+        """(request, tokens to prefill) pairs within ``budget`` tokens and ``max_rows`` chunks,
+        admitting waiting requests."""
         step: list[tuple[Request, int]] = []
         for req in self.running:
-            if not req.prefilled:  # at most one: only the last request of a step is ever cut
+            if not req.prefilled and budget > 0 and max_rows > 0:  # at most one is ever cut
                 step.append((req, min(req.prompt_len - req.cached, budget)))
                 budget -= step[-1][1]
         reserved = sum(self.pool.blocks_for(r.final_cached) - len(r.blocks) for r in self.running)
         free = self.pool.num_free - reserved
-        while self.waiting and budget > 0 and len(step) < self.max_rows:
+        while self.waiting and budget > 0 and len(step) < max_rows:
             head = self.waiting[0]
             prefix = self.pool.cached_prefix(head.token_ids[: head.prompt_len], count=False)
             # its own blocks, plus the cached ones nobody holds: sharing those takes them off num_free

@@ -137,8 +137,8 @@ class Llama(nn.Module):
         """One step of B rows x S tokens (T = B * S, row-major) -> (N, vocab) float32 logits.
 
         Writes the step's K/V into ``k_cache``/``v_cache`` (L, NB, BS, KVH, D) in place through
-        ``slot_mapping`` and attends through ``block_table`` (B, M), ``cache_lens`` (B,) and
-        ``segment_ids`` (T,); only the tokens at ``sampling_positions`` (N,) reach the final
+        ``slot_mapping`` and attends through ``block_table`` (R, M), ``cache_lens`` (R,) and
+        ``segment_ids`` (B, S): decode rows (B = R) or one packed row (B = 1); only the tokens at ``sampling_positions`` (N,) reach the final
         norm and the LM head. The same three parts a layer-granular artifact runs as pieces.
         """
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
@@ -146,7 +146,7 @@ class Llama(nn.Module):
                             segment_ids, sampling_positions, k_cache, v_cache)
         c, w = self.config, self.weights
         h, cos, sin = embed(c, input_ids, positions, w.embed)
-        step = AttentionStep.of_flat(block_table, cache_lens, segment_ids)
+        step = AttentionStep(block_table, cache_lens, segment_ids)
         for i, layer in enumerate(w.layers):
             h = decoder_layer(c, h, cos, sin, slot_mapping, step, k_cache[i], v_cache[i], layer)
         return head(c, h, sampling_positions, *w.head)
@@ -155,11 +155,14 @@ class Llama(nn.Module):
                    block_table: Tensor, cache_lens: Tensor, segment_ids: Tensor,
                    sampling_positions: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
         """Eager-only validation: a wrong step fails here with its bad value, not as garbage."""
-        tokens, (batch, max_blocks) = input_ids.shape[0], block_table.shape
-        flat = (input_ids.shape, positions.shape, slot_mapping.shape, segment_ids.shape)
-        if any(shape != (tokens,) for shape in flat) or tokens % batch or cache_lens.shape != (batch,):
-            raise ValueError(f"need T = B * S tokens in 1-D input_ids/positions/slot_mapping/segment_ids "
-                             f"and cache_lens (B,) for B={batch} rows, got {flat}, {cache_lens.shape}")
+        tokens, (rows, max_blocks) = input_ids.shape[0], block_table.shape
+        flat = (input_ids.shape, positions.shape, slot_mapping.shape)
+        if any(shape != (tokens,) for shape in flat) or cache_lens.shape != (rows,):
+            raise ValueError(f"need T tokens in 1-D input_ids/positions/slot_mapping and cache_lens (R,) "
+                             f"for R={rows} block-table rows, got {flat}, {tuple(cache_lens.shape)}")
+        if segment_ids.dim() != 2 or segment_ids.numel() != tokens or segment_ids.shape[0] not in (1, rows):
+            raise ValueError(f"segment_ids must be (B, S) with B * S = {tokens} tokens and B = {rows} "
+                             f"(decode rows) or 1 (one packed row), got {tuple(segment_ids.shape)}")
         if k_cache.dim() != 5 or k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                              "must be equal 5-D (layers, blocks, block_size, kv_heads, head_dim)")

@@ -37,6 +37,7 @@ class PieceShape:
     rows: int = 0  # layer: block-table rows B
     ctx: int = 0  # layer: context positions (a block multiple)
     samples: int = 0  # head: sampled tokens N
+    packed: bool = False  # layer: one step row of segments over the rows (else a step row each)
 
     @property
     def dynamic(self) -> bool:
@@ -47,17 +48,18 @@ class PieceShape:
         if self.dynamic:
             return self.role
         dims = {"embed": f"t{self.tokens}", "head": f"t{self.tokens}_n{self.samples}"}
-        return f"{self.role}_" + dims.get(self.role, f"t{self.tokens}_b{self.rows}_c{self.ctx}")
+        layer = f"t{self.tokens}_b{self.rows}_c{self.ctx}" + ("_packed" if self.packed else "")
+        return f"{self.role}_" + dims.get(self.role, layer)
 
 
-def bucket_pieces(bucket: Bucket, dynamic: bool) -> dict[Role, PieceShape]:
-    """The three pieces of a bucket. A prefill step is one block-table row; a decode step one
-    per request; prefill samples each packed request's last token, decode every token. With
-    ``dynamic``, embed and head are the one shape-polymorphic piece every bucket shares."""
+def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1) -> dict[Role, PieceShape]:
+    """The three pieces of a bucket. Every segment of a step has its own block-table row (a
+    decode row per request, a packed segment per chunk or decode row); ``Bucket.samples`` says
+    how many logits come back, ``decode_seq`` being the decode rows' width. With ``dynamic``,
+    embed and head are the one shape-polymorphic piece every bucket shares."""
     tokens = bucket.tokens
-    rows = 1 if bucket.kind == "prefill" else bucket.batch
-    samples = bucket.batch if bucket.kind == "prefill" else tokens
-    layer = PieceShape("layer", tokens, rows=rows, ctx=bucket.ctx)
+    samples = bucket.samples(decode_seq)
+    layer = PieceShape("layer", tokens, rows=bucket.batch, ctx=bucket.ctx, packed=bucket.kind == "prefill")
     if dynamic:
         return {"embed": PieceShape("embed", 0), "layer": layer, "head": PieceShape("head", 0)}
     fixed_head = PieceShape("head", tokens, samples=samples)
@@ -82,7 +84,7 @@ class LayerPiece(nn.Module):
                 cache_lens: Tensor, segment_ids: Tensor, k_cache: Tensor, v_cache: Tensor,
                 weights: tuple[Tensor, ...]) -> Tensor:
         """``weights``: the layer's ``LayerWeights.tensors()``, flat as a compiled graph takes them."""
-        step = AttentionStep.of_flat(block_table, cache_lens, segment_ids)
+        step = AttentionStep(block_table, cache_lens, segment_ids)
         layer = LayerWeights.of(self.config, weights)
         return decoder_layer(self.config, h, cos, sin, slot_mapping, step, k_cache, v_cache, layer)
 
@@ -125,8 +127,9 @@ def example_inputs(
     slots = torch.full((t,), -1, dtype=torch.int64, device=device)
     cache = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
     weights = tuple(zeros(*size) for size in layer_shapes(c))
+    segments = ids.clone().view(1 if shape.packed else shape.rows, -1)  # (B, S): the step's rows
     return (zeros(t, c.hidden_size), zeros(t, c.head_dim), zeros(t, c.head_dim), slots, table, lens,
-            ids.clone(), zeros(*cache), zeros(*cache), weights)
+            segments, zeros(*cache), zeros(*cache), weights)
 
 
 def dynamic_shapes(shape: PieceShape) -> tuple | None:

@@ -70,10 +70,11 @@ def _compiled_for_problem(manifest: Manifest) -> str | None:
 
 def _bucket_piece_problem(manifest: Manifest, dynamic: bool) -> str | None:
     """A working bucket whose pieces were compiled for another shape (its batch or seq edited)."""
+    decode_seq = min((b.seq for b in manifest.buckets if b.kind == "decode"), default=1)
     for i, b in enumerate(manifest.buckets):
         if b.status != "ok":
             continue
-        expected = bucket_pieces(Bucket(b.kind, b.batch, b.seq, b.ctx), dynamic)
+        expected = bucket_pieces(Bucket(b.kind, b.batch, b.seq, b.ctx), dynamic, decode_seq)
         for role, key in b.pieces.items():
             rec = manifest.pieces[key]
             if role not in expected or (rec.role, rec.name) != (role, expected[role].name):

@@ -150,11 +150,14 @@ class BucketRuntime:
         samples: dict[int, Tensor] = {}
         for call in self.buckets.calls(plan):
             logits, seq = self._run_call(plan, call), call.bucket.seq
-            for k, p in enumerate(call.parts):
-                if call.bucket.kind == "decode":  # a row returns its seq positions, real ones first
+            if call.bucket.kind == "decode":  # a row returns its seq positions, real ones first
+                for k, p in enumerate(call.parts):
                     samples[p.segment] = logits[k * seq : k * seq + p.tokens]
-                elif p.offset + p.tokens == len(plan[p.segment].token_ids) and plan[p.segment].num_samples:
-                    samples[p.segment] = logits[k : k + 1]  # a chunk returns its last token's
+                continue
+            counts = [self.buckets.part_samples(plan, p) for p in call.parts]
+            for p, part_logits in zip(call.parts, logits.split(counts), strict=True):
+                if part_logits.numel():
+                    samples[p.segment] = part_logits
         empty = torch.empty(0, self.limits.vocab_size)
         return torch.cat([samples[i] for i in sorted(samples)] or [empty])
 
@@ -164,11 +167,14 @@ class BucketRuntime:
                 plan[p.segment].token_ids[p.offset : p.offset + p.tokens],
                 plan[p.segment].context_len + p.offset,
                 plan[p.segment].block_ids,
+                self.buckets.part_samples(plan, p),
             )
             for p in call.parts
         ]
-        pad = pad_decode if call.bucket.kind == "decode" else pad_prefill
-        return self.run(call.bucket, pad(chunks, call.bucket, self.block_size))
+        if call.bucket.kind == "decode":
+            return self.run(call.bucket, pad_decode(chunks, call.bucket, self.block_size))
+        step = pad_prefill(chunks, call.bucket, self.block_size, self.buckets.samples(call.bucket))
+        return self.run(call.bucket, step)
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests, one chunk each; (R, vocab) logits of each chunk's last token.

@@ -5,12 +5,14 @@ the replay predicts is what the runtime does. A segment that returns the logits 
 it computes, at most ``decode_seq`` of them, is a decode row: rows of similar context share a
 call, each call as wide as the widest decode bucket, on the smallest context bucket that holds
 its deepest row. Every other segment is a prefill chunk: chunks are laid end to end in the
-smallest token bucket that holds them, up to ``max_rows`` per call. Today's prefill graph reads
-one block-table row of cached context (README, "Step layout"), so a chunk that continues a
-cached context opens a call of its own that fresh chunks may join; a plan with several
-continuing chunks therefore takes a call each. A chunk longer than the largest token bucket
-runs as waves: wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote
-the cache the piece attends to.
+smallest token bucket that holds them, up to ``max_rows`` per call, each over its own
+block-table row and context (README, "Step layout"), so fresh prompts, continuing chunks and
+prefix-cache hits share a call. A chunk longer than the largest token bucket runs as waves:
+wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote the cache the
+piece attends to. Mixed steps: when the plan has prefill chunks, its decode rows ride in the
+last call of the first wave if they all fit there (rows and tokens), so the step streams the
+weights once; a decode-only step, or rows that do not fit, take the decode graphs (README,
+"Mixed steps", says why).
 """
 
 from __future__ import annotations
@@ -78,9 +80,21 @@ class BucketSet:
     def is_decode(self, segment: Segment) -> bool:
         return segment.num_samples == len(segment.token_ids) <= self.decode_seq
 
+    def part_samples(self, plan: Sequence[Segment], part: Part) -> int:
+        """Logits ``part`` returns: a decode row all its tokens, a chunk its segment's
+        ``num_samples`` when it is the segment's last piece, else none."""
+        seg = plan[part.segment]
+        last = part.offset + part.tokens == len(seg.token_ids)
+        return len(seg.token_ids) if self.is_decode(seg) else seg.num_samples * last
+
+    def samples(self, bucket: Bucket) -> int:
+        """Logits a call of ``bucket`` returns (its head's sample count)."""
+        return bucket.samples(self.decode_seq)
+
     def calls(self, plan: Sequence[Segment]) -> list[Call]:
-        """The graph calls that compute ``plan``, in the order they must run: prefill waves, then
-        decode. NoBucketFits for a segment no bucket can compute, before any call is listed."""
+        """The graph calls that compute ``plan``, in the order they must run: prefill waves (the
+        decode rows riding in the first where they fit), then decode. NoBucketFits for a segment
+        no bucket can compute, before any call is listed."""
         decode = [i for i, s in enumerate(plan) if self.is_decode(s)]
         prefill = [i for i, s in enumerate(plan) if not self.is_decode(s)]
         if bad := [i for i in prefill if plan[i].num_samples > 1]:
@@ -89,8 +103,13 @@ class BucketSet:
                 f"segment {bad[0]} wants the logits of {s.num_samples} of its {len(s.token_ids)} tokens: "
                 f"decode rows carry at most {self.decode_seq} tokens, prefill chunks return one"
             )
-        waves = [self._pack(plan, wave) for wave in self._waves(plan, prefill)]
-        return [call for wave in waves for call in wave] + self._group_decode(plan, decode)
+        waves = [self._pack(wave) for wave in self._waves(plan, prefill)]
+        riders = [Part(i, 0, len(plan[i].token_ids)) for i in decode]
+        if waves and riders and self._fits([*waves[0][-1], *riders]):
+            waves[0][-1].extend(riders)
+            decode = []
+        packed = [self._call(parts) for wave in waves for parts in wave]
+        return packed + self._group_decode(plan, decode)
 
     def _waves(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[list[Part]]:
         """Pieces of at most ``token_budget`` tokens: wave k holds the k-th piece of every chunk."""
@@ -103,21 +122,25 @@ class BucketSet:
                 waves[k].append(Part(i, lo, min(self.token_budget, n - lo)))
         return waves
 
-    def _pack(self, plan: Sequence[Segment], parts: Sequence[Part]) -> list[Call]:
-        """Parts end to end in calls of at most ``max_rows``; a continuing part opens a call."""
+    def _fits(self, parts: Sequence[Part]) -> bool:
+        return len(parts) <= self.max_rows and sum(p.tokens for p in parts) <= self.token_budget
+
+    def _pack(self, parts: Sequence[Part]) -> list[list[Part]]:
+        """Parts end to end in calls of at most ``token_budget`` tokens and ``max_rows`` parts."""
         calls: list[list[Part]] = []
-        used = 0
         for p in parts:
-            continues = plan[p.segment].context_len + p.offset > 0
-            full = bool(calls) and (used + p.tokens > self.token_budget or len(calls[-1]) == self.max_rows)
-            if not calls or continues or full:
+            if not calls or not self._fits([*calls[-1], p]):
                 calls.append([])
-                used = 0
             calls[-1].append(p)
-            used += p.tokens
-        seqs = [b.seq for b in self.prefill]
-        by_seq = {b.seq: b for b in self.prefill}
-        return [Call(by_seq[select_bucket(seqs, sum(p.tokens for p in c))], tuple(c)) for c in calls]
+        return calls
+
+    def _call(self, parts: Sequence[Part]) -> Call:
+        """A packed call on the smallest token bucket that holds its parts' tokens and rows."""
+        tokens = sum(p.tokens for p in parts)
+        fit = [b for b in self.prefill if b.seq >= tokens and b.batch >= len(parts)]
+        if not fit:
+            raise NoBucketFits(f"no prefill bucket holds {len(parts)} segments of {tokens} tokens")
+        return Call(min(fit, key=lambda b: (b.seq, b.batch)), tuple(parts))
 
     def _group_decode(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[Call]:
         """Rows sorted by the context they reach, in calls as wide as the widest decode bucket."""

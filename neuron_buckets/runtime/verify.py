@@ -55,10 +55,10 @@ def file_problems(directory: Path) -> list[str]:
 
 
 def random_step(
-    bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator
+    bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator, samples: int
 ) -> StepInputs:
     """A padded step with 1..batch real requests of random tokens, length, context and shuffled
-    blocks (prefill: packed, only the first continuing a cached prompt).
+    blocks (prefill: packed, each segment over a context of its own; ``samples`` logits back).
 
     The config guarantees the pool holds one full-context row; rows are capped to what it holds.
     """
@@ -74,14 +74,14 @@ def random_step(
         lengths = [bucket.seq] * rows
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     chunks = []
-    for i, n in enumerate(lengths):
-        continues = bucket.kind == "decode" or i == 0
-        start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen)) if continues else 0
+    for n in lengths:
+        start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
         need = -(-(start + n) // block_size)
         blocks, free = free[:need], free[need:]
         chunks.append(PrefillChunk(torch.randint(0, vocab, (n,), generator=gen), start, blocks))
-    pad = pad_decode if bucket.kind == "decode" else pad_prefill
-    return pad(chunks, bucket, block_size)
+    if bucket.kind == "decode":
+        return pad_decode(chunks, bucket, block_size)
+    return pad_prefill(chunks, bucket, block_size, samples)
 
 
 def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[BucketCheck]:
@@ -97,7 +97,8 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
         try:
             diff = 0.0
             for _ in range(trials):
-                step = random_step(bucket, runtime.block_size, runtime.num_blocks, vocab, gen)
+                samples = runtime.buckets.samples(bucket)
+                step = random_step(bucket, runtime.block_size, runtime.num_blocks, vocab, gen, samples)
                 start = torch.randn(runtime.k_cache.shape, generator=gen).to(runtime.k_cache)
                 runtime.k_cache.copy_(start)
                 runtime.v_cache.copy_(start.flip(0))
