@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from neuron_buckets.core.masks import segment_positions
 from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
 from neuron_buckets.kernels.attention_step import AttentionStep
-from neuron_buckets.core.masks import segment_positions
 from neuron_buckets.kernels.block_kv_torch import gather_context
 
 # Query and key tile of the block mask: a tile pair is skipped when no pair in it may meet. On the

@@ -70,7 +70,9 @@ def context_rows(step: AttentionStep, batch: int, block_size: int) -> tuple[Tens
     return table, positions < lens[..., None]
 
 
-def gather_context(k_cache: Tensor, v_cache: Tensor, step: AttentionStep, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+def gather_context(
+    k_cache: Tensor, v_cache: Tensor, step: AttentionStep, batch: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """The cached K/V each step row reads, (B, K * M * BS, KVH, D), zero beyond the cache lengths,
     and which positions are valid, (B, K, M * BS) (``context_rows``).
 

@@ -96,7 +96,8 @@ def block_kv_attention(
     compiles from its torch ops like the rest of the graph.
     """
     batch, seq, num_heads, head_dim = q.shape
-    if not attention_kernel_fits(q.shape, k_active.shape[2], step.block_table.numel() // batch * k_cache.shape[1]):
+    ctx = step.block_table.numel() // batch * k_cache.shape[1]  # a packed row reads every table row
+    if not attention_kernel_fits(q.shape, k_active.shape[2], ctx):
         return block_kv_torch.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     _, attend = jitted()
     q_k, k_act, v_act, slots, mask_cache, mask_active = attention_kernel_inputs(

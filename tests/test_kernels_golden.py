@@ -292,8 +292,9 @@ PACKED = dict(
 
 @settings(max_examples=25, deadline=None)
 @given(**PACKED)
-def test_each_packed_segment_attends_to_its_own_context_like_a_request_alone(lens, counts, pads, fill, window,
-                                                                            seed):
+def test_each_packed_segment_attends_to_its_own_context_like_a_request_alone(
+    lens, counts, pads, fill, window, seed
+):
     """Fresh prompts, continuing chunks and decode rows in one packed row, each over its own
     block-table row: each segment equals the dense attention of its own request alone, and
     garbage outside every context never reaches an output."""
@@ -313,8 +314,9 @@ def test_each_packed_segment_attends_to_its_own_context_like_a_request_alone(len
 )
 @settings(max_examples=20, deadline=None)
 @given(long=st.booleans(), **PACKED)
-def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(kernel, long, lens, counts, pads, fill, window,
-                                                               seed):
+def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(
+    kernel, long, lens, counts, pads, fill, window, seed
+):
     """The same packed rows through each fast path (a long pad tail sends flex down its
     block-sparse path) within float tolerance of the golden."""
     pads += (block_kv_flex.DENSE_ROWS + 1) * long

@@ -138,6 +138,7 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
 
     ids, pos, slots, segment, table, lens, sampling = [], [], [], [], [], [], []
     if not decode:  # packed: chunks end to end in one run, pads at the tail; a table row each
+        spare = bucket.batch - len(rows)
         for i, row in enumerate(rows):
             for j, token in enumerate(row.token_ids):
                 ids.append(token)
@@ -148,8 +149,8 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
         pads = bucket.seq - len(ids)
         return dict(input_ids=ids + [0] * pads, positions=pos + [0] * pads, slot_mapping=slots + [-1] * pads,
                     segment_ids=segment + [len(rows)] * pads,
-                    block_table=[table_row(r) for r in rows] + [[-1] * max_blocks] * (bucket.batch - len(rows)),
-                    cache_lens=[r.start_pos for r in rows] + [0] * (bucket.batch - len(rows)),
+                    block_table=[table_row(r) for r in rows] + [[-1] * max_blocks] * spare,
+                    cache_lens=[r.start_pos for r in rows] + [0] * spare,
                     sampling_positions=sampling + [0] * (bucket.batch - len(rows)))  # fmt: skip
     for r in range(bucket.batch):
         row = rows[r] if r < len(rows) else rows[0]

@@ -138,7 +138,8 @@ class Llama(nn.Module):
 
         Writes the step's K/V into ``k_cache``/``v_cache`` (L, NB, BS, KVH, D) in place through
         ``slot_mapping`` and attends through ``block_table`` (R, M), ``cache_lens`` (R,) and
-        ``segment_ids`` (B, S): decode rows (B = R) or one packed row (B = 1); only the tokens at ``sampling_positions`` (N,) reach the final
+        ``segment_ids`` (B, S): decode rows (B = R) or one packed row (B = 1); only the tokens at
+        ``sampling_positions`` (N,) reach the final
         norm and the LM head. The same three parts a layer-granular artifact runs as pieces.
         """
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
