@@ -12,7 +12,10 @@ Measured here, on the SmolLM2-135M shape (float32):
 - nb's per-call times through ``BucketRuntime`` on an artifact of the offline bench's default grid
   (``bench_generate.py``'s ``art512``): one packed 512-token prefill (two 256-token prompts) and
   one batch-8 decode step at context 400, with the prefill's dense GFLOP/s (2 x tokens x the
-  linear layers' weights) against the GEMM rate, and the decode's time against the memory floor.
+  linear layers' weights) against the GEMM rate, and the decode's time against the memory floor;
+- the rule for mixed steps, measured: a 504-token chunk beside 8 decode rows as one packed call
+  against the same work as a packed call plus a decode call, and 8 decode rows alone in their
+  decode graph against the smallest packed call.
 
 ``--tiny`` runs a 2-layer twin to check the script; its figures mean nothing. Run it on an idle
 machine: every figure is a rate of this machine at this moment.
@@ -37,6 +40,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_artifact, decode_step_ms, median_ms, prefill_call_ms  # noqa: E402
 from real_models import SMOLLM2_135M, add_size_args, build_smollm  # noqa: E402
 from workloads import TOKEN_LOW, Workload  # noqa: E402
+
+from neuron_buckets.core.padding import PrefillChunk, pad_prefill  # noqa: E402
+from neuron_buckets.core.step_plan import Segment  # noqa: E402
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 
 TOKENS = 512  # the step budget: a full prefill call
 DECODE_BATCH, DECODE_CONTEXT = 8, 400  # decode_step_ms runs 8 rows
@@ -127,6 +134,34 @@ def memory_floor_ms(model: Path, layers: int, repeats: int) -> float:
     return floor
 
 
+def mixed_step_ms(artifact: Path, repeats: int) -> dict[str, float]:
+    """The mixed-step rule's four timings (ms) on one runtime: a chunk filling the budget beside
+    ``DECODE_BATCH`` decode rows in one call and in two, and the rows alone in a decode graph and in
+    the smallest packed bucket."""
+    runtime = BucketRuntime.open(artifact, preload=True)
+    per = -(-(DECODE_CONTEXT + 1) // runtime.block_size)
+    rows = [Segment(i, [5], DECODE_CONTEXT, tuple(range(1 + i * per, 1 + (i + 1) * per)), 1)
+            for i in range(DECODE_BATCH)]  # fmt: skip
+    first = 1 + DECODE_BATCH * per
+    chunk = Segment(DECODE_BATCH, list(range(TOKEN_LOW, TOKEN_LOW + TOKENS - DECODE_BATCH)), 0,
+                    tuple(range(first, first + TOKENS // runtime.block_size)), 1)  # fmt: skip
+    smallest = runtime.buckets.prefill[0]
+    packed_rows = pad_prefill(
+        [PrefillChunk(r.token_ids, r.context_len, r.block_ids) for r in rows], smallest,
+        runtime.block_size, runtime.buckets.samples(smallest),
+    )
+    return {
+        "mixed, one packed call": median_ms(lambda: runtime.run_plan((chunk, *rows)), repeats),
+        "mixed, packed + decode call": median_ms(
+            lambda: (runtime.run_plan((chunk,)), runtime.run_plan(tuple(rows))), repeats
+        ),
+        "decode rows, decode graph": median_ms(lambda: runtime.run_plan(tuple(rows)), repeats),
+        f"decode rows, packed {smallest.name}": median_ms(
+            lambda: runtime.run(smallest, packed_rows), repeats
+        ),
+    }
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -150,6 +185,13 @@ def main() -> None:
           f"{nb_rate:.1f} GFLOP/s = {nb_rate / rate:.2f} of the GEMM rate (target: at least 0.90)")
     print(f"  decode batch {DECODE_BATCH} at context {DECODE_CONTEXT}: {decode_ms:.1f} ms = "
           f"{decode_ms / floor_ms:.1f}x the memory floor ({floor_ms:.1f} ms)")
+    mixed = mixed_step_ms(artifact, args.repeats)
+    print(f"\nmixed steps ({TOKENS - DECODE_BATCH}-token chunk, {DECODE_BATCH} decode rows at context "
+          f"{DECODE_CONTEXT}):")
+    for label, ms in mixed.items():
+        print(f"  {label:34s} {ms:8.1f} ms")
+    one, two = mixed["mixed, one packed call"], mixed["mixed, packed + decode call"]
+    print(f"  one call / two calls: {one / two:.2f}")
 
 
 if __name__ == "__main__":

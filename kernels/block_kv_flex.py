@@ -58,7 +58,6 @@ def block_kv_attention(
         return kernel.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, step, batch)
     s_ctx, row_len = k_ctx.shape[1], cached.shape[2]
-    lens = cached.sum(-1)  # (B, K): each context row's length
     position = segment_positions(cached, step.segment_ids)  # (B, S)
 
     def may_attend(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
@@ -67,7 +66,7 @@ def block_kv_attention(
         row, pos = ki.clamp(max=s_ctx - 1) // row_len, ki.clamp(max=s_ctx - 1) % row_len
         segments = step.segment_ids[b]
         own = (ki >= s_ctx) & (own_ki <= qi) & (segments[own_ki] == segments[qi])
-        context = (ki < s_ctx) & (segments[qi] == row) & (pos < lens[b, row])
+        context = (ki < s_ctx) & (segments[qi] == row) & (pos < step.cache_lens[b + row])
         if window is not None:
             own = own & (qi - own_ki < window)
             context = context & (position[b, qi] - pos < window)

@@ -71,7 +71,8 @@ def test_open_loads_no_graph_first_use_loads_its_pieces_preload_loads_all(compil
     assert sorted(warm.loaded) == sorted(warm.manifest.pieces) and len(warm.loaded) == 6
     names = sorted(warm.manifest.pieces[k].name for k in warm.loaded)
     assert names == sorted(
-        ["embed", "head", "layer_t16_b1_c128", "layer_t32_b1_c128", "layer_t1_b1_c128", "layer_t2_b2_c128"]
+        ["embed", "head", "layer_t16_b2_c128_packed", "layer_t32_b2_c128_packed", "layer_t1_b1_c128",
+             "layer_t2_b2_c128"]
     )
 
 
@@ -149,10 +150,9 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
     compiled_dir, hf_model
 ):
     """Every segment carries its own context: three prompts continue from their cached prefixes
-    (one without sampling), two requests decode and two prompts are fresh, in one plan. Today's
-    prefill graph lets only its first chunk read a context, so the runtime gives each continuing
-    chunk a call of its own, and a one-token prompt runs as a decode row of no context; every logit
-    is still what transformers gives that sequence alone."""
+    (one without sampling), two requests decode and two prompts are fresh, in one plan. Packed
+    calls hold two segments here, each over its own context, and a one-token prompt runs as a
+    decode row of no context; every logit is what transformers gives that sequence alone."""
     runtime = BucketRuntime.open(compiled_dir)
     seqs = [tokens(n, 10 + i) for i, n in enumerate((20, 12, 30, 9, 17, 6, 1))]
     tables = [blocks(1 + 5 * i, len(s)) for i, s in enumerate(seqs)]
@@ -174,8 +174,9 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
     want = torch.stack([hf_last_logits(hf_model, seqs[i]) for i in (0, 1, 3, 4, 5, 6)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     calls = {name: s.calls - before[name]["calls"] for name, s in runtime.stats.items()}
-    # a call per continuing chunk (the fresh prompt joins the last one); three decode rows: 2 + 1
-    assert calls == {"prefill_s16": 3, "prefill_s32": 0, "decode_b1_c128": 1, "decode_b2_c128": 1}
+    # chunks two to a call (19 and 14 tokens); the packed calls are full, so the three decode
+    # rows take the decode graphs: 2 + 1
+    assert calls == {"prefill_s16": 1, "prefill_s32": 1, "decode_b1_c128": 1, "decode_b2_c128": 1}
     rest = runtime.run_plan((Segment(2, seqs[2][24:], 24, tables[2], 1),))  # reads what the cut chunk wrote
     torch.testing.assert_close(rest[0], hf_last_logits(hf_model, seqs[2]), rtol=1e-4, atol=1e-4)
 
@@ -197,15 +198,15 @@ def _flip_a_byte(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (_delete, "graph of piece layer_t16_b1_c128 is missing"),
-        (_truncate, "graph .* of piece layer_t16_b1_c128 does not match its sha256"),
-        (_flip_a_byte, "graph .* of piece layer_t16_b1_c128 does not match its sha256"),
+        (_delete, "graph of piece layer_t16_b2_c128_packed is missing"),
+        (_truncate, "graph .* of piece layer_t16_b2_c128_packed does not match its sha256"),
+        (_flip_a_byte, "graph .* of piece layer_t16_b2_c128_packed does not match its sha256"),
     ],
     ids=["missing", "truncated", "tampered"],
 )
 def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, damage, message):
     manifest = read_manifest(artifact_copy)
-    rec = next(p for p in manifest.pieces.values() if p.name == "layer_t16_b1_c128")  # prefill 16's own
+    rec = next(p for p in manifest.pieces.values() if p.name == "layer_t16_b2_c128_packed")  # prefill_s16
     damage(artifact_copy / rec.file)
 
     runtime = BucketRuntime.open(artifact_copy)  # lazy: opening does not read the graph

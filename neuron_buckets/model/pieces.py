@@ -127,7 +127,8 @@ def example_inputs(
     slots = torch.full((t,), -1, dtype=torch.int64, device=device)
     cache = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
     weights = tuple(zeros(*size) for size in layer_shapes(c))
-    segments = ids.clone().view(1 if shape.packed else shape.rows, -1)  # (B, S): the step's rows
+    step_rows = 1 if shape.packed else shape.rows  # (B, S); its own tensor: export fakes a view's base
+    segments = torch.zeros(step_rows, t // step_rows, dtype=torch.int64, device=device)
     return (zeros(t, c.hidden_size), zeros(t, c.head_dim), zeros(t, c.head_dim), slots, table, lens,
             segments, zeros(*cache), zeros(*cache), weights)
 
