@@ -125,15 +125,16 @@ def inspect(
     built = load_manifest_buckets(manifest) if manifest else None
     prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
-    data = _load(trace)
-    load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
-    doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
-    if built is None and prefill_buckets is None and num_seqs_buckets is None:
-        doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
-    elif not load.all_at_once:
+    replays = built is None and prefill_buckets is None and num_seqs_buckets is None
+    if not replays and (concurrency is not None or arrivals):
         raise ValueError(
             "--concurrency and --arrivals replay a config's grid: pass a CONFIG, not --manifest or buckets"
         )
+    data = _load(trace)
+    load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
+    doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
+    if replays:
+        doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 

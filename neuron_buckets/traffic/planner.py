@@ -17,6 +17,11 @@ context bucket holding it that costs the bucket's positions. Weighting each cont
 tokens decoded there, the optimum minimises the context positions attended. It is exact for that
 per-row cost; the runtime puts rows of similar context in one call, which reads the call's
 deepest row's bucket, so calls that mix contexts cost more than the plan counts.
+
+Token buckets for the steps a server runs are the same programme once more, over the packed
+calls of a runtime replay (``runtime_replay.py``; a closed loop or the trace's arrivals) instead
+of single prompts: ``plan_replayed``. The per-prompt optimum of ``plan`` stays beside it, as what
+it is: the best set were every prompt prefilled alone.
 """
 
 from __future__ import annotations
