@@ -196,7 +196,7 @@ def plan_cmd(
     graphs: Annotated[int, typer.Option("--graphs", min=1, help="At most this many prefill graphs")],
     config: Annotated[
         Path | None,
-        typer.Argument(help="TOML config the runtime replay runs (--concurrency, --arrivals)"),
+        typer.Argument(help="TOML config to replay the trace on (all at once, or --concurrency, --arrivals)"),
     ] = None,
     align: Annotated[int, typer.Option("--align", min=1, help="Prefill buckets are multiples of this")] = 64,
     max_num_batched_tokens: Annotated[
@@ -235,14 +235,14 @@ def plan_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Choose the prefill buckets, num_seqs buckets and decode context buckets that minimise
-    padding on a trace: each prompt alone (the offline per-request optimum), and with
+    padding on a trace: each prompt alone (the offline per-request optimum), and with a CONFIG,
     ``--concurrency`` or ``--arrivals`` the token buckets that minimise the padding of the steps
     the config's runtime runs on the trace (``replay``), which the TOML snippet then takes; the
     decode plans then default to the config's max_num_seqs and max_model_len."""
     data = _load(trace)
     load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
     # a replay plans for the config's runtime: its decode slots and context unless told otherwise
-    runtime = None if load.all_at_once else load_config(config)
+    runtime = load_config(config) if config is not None or not load.all_at_once else None
     opts = PlanOptions(
         graphs=graphs,
         align=align,
