@@ -51,17 +51,15 @@ def wide(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     return config, tmp / "artifact"
 
 
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first 200 requests of the conversation trace, arrivals kept (ms), prompts scaled down
-    16x and clipped to the tiny model's 128 positions (as they are, nearly all fill every 32-token
+def write_sample(path: Path, requests: int) -> Path:
+    """The first requests of the conversation trace, arrivals kept (ms), prompts scaled down 16x
+    and clipped to the tiny model's 128 positions (as they are, nearly all fill every 32-token
     step alike), outputs clipped to 12 tokens (decode steps are what cost test time)."""
     full = load_trace(CONV)
-    prompts, outputs = fit_requests(np.maximum(1, full.prompt_lens // 16), full.output_lens, 128, REQUESTS)
+    prompts, outputs = fit_requests(np.maximum(1, full.prompt_lens // 16), full.output_lens, 128, requests)
     outputs = [min(o, 12) for o in outputs]
-    times = [round(1000 * t) for t in full.arrivals[:REQUESTS]]
+    times = [round(1000 * t) for t in full.arrivals[:requests]]
     rows = "".join(f"{t},{p},{o}\n" for t, p, o in zip(times, prompts, outputs, strict=True))
-    path = tmp_path_factory.mktemp("trace") / "sample.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
     return path
 
@@ -100,8 +98,10 @@ class Client:
         return sum(s.real_tokens for s in self.engine.stats.values())
 
 
-def test_a_closed_loop_at_concurrency_4_counts_what_nb_inspect_predicts(wide, sample) -> None:
+@pytest.mark.slow
+def test_a_closed_loop_at_concurrency_4_counts_what_nb_inspect_predicts(wide, tmp_path) -> None:
     config, artifact = wide
+    sample = write_sample(tmp_path / "sample.csv", REQUESTS)
     client = Client(artifact, sample)
     queue = deque(range(REQUESTS))
     for _ in range(4):
@@ -120,14 +120,16 @@ def test_a_closed_loop_at_concurrency_4_counts_what_nb_inspect_predicts(wide, sa
     assert decode_rows < int(client.trace.output_lens.sum()) - REQUESTS
 
 
-def test_arrivals_on_the_replayed_clock_count_what_nb_inspect_predicts(wide, sample) -> None:
-    """The client adds each request once the clock has passed its arrival; each step advances
-    the clock by the step-time model over the tokens the step computed (the counters' real
-    tokens), and an idle engine waits for the next arrival."""
+@pytest.mark.slow
+def test_arrivals_on_the_replayed_clock_count_what_nb_inspect_predicts(wide, tmp_path) -> None:
+    """100 requests: the client adds each once the clock has passed its arrival; each step
+    advances the clock by the step-time model over the tokens the step computed (the counters'
+    real tokens), and an idle engine waits for the next arrival."""
     config, artifact = wide
+    sample = write_sample(tmp_path / "sample.csv", REQUESTS // 2)
     client = Client(artifact, sample)
     arrivals = client.trace.arrivals
-    queue, clock, idle = deque(range(REQUESTS)), 0.0, 0
+    queue, clock, idle = deque(range(REQUESTS // 2)), 0.0, 0
     while queue or client.engine.has_unfinished:
         while queue and arrivals[queue[0]] <= clock:
             client.send(queue.popleft())

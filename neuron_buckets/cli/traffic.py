@@ -19,7 +19,7 @@ from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.traffic.padding_stats import inspect_trace
 from neuron_buckets.traffic.planner import PlanOptions, plan, plan_replayed
-from neuron_buckets.traffic.replay_load import ReplayLoad
+from neuron_buckets.traffic.replay_load import STEP_S, TOKEN_S, ReplayLoad
 from neuron_buckets.traffic.report import print_bucket_plan, print_inspect, toml_snippet
 from neuron_buckets.traffic.runtime_replay import (
     Replay,
@@ -115,8 +115,8 @@ def inspect(
     trace_block_size: TraceBlockOpt = 512,
     concurrency: ConcurrencyOpt = None,
     arrivals: ArrivalsOpt = False,
-    step_seconds: StepSecondsOpt = 0.1,
-    token_seconds: TokenSecondsOpt = 0.002,
+    step_seconds: StepSecondsOpt = STEP_S,
+    token_seconds: TokenSecondsOpt = TOKEN_S,
 ) -> None:
     """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
     what the runtime does: the trace replayed through its scheduler and packing (``packed``; all
@@ -228,8 +228,8 @@ def plan_cmd(
     ] = None,
     concurrency: ConcurrencyOpt = None,
     arrivals: ArrivalsOpt = False,
-    step_seconds: StepSecondsOpt = 0.1,
-    token_seconds: TokenSecondsOpt = 0.002,
+    step_seconds: StepSecondsOpt = STEP_S,
+    token_seconds: TokenSecondsOpt = TOKEN_S,
     replay_requests: ReplayRequestsOpt = 1000,
     trace_block_size: TraceBlockOpt = 512,
     as_json: JsonOpt = False,

@@ -27,24 +27,31 @@ import numpy as np
 
 from neuron_buckets.core.step_plan import StepPlan
 
+STEP_S, TOKEN_S = 0.1, 0.002  # the clock's defaults: seconds per step, and per token it computes
+
 
 @dataclass(frozen=True)
 class ReplayLoad:
     concurrency: int | None = None  # requests in flight at most; None: no bound
     arrivals: tuple[float, ...] | None = None  # seconds, one per request; None: all present at 0
-    step_s: float = 0.1  # replayed seconds per step
-    token_s: float = 0.002  # replayed seconds per token a step computes
+    step_s: float = STEP_S  # replayed seconds per step
+    token_s: float = TOKEN_S  # replayed seconds per token a step computes
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
+            raise ValueError(f"a replay's concurrency must be at least 1, got {self.concurrency}")
         if self.step_s < 0 or self.token_s < 0:
             raise ValueError(f"step times must be >= 0, got {self.step_s} s/step and {self.token_s} s/token")
 
     @classmethod
     def of(
-        cls, concurrency: int | None, arrivals: np.ndarray | None, step_s: float = 0.1, token_s: float = 0.002
+        cls,
+        concurrency: int | None,
+        arrivals: np.ndarray | None,
+        step_s: float = STEP_S,
+        token_s: float = TOKEN_S,
     ) -> ReplayLoad:
+        """A load from the trace's arrival array (or None)."""
         times = None if arrivals is None else tuple(float(t) for t in arrivals)
         return cls(concurrency, times, step_s, token_s)
 
