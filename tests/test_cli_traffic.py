@@ -307,6 +307,9 @@ def test_plan_picks_token_buckets_that_pad_the_replayed_steps_less(tmp_path: Pat
     snippet = tomllib.loads(doc["toml"])["buckets"]
     assert snippet["num_batched_tokens_buckets"] == replay["buckets"]
     assert snippet["max_num_batched_tokens"] == 128
+    shown = nb("plan", "--trace", trace, config, "--graphs", 3, "--align", 8, "--concurrency", 2).stdout
+    for text in ("offline per-request optimum", "replayed steps: 30 requests, concurrency 2", "replay plan"):
+        assert text in " ".join(shown.split())
     at_once = nb_json("plan", "--trace", trace, config, "--graphs", 3, "--align", 8)["replay"]
     assert at_once["load"]["concurrency"] is None and at_once["calls"] != replay["calls"]
 
