@@ -16,6 +16,7 @@ from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import validate
 from neuron_buckets.cli import app
 from neuron_buckets.config import parse_config
+from tests.conftest import error_line
 
 runner = CliRunner()
 
@@ -271,3 +272,79 @@ def test_bad_trace_gets_one_clear_error(tmp_path: Path) -> None:
         result = nb(*command, "--trace", trace, "--json")
         assert result.exit_code == 2 and result.stdout == ""
         assert "found ['prompt', 'answer']" in " ".join(result.stderr.split())
+
+
+REPLAY_CONFIG = """
+[cache]
+block_size = 8
+num_blocks = 256
+max_model_len = 256
+
+[buckets]
+max_num_seqs = 4
+max_num_batched_tokens = 128
+num_seqs_buckets = [1, 2, 4]
+num_batched_tokens_buckets = {buckets}
+"""
+
+
+def test_plan_picks_token_buckets_that_pad_the_replayed_steps_less(tmp_path: Path) -> None:
+    """Prompts of 40 tokens of 2, 5 or 9 output tokens at concurrency 2: nearly every replayed
+    packed call holds a new prompt and the other request's decode row, 41 tokens, which powers
+    of two pad to 64. The plan's buckets pad them less, and nb inspect replaying a config with
+    those buckets counts what the plan said. Each prompt alone would want a 40-token bucket."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "40,2\n40,5\n40,9\n" * 10)
+    config = tmp_path / "nb.toml"
+    config.write_text(REPLAY_CONFIG.format(buckets="[32, 64, 128]"))
+    doc = nb_json("plan", "--trace", trace, config, "--graphs", 3, "--align", 8, "--concurrency", 2)
+    replay = doc["replay"]
+    assert replay["load"]["concurrency"] == 2 and replay["requests"] == 30
+    assert replay["baseline"]["buckets"] == [32, 64, 128] and replay["buckets"][-1] == 128
+    assert replay["padded_tokens"] < replay["baseline"]["padded_tokens"]
+    assert 48 in replay["buckets"]  # what 41 tokens pad to on multiples of 8
+    assert doc["prefill"]["buckets"] == [40]  # the offline optimum: each prompt alone
+    snippet = tomllib.loads(doc["toml"])["buckets"]
+    assert snippet["num_batched_tokens_buckets"] == replay["buckets"]
+    assert snippet["max_num_batched_tokens"] == 128
+    shown = nb("plan", "--trace", trace, config, "--graphs", 3, "--align", 8, "--concurrency", 2).stdout
+    for text in ("offline per-request optimum", "replayed steps: 30 requests, concurrency 2", "replay plan"):
+        assert text in " ".join(shown.split())
+    at_once = nb_json("plan", "--trace", trace, config, "--graphs", 3, "--align", 8)["replay"]
+    assert at_once["load"]["concurrency"] is None and at_once["calls"] != replay["calls"]
+
+    config.write_text(REPLAY_CONFIG.format(buckets=replay["buckets"]))
+    packed = nb_json("inspect", "--trace", trace, config, "--concurrency", 2)["packed"]
+    prefill = [b for b in packed["per_bucket"] if b["bucket"].startswith("prefill")]
+    assert sum(b["padded_tokens"] for b in prefill) == replay["padded_tokens"]
+    assert sum(b["calls"] for b in prefill) == replay["calls"]
+
+
+def test_replay_options_need_a_config_grid_and_arrival_times(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n100,5\n300,7\n")
+    result = nb("inspect", "--trace", trace, "--prefill-buckets", "128,256", "--concurrency", 2)
+    assert error_line(result).endswith("pass a CONFIG, not --manifest or buckets")
+    for command in (["inspect"], ["plan", "--graphs", "2"]):
+        result = nb(*command, "--trace", trace, "--arrivals", "--json")
+        assert result.exit_code == 2 and result.stdout == ""
+        assert "error: --arrivals: the trace has no TIMESTAMP or timestamp column" in result.stderr
+
+
+def test_inspect_replays_arrivals_on_the_modelled_clock(tmp_path: Path) -> None:
+    """Two requests a minute apart run alone, so the clock ends at the second arrival plus its
+    steps; at once they share steps."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("timestamp,input_length,output_length\n0,20,3\n60000,20,3\n")
+    config = tmp_path / "nb.toml"
+    config.write_text(REPLAY_CONFIG.format(buckets="[32, 64, 128]"))
+    options = ["--step-seconds", "0.5", "--token-seconds", "0"]
+    spaced = nb_json("inspect", "--trace", trace, config, "--arrivals", *options)["packed"]
+    together = nb_json("inspect", "--trace", trace, config, *options)["packed"]
+    assert spaced["load"] == {"concurrency": None, "arrivals": True, "step_seconds": 0.5, "token_seconds": 0}
+    assert (spaced["steps"], together["steps"]) == (6, 3)  # a prefill step, then 2 decode steps each
+    assert spaced["replayed_seconds"] == 60 + 3 * 0.5
+    result = nb("inspect", "--trace", trace, config, "--arrivals", "--concurrency", 1)
+    assert "2 requests, at their arrivals (0.1 s/step + 0.002 s/token), at most 1 in flight" in " ".join(
+        result.stdout.split()
+    )

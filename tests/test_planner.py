@@ -284,3 +284,34 @@ def test_context_plan_attends_fewer_positions_than_the_default_set() -> None:
     assert doc["real_positions"] == pytest.approx(float((contexts * rows).sum()))
     with pytest.raises(PlanError, match="not a multiple of align"):
         plan_contexts(trace, PlanOptions(graphs=1, align=64, max_model_len=4000))
+
+
+@given(
+    tokens=st.lists(st.integers(1, 64), min_size=1, max_size=30),
+    graphs=st.integers(1, 4),
+    align=st.sampled_from([4, 8, 16]),
+)
+@settings(max_examples=100, deadline=None)
+def test_replayed_plan_is_the_least_padding_with_the_budget_kept_largest(tokens, graphs, align) -> None:
+    """Every aligned set of at most ``graphs`` buckets ending at the budget pads the replayed
+    calls at least as much as the chosen one, which always ends at the budget (the schedule's
+    token bound), however small the calls are."""
+    budget = 64
+    doc = planner.plan_replayed(np.array(tokens), graphs, align, budget, (16, 32, 64), (32, 48))
+    below = range(align, budget, align)
+    best = min(
+        padded_plain(tokens, [*extra, budget])
+        for k in range(graphs)
+        for extra in itertools.combinations(below, k)
+    )
+    assert doc["buckets"][-1] == budget and len(doc["buckets"]) <= graphs
+    assert doc["padded_tokens"] == best == doc["pareto"][-1]["padded_tokens"]
+    assert doc["baseline"]["padded_tokens"] == padded_plain(tokens, [16, 32, 64])
+    assert doc["offline_optimum"] is None  # its largest bucket (48) replays another schedule
+    with_offline = planner.plan_replayed(np.array(tokens), graphs, align, budget, (64,), (8, 64))
+    assert with_offline["offline_optimum"]["padded_tokens"] == padded_plain(tokens, [8, 64])
+
+
+def test_replayed_plan_refuses_a_budget_off_the_alignment() -> None:
+    with pytest.raises(PlanError, match="token budget 100 .* not a multiple of --align 64"):
+        planner.plan_replayed(np.array([10, 20]), 2, 64, 100, (100,), (100,))

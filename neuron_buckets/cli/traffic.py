@@ -18,9 +18,16 @@ from neuron_buckets.config import Config, enumerate_grid, load_config
 from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.traffic.padding_stats import inspect_trace
-from neuron_buckets.traffic.planner import PlanOptions, plan
+from neuron_buckets.traffic.planner import PlanOptions, plan, plan_replayed
+from neuron_buckets.traffic.replay_load import STEP_S, TOKEN_S, ReplayLoad
 from neuron_buckets.traffic.report import print_bucket_plan, print_inspect, toml_snippet
-from neuron_buckets.traffic.runtime_replay import fit_requests, packed_report, prefix_report, replay_runtime
+from neuron_buckets.traffic.runtime_replay import (
+    Replay,
+    fit_requests,
+    packed_report,
+    prefix_report,
+    replay_runtime,
+)
 from neuron_buckets.traffic.trace_prompts import trace_prompts
 from neuron_buckets.traffic.traces import Trace, load_trace
 
@@ -42,6 +49,28 @@ RateOpt = Annotated[
 ]
 SeqsOpt = Annotated[
     int | None, typer.Option("--max-num-seqs", help="Decode slots in the replay (at most this many)")
+]
+ConcurrencyOpt = Annotated[
+    int | None,
+    typer.Option("--concurrency", min=1, help="Runtime replay in a closed loop: this many in flight"),
+]
+ArrivalsOpt = Annotated[
+    bool, typer.Option("--arrivals", help="Runtime replay: requests join at the trace's arrival times")
+]
+StepSecondsOpt = Annotated[
+    float, typer.Option("--step-seconds", min=0.0, help="Replayed clock (--arrivals): seconds per step")
+]
+TokenSecondsOpt = Annotated[
+    float, typer.Option("--token-seconds", min=0.0, help="Replayed clock (--arrivals): seconds per token")
+]
+ReplayRequestsOpt = Annotated[
+    int, typer.Option("--replay-requests", min=1, help="Requests of the trace the runtime replay runs")
+]
+TraceBlockOpt = Annotated[
+    int, typer.Option("--trace-block-size", min=1, help="Tokens per hash_ids block of a Mooncake trace")
+]
+ConfigArg = Annotated[
+    Path | None, typer.Argument(help="TOML config whose buckets to inspect; default: embedded")
 ]
 
 
@@ -70,9 +99,7 @@ def _emit(doc: dict, as_json: bool, render) -> None:
 
 def inspect(
     trace: TraceOpt,
-    config: Annotated[
-        Path | None, typer.Argument(help="TOML config whose buckets to inspect; default: embedded")
-    ] = None,
+    config: ConfigArg = None,
     prefill_buckets: Annotated[
         str | None, typer.Option("--prefill-buckets", help="Prefill token buckets, e.g. 128,256,512")
     ] = None,
@@ -84,23 +111,30 @@ def inspect(
     decode_rate: RateOpt = 30.0,
     as_json: JsonOpt = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of lengths and padding")] = None,
-    replay_requests: Annotated[
-        int, typer.Option("--replay-requests", min=1, help="Requests of the trace the packed replay runs")
-    ] = 1000,
-    trace_block_size: Annotated[
-        int, typer.Option("--trace-block-size", min=1, help="Tokens per hash_ids block of a Mooncake trace")
-    ] = 512,
+    replay_requests: ReplayRequestsOpt = 1000,
+    trace_block_size: TraceBlockOpt = 512,
+    concurrency: ConcurrencyOpt = None,
+    arrivals: ArrivalsOpt = False,
+    step_seconds: StepSecondsOpt = STEP_S,
+    token_seconds: TokenSecondsOpt = TOKEN_S,
 ) -> None:
     """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
-    what the runtime does: the trace replayed through its scheduler and packing (``packed``), and
-    for a trace with ``hash_ids`` the prefix cache's hits, evictions and prefill tokens saved."""
+    what the runtime does: the trace replayed through its scheduler and packing (``packed``; all
+    requests at once, or ``--concurrency`` / ``--arrivals``), and for a trace with ``hash_ids``
+    the prefix cache's hits, evictions and prefill tokens saved."""
     built = load_manifest_buckets(manifest) if manifest else None
     prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
+    replays = built is None and prefill_buckets is None and num_seqs_buckets is None
+    if not replays and (concurrency is not None or arrivals):
+        raise ValueError(
+            "--concurrency and --arrivals replay a config's grid: pass a CONFIG, not --manifest or buckets"
+        )
     data = _load(trace)
+    load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
     doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
-    if built is None and prefill_buckets is None and num_seqs_buckets is None:
-        doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size)
+    if replays:
+        doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 
@@ -109,22 +143,33 @@ def inspect(
     _emit(doc, as_json, print_inspect)
 
 
-def _packed(config: Config, trace: Trace, limit: int, trace_block_size: int) -> dict:
-    """The runtime's calls and padding for the first ``limit`` requests of the trace; with the
-    trace's ``hash_ids``, also its prefix-cache hits at the configured cache size."""
+def _replay_load(
+    trace: Trace, concurrency: int | None, arrivals: bool, step_s: float, token_s: float
+) -> ReplayLoad:
+    if arrivals and trace.arrivals is None:
+        raise ValueError("--arrivals: the trace has no TIMESTAMP or timestamp column")
+    return ReplayLoad.of(concurrency, trace.arrivals if arrivals else None, step_s, token_s)
+
+
+def _packed(
+    config: Config, trace: Trace, limit: int, trace_block_size: int, load: ReplayLoad
+) -> tuple[dict, Replay]:
+    """The runtime's calls and padding for the first ``limit`` requests of the trace, replayed as
+    ``load`` says; with the trace's ``hash_ids``, also its prefix-cache hits at the configured
+    cache size. The report, and the replay (its calls)."""
     cache = config.cache
     lens, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
     prompts = None
     if trace.hash_ids is not None:
         prompts = trace_prompts(trace.hash_ids[: len(lens)], lens, trace_block_size)
-    counters, pool = replay_runtime(
+    replay = replay_runtime(
         lens, outputs, enumerate_grid(config), cache.num_blocks, cache.block_size, prompts,
-        cache.enable_prefix_caching,
+        cache.enable_prefix_caching, load,
     )
-    doc = packed_report(counters, len(lens))
+    doc = packed_report(replay, len(lens), load)
     if prompts is not None:
-        doc["prefix_cache"] = prefix_report(pool)
-    return doc
+        doc["prefix_cache"] = prefix_report(replay.pool)
+    return doc, replay
 
 
 def _bucket_sets(
@@ -149,12 +194,16 @@ def _bucket_sets(
 def plan_cmd(
     trace: TraceOpt,
     graphs: Annotated[int, typer.Option("--graphs", min=1, help="At most this many prefill graphs")],
+    config: Annotated[
+        Path | None,
+        typer.Argument(help="TOML config to replay the trace on (all at once, or --concurrency, --arrivals)"),
+    ] = None,
     align: Annotated[int, typer.Option("--align", min=1, help="Prefill buckets are multiples of this")] = 64,
     max_num_batched_tokens: Annotated[
         int | None,
         typer.Option("--max-num-batched-tokens", min=1, help="Largest prefill bucket allowed"),
     ] = None,
-    max_num_seqs: SeqsOpt = DEFAULT_MAX_NUM_SEQS,
+    max_num_seqs: SeqsOpt = None,
     decode_graphs: Annotated[
         int | None,
         typer.Option("--decode-graphs", min=1, help="num_seqs buckets; default: as many as powers of two"),
@@ -177,29 +226,57 @@ def plan_cmd(
         int | None,
         typer.Option("--context-graphs", min=1, help="Decode context buckets; default: as the grid"),
     ] = None,
+    concurrency: ConcurrencyOpt = None,
+    arrivals: ArrivalsOpt = False,
+    step_seconds: StepSecondsOpt = STEP_S,
+    token_seconds: TokenSecondsOpt = TOKEN_S,
+    replay_requests: ReplayRequestsOpt = 1000,
+    trace_block_size: TraceBlockOpt = 512,
     as_json: JsonOpt = False,
 ) -> None:
     """Choose the prefill buckets, num_seqs buckets and decode context buckets that minimise
-    padding on a trace."""
+    padding on a trace: each prompt alone (the offline per-request optimum), and with a CONFIG,
+    ``--concurrency`` or ``--arrivals`` the token buckets that minimise the padding of the steps
+    the config's runtime runs on the trace (``replay``), which the TOML snippet then takes; the
+    decode plans then default to the config's max_num_seqs and max_model_len."""
+    data = _load(trace)
+    load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
+    # a replay plans for the config's runtime: its decode slots and context unless told otherwise
+    runtime = load_config(config) if config is not None or not load.all_at_once else None
     opts = PlanOptions(
         graphs=graphs,
         align=align,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_num_seqs=max_num_seqs or (runtime.buckets.max_num_seqs if runtime else DEFAULT_MAX_NUM_SEQS),
         decode_graphs=decode_graphs,
         tokens_per_s=decode_rate,
         max_compile_seconds=max_compile_seconds,
         holdout_split=holdout_split,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len or (runtime.cache.max_model_len if runtime else None),
         context_graphs=context_graphs,
     )
     cost = load_manifest_buckets(manifest).cost if manifest else None
-    data = _load(trace)
     start = time.perf_counter()
     doc = plan(data, opts, cost)
+    if runtime is not None:
+        doc["replay"] = _plan_replayed(runtime, data, opts, doc, load, replay_requests, trace_block_size)
     err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
     doc["toml"] = toml_snippet(doc, trace.name)
     _emit(doc, as_json, print_bucket_plan)
+
+
+def _plan_replayed(
+    config: Config, trace: Trace, opts: PlanOptions, doc: dict, load: ReplayLoad, limit: int, block: int
+) -> dict:
+    """Replay the trace once on the config's grid, then choose the token buckets on its calls."""
+    report, replay = _packed(config, trace, limit, block, load)
+    b = config.buckets
+    tokens = replay.packed_tokens()
+    chosen = plan_replayed(
+        tokens, opts.graphs, opts.align, b.max_num_batched_tokens, b.num_batched_tokens_buckets,
+        doc["prefill"]["buckets"],
+    )
+    return chosen | {"load": report["load"], "requests": report["requests"], "max_num_seqs": b.max_num_seqs}
 
 
 def register(app: typer.Typer) -> None:

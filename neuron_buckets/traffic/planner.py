@@ -17,10 +17,16 @@ context bucket holding it that costs the bucket's positions. Weighting each cont
 tokens decoded there, the optimum minimises the context positions attended. It is exact for that
 per-row cost; the runtime puts rows of similar context in one call, which reads the call's
 deepest row's bucket, so calls that mix contexts cost more than the plan counts.
+
+Token buckets for the steps a server runs are the same programme once more, over the packed
+calls of a runtime replay (``runtime_replay.py``; a closed loop or the trace's arrivals) instead
+of single prompts: ``plan_replayed``. The per-prompt optimum of ``plan`` stays beside it, as what
+it is: the best set were every prompt prefilled alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,6 +150,43 @@ def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> di
     out["compile_seconds"] = chosen["total_compile_seconds"]
     if held is not None:
         out["holdout"] = _holdout(held, opts, buckets, baseline, decode)
+    return out
+
+
+def plan_replayed(
+    tokens: np.ndarray, graphs: int, align: int, budget: int, current: Sequence[int], offline: Sequence[int]
+) -> dict:
+    """``num_batched_tokens_buckets`` minimising the padded tokens of a runtime replay's packed
+    calls (``tokens``: each call's real tokens), at most ``graphs`` of them, the largest fixed at
+    the token budget. Exact, not an estimate: the scheduler and the packing into calls see only
+    the largest token bucket and the row bound (a bucket of ``seq`` tokens holds
+    ``min(max_num_seqs, seq)`` rows, never fewer than a call of that many tokens has), so the
+    smaller buckets change which bucket each call pads to and nothing else; each call is then
+    one item of the programme above. ``current`` (the config's buckets) is the baseline;
+    ``offline`` (the per-request optimum) is scored on the same calls when its largest bucket is
+    the budget, since any other largest bucket replays another schedule."""
+    if budget % align:
+        raise PlanError(
+            f"the token budget {budget} (buckets.max_num_batched_tokens) is not a multiple of --align {align}"
+        )
+    if not len(tokens):
+        raise PlanError("the replay ran no packed call: there is nothing to plan")
+    # a zero-weight call of the budget itself keeps the largest bucket there
+    sets = optimal_sets(np.append(tokens, budget), graphs, align, budget, np.append(np.ones(len(tokens)), 0))
+    distinct = [s for i, s in enumerate(sets) if i == 0 or s != sets[i - 1]]
+    pareto = []
+    for s in distinct:
+        stats = padding_stats(tokens, s)
+        pareto.append({"graphs": len(s), "buckets": list(s), "padded_tokens": stats.padded_total,
+                       "padding_ratio": stats.padding_ratio})  # fmt: skip
+    out = padding_stats(tokens, sets[-1]).to_json("calls", "tokens") | {
+        "max_num_batched_tokens": budget,
+        "baseline": padding_stats(tokens, current).to_json("calls", "tokens"),
+        "offline_optimum": None,
+        "pareto": pareto,
+    }
+    if offline[-1] == budget:
+        out["offline_optimum"] = padding_stats(tokens, offline).to_json("calls", "tokens")
     return out
 
 

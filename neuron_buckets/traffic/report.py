@@ -83,13 +83,15 @@ def print_inspect(console: Console, doc: dict) -> None:
     )
     _print_decode(console, doc["decode"], doc["graphs"])
     if packed := doc.get("packed"):
-        table = _table(f"runtime replay: {packed['requests']:,} requests, packed steps", [
-            "bucket", "calls", "real tokens", "padded tokens",
-        ])
+        title = f"runtime replay: {_load_text(packed['load'], packed['requests'])}, packed steps"
+        table = _table(title, ["bucket", "calls", "real tokens", "padded tokens"])
         for b in packed["per_bucket"]:
             table.add_row(b["bucket"], _num(b["calls"]), _num(b["real_tokens"]), _num(b["padded_tokens"]))
         console.print(table)
-        console.print(f"runtime padding {_pct(packed['padding_ratio'])} of real tokens")
+        console.print(
+            f"runtime padding {_pct(packed['padding_ratio'])} of real tokens over {packed['steps']:,} steps "
+            f"({packed['replayed_seconds']:,.1f} s on the replayed clock)"
+        )
         if cache := packed.get("prefix_cache"):
             console.print(
                 f"prefix cache: {cache['hits']:,} of {cache['queries']:,} prompt tokens hit "
@@ -100,6 +102,16 @@ def print_inspect(console: Console, doc: dict) -> None:
         total = sum(g["seconds"] for g in doc["graphs"])
         size = sum(g["bytes"] for g in doc["graphs"])
         console.print(f"{len(doc['graphs'])} graphs: {total:.1f} s to compile, {_size(size)}")
+
+
+def _load_text(load: dict, requests: int) -> str:
+    """How the replay's requests reached the engine (``ReplayLoad.to_json``), in words."""
+    conc = load["concurrency"]
+    how = "all at once" if conc is None else f"concurrency {conc}"
+    if load["arrivals"]:
+        how = f"at their arrivals ({load['step_seconds']:g} s/step + {load['token_seconds']:g} s/token)"
+        how += "" if conc is None else f", at most {conc} in flight"
+    return f"{requests:,} requests, {how}"
 
 
 def _print_decode(console: Console, decode: dict | None, graphs: list[dict] | None) -> None:
@@ -128,7 +140,7 @@ def _print_decode(console: Console, decode: dict | None, graphs: list[dict] | No
 def print_bucket_plan(console: Console, doc: dict) -> None:
     prefill, chosen = doc["prefill"], len(doc["prefill"]["buckets"])
     pareto = _table(
-        "prefill plans: graphs against padding and compile cost",
+        "prefill plans, offline per-request optimum (each prompt alone): graphs against padding and compile",
         ["graphs", "buckets", "padding", "compile s", "bytes"],
     )
     for row in doc["pareto"]:
@@ -149,6 +161,8 @@ def print_bucket_plan(console: Console, doc: dict) -> None:
         _compare_rows(compare, "decode context", doc["context"])
     console.print(compare)
     console.print(f"* = chosen: {chosen} prefill graph(s)")
+    if replay := doc.get("replay"):
+        _print_replay(console, replay)
     if doc.get("holdout"):
         held = doc["holdout"]
         line = (
@@ -166,6 +180,24 @@ def print_bucket_plan(console: Console, doc: dict) -> None:
     console.print(doc["toml"], markup=False, highlight=False, soft_wrap=True)
 
 
+def _print_replay(console: Console, replay: dict) -> None:
+    """The token buckets chosen on the replayed steps, beside the config's and the offline ones."""
+    title = (
+        f"token buckets for the replayed steps: {_load_text(replay['load'], replay['requests'])}, "
+        f"max_num_seqs {replay['max_num_seqs']}, {replay['calls']:,} packed calls"
+    )
+    table = _table(title, ["", "buckets", "graphs", "padded tokens", "padding"])
+    rows = [("replay plan", replay), ("config", replay["baseline"])]
+    if replay["offline_optimum"]:
+        rows.append(("offline per-request optimum", replay["offline_optimum"]))
+    for name, part in rows:
+        table.add_row(
+            name, ", ".join(map(str, part["buckets"])), str(len(part["buckets"])),
+            _num(part["padded_tokens"]), _pct(part["padding_ratio"]),
+        )  # fmt: skip
+    console.print(table)
+
+
 def _compare_rows(table: Table, kind: str, section: dict) -> None:
     for name, part in ((f"{kind} plan", section), (f"{kind} powers of two", section["baseline"])):
         table.add_row(
@@ -179,7 +211,16 @@ def toml_snippet(doc: dict, trace_name: str) -> str:
     prefill = doc["prefill"]
     lines = [
         f"# nb plan on {trace_name}: prefill padding {_pct(prefill['padding_ratio'])} "
-        f"(powers of two {_pct(prefill['baseline']['padding_ratio'])})",
+        f"(powers of two {_pct(prefill['baseline']['padding_ratio'])}), each prompt alone",
+    ]
+    if replay := doc.get("replay"):
+        prefill = replay
+        lines.append(
+            f"# token buckets from the runtime replay ({_load_text(replay['load'], replay['requests'])}, "
+            f"max_num_seqs = {replay['max_num_seqs']}): padding {_pct(replay['padding_ratio'])} "
+            f"(the config's {_pct(replay['baseline']['padding_ratio'])})"
+        )
+    lines += [
         "[buckets]",
         f"max_num_batched_tokens = {prefill['buckets'][-1]}",
         f"num_batched_tokens_buckets = {prefill['buckets']}",

@@ -3,10 +3,10 @@
 The replay drives the engine's own scheduler (``engine/scheduler.py``: ``schedule``, then
 ``commit``) with dummy tokens, and lays each plan onto the buckets with the runtime's own
 ``BucketSet``, so its per-bucket calls, real and padded tokens are the runtime's counters for the
-same requests submitted together (``generate`` with every prompt at once, each running to its
-output length, as with ``ignore_eos``; arrival times are not replayed here). Unlike the
-per-request figures beside it, this is the padding of packed steps: several prompts share one
-token bucket.
+same requests run to their output lengths (as with ``ignore_eos``), reaching the engine as
+``ReplayLoad`` says: all at once, a closed loop at a fixed concurrency, or at their arrivals on a
+modelled clock. Unlike the per-request figures beside it, this is the padding of packed steps:
+several prompts, continuing chunks and (mixed steps) decode rows share one token bucket.
 
 Given the prompts' tokens (a trace with prefix information, ``traffic/trace_prompts.py``) the
 replay runs the block pool with prefix caching as configured, so hits, evictions and the
@@ -16,15 +16,37 @@ own and nothing is shared.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
-from neuron_buckets.runtime.bucket_set import BucketSet
+from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.traffic.replay_load import ALL_AT_ONCE, ReplayLoad
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the replay ran: the runtime's counters per ``Bucket.name``, every graph call in order,
+    the steps, the replayed clock at the end (``ReplayLoad``'s step-time model), and the pool
+    (its prefix-cache counters)."""
+
+    stats: dict[str, BucketStats]
+    calls: tuple[Call, ...]
+    steps: int
+    seconds: float
+    pool: BlockPool
+
+    def packed_tokens(self) -> np.ndarray:
+        """Real tokens of every call of a token (prefill) bucket: what ``nb plan`` pads."""
+        return np.array([c.real_tokens for c in self.calls if c.bucket.kind == "prefill"], dtype=np.int64)
 
 
 def replay_runtime(
@@ -35,22 +57,35 @@ def replay_runtime(
     block_size: int,
     prompts: Sequence[Sequence[int]] | None = None,
     enable_prefix_caching: bool = False,
-) -> tuple[dict[str, BucketStats], BlockPool]:
-    """Per-bucket counters, keyed by ``Bucket.name``, of generating every request at once, and
-    the pool the replay ran on (its prefix-cache counters)."""
+    load: ReplayLoad = ALL_AT_ONCE,
+) -> Replay:
+    """Generate every request through the scheduler and the bucket set, the requests reaching the
+    waiting queue between steps as ``load`` says."""
     bucket_set = BucketSet.of(buckets)
     stats = {b.name: BucketStats() for b in buckets}
     pool = BlockPool(num_blocks, block_size, enable_prefix_caching and prompts is not None)
     sched = Scheduler(pool, bucket_set.token_budget, bucket_set.max_rows)
+    requests = []
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
         tokens = [0] * p if prompts is None else list(prompts[i][:p])
-        sched.add(Request(i, tokens, p, SamplingParams(max_tokens=o, ignore_eos=True)))
-    while sched.busy:
+        requests.append(Request(i, tokens, p, SamplingParams(max_tokens=o, ignore_eos=True)))
+    pending = deque(load.order(len(requests)))
+    calls: list[Call] = []
+    steps, clock = 0, 0.0
+    while pending or sched.busy:
+        while pending and load.admits(len(sched.waiting) + len(sched.running), pending[0], clock):
+            sched.add(requests[pending.popleft()])
+        if not sched.busy:  # only an arrival replay runs dry: on to the next arrival
+            clock = max(clock, load.arrivals[pending[0]])
+            continue
         plan = sched.schedule()
         for call in bucket_set.calls(plan):
             stats[call.bucket.name].add(call.real_tokens, call.bucket.tokens)
+            calls.append(call)
+        clock += load.step_seconds(plan)
+        steps += 1
         sched.commit(plan, [[0] * min(s.num_samples, 1) for s in plan])
-    return stats, pool
+    return Replay(stats, tuple(calls), steps, clock, pool)
 
 
 def fit_requests(
@@ -76,13 +111,18 @@ def prefix_report(pool: BlockPool) -> dict:
     }
 
 
-def packed_report(counters: dict[str, BucketStats], requests: int) -> dict:
-    """The ``packed`` section of ``nb inspect --json``: the runtime's counters per bucket."""
+def packed_report(replay: Replay, requests: int, load: ReplayLoad) -> dict:
+    """The ``packed`` section of ``nb inspect --json``: how the requests were replayed, and the
+    runtime's counters per bucket."""
+    counters = replay.stats
     per_bucket = [{"bucket": name, **vars(c)} for name, c in counters.items() if c.calls]
     real = sum(c.real_tokens for c in counters.values())
     padded = sum(c.padded_tokens for c in counters.values())
     return {
         "requests": requests,
+        "load": load.to_json(),
+        "steps": replay.steps,
+        "replayed_seconds": replay.seconds,
         "per_bucket": per_bucket,
         "real_tokens": real,
         "padded_tokens": padded,
