@@ -139,7 +139,7 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
          "buckets.num_seqs_buckets: linear buckets need 0 < min <= max"),
         ("[buckets]\ndecode_context_length_buckets = [40, 256]", "40 is not a multiple of cache.block_size"),
         ("[buckets]\ndecode_context_length_buckets = [128]", "decode_context_length_buckets must equal 256"),
-        ("[speculative]\nmethod = 'draft_model'", "speculative.method = 'draft_model' is not built yet"),
+        ("[speculative]\nmethod = 'draft_model'", "speculative.draft_model: method 'draft_model' needs"),
         ("[speculative]\nmethod = 'eagle'", "speculative.method must be one of .* got 'eagle'"),
         ("[speculative]\nnum_speculative_tokens = -2", "num_speculative_tokens must be a non-negative"),
         ("[speculative]\nprompt_lookup_min = 5", "prompt_lookup_min and prompt_lookup_max need 1 <= min"),

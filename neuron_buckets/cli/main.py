@@ -112,18 +112,22 @@ def compile_(
     c = cfg.compile
     runs = f"{c.jobs} jobs" if c.executor == "local" else f"Ray tasks of {c.task_cpus} CPUs"
     shared = compiler.cache.remote
+    draft = compiler.draft
+    buckets = len(compiler.buckets) + (len(draft.buckets) if draft else 0)
+    of_draft = f" ({len(draft.buckets)} buckets, {len(draft.shapes)} pieces the draft's)" if draft else ""
     err.print(
-        f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend {c.backend} on "
-        f"{c.device}, {runs} -> {out}" + (f", sharing {shared.location}" if shared else "")
+        f"{buckets} buckets in {compiler.num_pieces} pieces{of_draft}"
+        + f", backend {c.backend} on {c.device}, {runs} -> {out}"
+        + (f", sharing {shared.location}" if shared else "")
     )
-    with CompileProgress(len(compiler.shapes), err) as progress:
+    with CompileProgress(compiler.num_pieces, err) as progress:
         report = compiler.run(c.jobs, progress)
-    reused = len(report.outcomes) - len(report.compiled) - len(report.failed)
+    reused = len(report.all_outcomes) - len(report.compiled) - len(report.failed)
     err.print(
         f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
         f"manifest: {out / 'manifest.json'}"
     )
-    if report.failed or len(report.outcomes) < len(compiler.shapes):
+    if report.failed or len(report.all_outcomes) < compiler.num_pieces:
         raise typer.Exit(1)
 
 
