@@ -1,0 +1,218 @@
+"""Draft-model speculation end to end: a second checkpoint compiled into the artifact's draft/,
+drafting 3 tokens per target step into its own cache over the target's blocks.
+
+With the target as its own draft every draft must be accepted (the accepted length is k at every
+step) and the tokens must be those without speculation; with a different, random draft most
+drafts are rejected and the tokens still must not change. Blocks of 8 and rows of 1 + 3 tokens,
+so drafts cross block boundaries often; the long prompt is prefilled in two chunks beside the
+others' drafted rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_buckets.config import ConfigError, load_config
+from neuron_buckets.config.draft import DRAFT
+from neuron_buckets.config.speculative import SpeculativeConfig
+from neuron_buckets.engine.llm_engine import LLMEngine, generate
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
+from tests.conftest import save_tiny_llama, write_config
+from tests.test_engine import EAGER_SPECULATIVE
+from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle fixture
+from tests.test_speculative_decoding import PROMPTS, greedy_params, recording
+
+K = 3
+DRAFT_SECTION = f"""
+[speculative]
+method = "draft_model"
+draft_model = "{{draft}}"
+num_speculative_tokens = {K}
+"""
+
+
+def compile_with_draft(tmp: Path, model: Path, draft: Path, cache: Path):
+    from neuron_buckets.compile.compiler import Compiler
+
+    text = EAGER_SPECULATIVE.replace("speculation_length = 2", f"speculation_length = {K}")
+    text += DRAFT_SECTION.replace("{draft}", draft.as_posix())
+    config = load_config(write_config(tmp, model, text))
+    report = Compiler(config, tmp / "artifact", cache).run(jobs=1)
+    assert not report.failed
+    return config, report
+
+
+@pytest.fixture(scope="module")
+def graph_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("draft-graph-cache")
+
+
+@pytest.fixture(scope="module")
+def self_draft(hf_model_dir: Path, graph_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An artifact whose draft is the target's own checkpoint, and the config that built it."""
+    tmp = tmp_path_factory.mktemp("self-draft")
+    config, report = compile_with_draft(tmp, hf_model_dir, hf_model_dir, graph_cache)
+    return BucketRuntime.open(tmp / "artifact"), config.speculative, report
+
+
+@pytest.fixture(scope="module")
+def random_draft(hf_model_dir: Path, graph_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An artifact whose draft is another random model of the same vocabulary: one layer, narrower."""
+    tmp = tmp_path_factory.mktemp("random-draft")
+    draft = save_tiny_llama(tmp / "draft-model", seed=7, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    config, _ = compile_with_draft(tmp, hf_model_dir, draft, graph_cache)
+    return BucketRuntime.open(tmp / "artifact"), config.speculative
+
+
+def off(runtime: BucketRuntime, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in generate(LLMEngine(runtime), prompts, params)]
+
+
+def assert_every_row_drafts_its_whole_room(plans, params: list[SamplingParams], prompts) -> None:
+    """Each decode row carries min(k, tokens still to generate - 1) drafts: the draft model always
+    proposes all it may (request ids follow the order the prompts were added)."""
+    first = min(s.request_id for p in plans for s in p)
+    for s in (s for p in plans for s in p if s.num_samples == len(s.token_ids)):
+        i = s.request_id - first
+        generated = s.context_len + 1 - len(prompts[i])
+        assert len(s.token_ids) - 1 == min(K, params[i].max_tokens - generated - 1)
+
+
+def test_the_target_as_its_own_draft_accepts_every_draft_and_changes_no_token(self_draft, hf_greedy):
+    runtime, spec, _ = self_draft
+    params = greedy_params(40, 40, 40)
+    plain = off(runtime, PROMPTS, params)
+    engine = LLMEngine(runtime, speculative=spec)
+    plans = recording(engine)
+    got = [o.token_ids for o in generate(engine, PROMPTS, params)]
+    assert got == plain == hf_greedy(PROMPTS, 40)
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens  # 100%
+    assert stats.acceptance_rate == 1.0
+    assert_every_row_drafts_its_whole_room(plans, params, PROMPTS)
+    rows = [s for p in plans for s in p if s.num_samples > 1]
+    assert sum(len(s.token_ids) == 1 + K for s in rows) >= len(rows) - 3  # k drafts but at each end
+    assert stats.mean_accepted_length == 1 + stats.num_draft_tokens / stats.num_drafts
+    bs = runtime.block_size
+    assert any(s.context_len // bs != (s.end - 1) // bs for s in rows)  # drafts across a block edge
+    # packed prefill: the long prompt's second chunk ran in a step beside drafted rows
+    assert any(any(s.num_samples > 1 for s in p) and any(s.num_samples <= 1 and len(s.token_ids) > 1
+               for s in p) for p in plans)
+    draft_stats = engine.drafter.runtime.stats
+    assert sum(s.calls for name, s in draft_stats.items() if name.startswith("decode")) > 0
+
+
+def test_requests_end_mid_draft_with_every_draft_still_accepted(self_draft):
+    runtime, spec, _ = self_draft
+    plain = off(runtime, PROMPTS, greedy_params(40, 40, 40))
+    for lengths in ((1, 2, 3), (5, 6, 7)):
+        engine = LLMEngine(runtime, speculative=spec)
+        plans = recording(engine)
+        params = greedy_params(*lengths)
+        got = generate(engine, PROMPTS, params)
+        assert [o.token_ids for o in got] == [p[:n] for p, n in zip(plain, lengths, strict=True)]
+        assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens
+        assert_every_row_drafts_its_whole_room(plans, params, PROMPTS)
+    stops = [p[13] for p in plain]  # a token that an accepted draft carries, not a row's last token
+    engine = LLMEngine(runtime, speculative=spec)
+    got = generate(engine, PROMPTS, [SamplingParams(max_tokens=40, stop_token_ids=(t,)) for t in stops])
+    for o, p, t in zip(got, plain, stops, strict=True):
+        assert o.token_ids == p[: p.index(t) + 1] and o.finish_reason == "stop"
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def poisoned_run(
+    runtime: BucketRuntime, spec: SpeculativeConfig, params: list[SamplingParams]
+) -> tuple[list[list[int]], LLMEngine]:
+    """Generate with both caches NaN before the first step, and after every step NaN in every slot
+    the engine does not count as valid: the target's from ``cached`` on, the draft's from
+    ``min(draft_cached, cached)`` on (its rejected drafts included). Any read of such a slot turns
+    logits to NaN: the target's tokens or the draft's proposals would change."""
+    engine = LLMEngine(runtime, speculative=spec)
+    draft = engine.drafter.runtime
+    caches = [runtime.k_cache, runtime.v_cache, draft.k_cache, draft.v_cache]
+    for cache in caches:
+        cache.fill_(float("nan"))
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    final, bs = {}, runtime.block_size
+    while len(final) < len(ids):
+        final.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        for req in engine.scheduler.running:
+            for valid, pair in ((req.cached, caches[:2]), (min(req.draft_cached, req.cached), caches[2:])):
+                slots = torch.arange(valid, len(req.blocks) * bs)
+                blocks = torch.tensor(req.blocks, dtype=torch.int64)[slots // bs]
+                for cache in pair:
+                    cache[:, blocks, slots % bs] = float("nan")
+    return [final[i] for i in ids], engine
+
+
+def test_a_poisoned_cache_changes_neither_tokens_nor_acceptance(self_draft, random_draft):
+    params = greedy_params(30, 30, 30)
+    runtime, spec, _ = self_draft
+    tokens, engine = poisoned_run(runtime, spec, params)
+    assert tokens == off(runtime, PROMPTS, params)
+    assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens > 0
+    runtime, spec = random_draft
+    clean = LLMEngine(runtime, speculative=spec)
+    expected = [o.token_ids for o in generate(clean, PROMPTS, params)]
+    tokens, engine = poisoned_run(runtime, spec, params)
+    assert tokens == expected == off(runtime, PROMPTS, params)
+    assert engine.spec_stats == clean.spec_stats  # the draft read no slot it had not computed
+    assert engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens
+
+
+def test_a_different_random_draft_keeps_greedy_tokens_and_counts_its_rejections(random_draft, hf_greedy):
+    runtime, spec = random_draft
+    params = greedy_params(40, 40, 40)
+    engine = LLMEngine(runtime, speculative=spec)
+    plans = recording(engine)
+    got = [o.token_ids for o in generate(engine, PROMPTS, params)]
+    assert got == off(runtime, PROMPTS, params) == hf_greedy(PROMPTS, 40)
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens
+    assert 0 <= stats.acceptance_rate < 1 and 1 <= stats.mean_accepted_length < 1 + K
+    assert_every_row_drafts_its_whole_room(plans, params, PROMPTS)
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=11, ignore_eos=True)
+    once, again = (generate(LLMEngine(runtime, speculative=spec), PROMPTS[:1], [sampled])[0] for _ in "ab")
+    assert once.token_ids == again.token_ids and len(once.token_ids) == 20  # a seed still decides
+
+
+def test_the_draft_is_compiled_into_the_artifact_and_reuses_the_targets_graphs(self_draft):
+    runtime, _, report = self_draft
+    draft = BucketRuntime.open(runtime.directory / DRAFT)
+    assert (draft.block_size, draft.num_blocks, draft.max_model_len) == (
+        runtime.block_size, runtime.num_blocks, runtime.max_model_len)
+    assert [b.name for b in draft.buckets.decode] == ["decode_b2_c96"]
+    assert [b.name for b in draft.buckets.prefill] == [b.name for b in runtime.buckets.prefill]
+    target_keys = set(runtime.manifest.pieces)
+    reused = [o for o in report.draft.outcomes if o.key in target_keys]
+    assert reused and all(o.cached for o in reused)  # the same checkpoint's prefill pieces: cache hits
+    # only the draft's decode layer (2 rows of 1 token) is a graph of its own
+    assert {o.name for o in report.draft.outcomes if o.key not in target_keys} == {"layer_t2_b2_c96"}
+
+
+def test_a_draft_of_another_vocabulary_is_refused_in_one_line(hf_model_dir, tmp_path):
+    from neuron_buckets.compile.compiler import Compiler
+
+    draft = save_tiny_llama(tmp_path / "other-vocab", vocab_size=128)
+    text = EAGER_SPECULATIVE + DRAFT_SECTION.replace("{draft}", draft.as_posix())
+    config = load_config(write_config(tmp_path, hf_model_dir, text))
+    with pytest.raises(ConfigError, match=r"^speculative.draft_model: .* has vocab_size 128, the target 256; "
+                       "a draft model must share the target's vocabulary$"):
+        Compiler(config, tmp_path / "artifact", tmp_path / "cache")
+
+
+def test_an_artifact_without_a_draft_is_refused_in_one_line(random_draft, tmp_path):
+    import shutil
+
+    runtime, spec = random_draft
+    copy = tmp_path / "no-draft"
+    shutil.copytree(runtime.directory, copy, ignore=shutil.ignore_patterns(DRAFT))
+    with pytest.raises(ArtifactError, match="no draft model compiled; set .speculative. method = 'draft_"):
+        LLMEngine(BucketRuntime.open(copy), speculative=spec)
