@@ -16,6 +16,7 @@ from neuron_buckets.config import (
     Config,
     ConfigError,
     ModelSource,
+    SpeculativeConfig,
     load_config,
     parse_config,
 )
@@ -238,3 +239,10 @@ def test_speculative_section_is_off_by_default_and_reads_vllms_names(tmp_path):
         "ngram", 3, 2, 5
     )
     assert spec.enabled
+
+
+def test_a_draft_models_relative_path_resolves_against_the_config_file(tmp_path):
+    text = "[speculative]\nmethod = 'draft_model'\ndraft_model = 'models/small'\nnum_speculative_tokens = 2\n"
+    spec = load_config(write(tmp_path, text)).speculative
+    assert spec.uses_draft_model and spec.draft_model == tmp_path / "models" / "small"
+    assert SpeculativeConfig(method="draft_model").draft_model is None  # a runtime's: the artifact has it

@@ -18,6 +18,8 @@ from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
+from neuron_buckets.config.draft import draft_config
+from neuron_buckets.core.bucket import Bucket
 
 if TYPE_CHECKING:
     from neuron_buckets.compile.compiler import Compiler
@@ -49,16 +51,26 @@ def _root(
 
 @app.command()
 def grid(config: ConfigArg = None) -> None:
-    """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head pieces)."""
+    """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head
+    pieces), and with a draft model the draft's buckets in a table of their own."""
     cfg = load_config(config)
-    table = Table(title=f"bucket grid ({config or 'embedded default'})")
+    buckets = enumerate_grid(cfg)
+    _print_grid(f"bucket grid ({config or 'embedded default'})", buckets)
+    if (draft := draft_config(cfg)) is None:
+        console.print(f"{len(buckets)} buckets")
+        return
+    drafts = enumerate_grid(draft)
+    _print_grid(f"draft model's bucket grid ({draft.model.path})", drafts)
+    console.print(f"{len(buckets) + len(drafts)} buckets, {len(drafts)} of them the draft model's")
+
+
+def _print_grid(title: str, buckets: list[Bucket]) -> None:
+    table = Table(title=title)
     for col in ("kind", "batch", "seq", "ctx", "tokens per step"):
         table.add_column(col, justify="left" if col == "kind" else "right")
-    buckets = enumerate_grid(cfg)
     for b in buckets:
         table.add_row(b.kind, str(b.batch), str(b.seq), str(b.ctx), str(b.tokens))
     console.print(table)
-    console.print(f"{len(buckets)} buckets")
 
 
 CacheDirOpt = Annotated[
