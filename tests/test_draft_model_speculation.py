@@ -216,3 +216,22 @@ def test_an_artifact_without_a_draft_is_refused_in_one_line(random_draft, tmp_pa
     shutil.copytree(runtime.directory, copy, ignore=shutil.ignore_patterns(DRAFT))
     with pytest.raises(ArtifactError, match="no draft model compiled; set .speculative. method = 'draft_"):
         LLMEngine(BucketRuntime.open(copy), speculative=spec)
+
+
+def test_nb_generate_drafts_with_the_artifacts_draft_model(self_draft):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from tests.conftest import error_line
+
+    runtime, _, _ = self_draft
+    args = ["generate", str(runtime.directory), "--prompt-ids", ",".join(map(str, PROMPTS[1])),
+            "--max-new-tokens", "21", "--ignore-eos", "--stats"]  # fmt: skip
+    plain, spec = (CliRunner().invoke(app, [*args, *extra]) for extra in ([], ["--speculative-draft", "3"]))
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert plain.stdout.splitlines()[0] == spec.stdout.splitlines()[0]
+    line = next(line for line in spec.output.splitlines() if line.startswith("speculation:"))
+    assert "draft tokens accepted (100%)" in line and "mean accepted length 4.00" in line  # 20 = 5 rows of 4
+    assert "draft decode_b2_c96" in spec.output  # the draft's own bucket counters
+    both = CliRunner().invoke(app, [*args, "--speculative-draft", "3", "--speculative-ngram", "2"])
+    assert error_line(both).startswith("error: --speculative-ngram and --speculative-draft each pick")

@@ -135,6 +135,11 @@ class LLMEngine:
         """The runtime's per-bucket counters: calls, real tokens, padded tokens."""
         return self.runtime.stats
 
+    @property
+    def draft_stats(self) -> dict[str, BucketStats]:
+        """The draft model's per-bucket counters; none without a draft model."""
+        return self.drafter.runtime.stats if isinstance(self.drafter, DraftModelDrafter) else {}
+
     def check_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, what: str = "prompt"
     ) -> list[int]:
