@@ -235,3 +235,38 @@ def test_nb_generate_drafts_with_the_artifacts_draft_model(self_draft):
     assert "draft decode_b2_c96" in spec.output  # the draft's own bucket counters
     both = CliRunner().invoke(app, [*args, "--speculative-draft", "3", "--speculative-ngram", "2"])
     assert error_line(both).startswith("error: --speculative-ngram and --speculative-draft each pick")
+
+
+def test_nb_inspect_shows_what_speculation_costs_in_graphs_and_compile_time(self_draft, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from neuron_buckets.artifact.manifest import read_manifest
+    from neuron_buckets.cli import app
+    from tests.test_traces import CODE
+
+    runtime, _, report = self_draft
+    args = ["inspect", "--trace", str(CODE), "--manifest", str(runtime.directory)]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    spec = json.loads(result.stdout)["speculation"]
+    own = [o for o in report.draft.outcomes if o.key not in runtime.manifest.pieces]
+    draft = read_manifest(runtime.directory / DRAFT)
+    assert spec["speculation_length"] == K
+    assert spec["draft"] == {
+        "buckets": 2, "pieces": 1, "shared_pieces": 3, "bytes": sum(draft.pieces[o.key].bytes for o in own),
+        "compile_seconds": round(sum(draft.pieces[o.key].compile_seconds for o in own), 3),
+        "weights_bytes": draft.weights.bytes,
+    }  # fmt: skip
+    assert spec["verify"]["pieces"] == 1 and spec["target"]["pieces"] == len(runtime.manifest.pieces)
+    rich = CliRunner().invoke(app, args)
+    assert "draft model: 2 buckets, 1 pieces of its own" in rich.output.replace("\n", " ")
+    config = tmp_path / "nb.toml"
+    config.write_text("[buckets]\nspeculation_length = 3\nnum_seqs_buckets = [1, 2, 4]\n[speculative]\n"
+                      "method = 'draft_model'\ndraft_model = 'small'\nnum_speculative_tokens = 3\n")
+    planned = CliRunner().invoke(app, ["inspect", "--trace", str(CODE), str(config), "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.stdout)["speculation"] == {
+        "speculation_length": 3, "target_buckets": 4, "verify_buckets": 3, "draft_buckets": 4,
+    }  # fmt: skip
