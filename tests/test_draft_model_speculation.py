@@ -270,3 +270,35 @@ def test_nb_inspect_shows_what_speculation_costs_in_graphs_and_compile_time(self
     assert json.loads(planned.stdout)["speculation"] == {
         "speculation_length": 3, "target_buckets": 4, "verify_buckets": 3, "draft_buckets": 4,
     }  # fmt: skip
+
+
+def test_nb_plan_counts_the_draft_models_graphs_in_the_compile_cost(self_draft, tmp_path):
+    """The same plan over the artifact and over a copy without draft/: the draft's graphs of the
+    chosen sets (priced from its own manifest) add to the compile seconds."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from neuron_buckets.traffic.compile_cost import load_manifest_buckets
+    from tests.test_traces import CODE
+
+    runtime, _, _ = self_draft
+    alone = tmp_path / "no-draft"
+    shutil.copytree(runtime.directory, alone, ignore=shutil.ignore_patterns(DRAFT))
+    docs = []
+    for artifact in (runtime.directory, alone):
+        result = CliRunner().invoke(app, ["plan", "--trace", str(CODE), "--graphs", "2", "--manifest",
+                                          str(artifact), "--max-num-seqs", "2", "--json"])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        docs.append(json.loads(result.stdout))
+    with_draft, without = docs
+    assert with_draft["prefill"]["buckets"] == without["prefill"]["buckets"]
+    cost = load_manifest_buckets(runtime.directory).cost
+    assert cost.draft is not None and load_manifest_buckets(alone).cost.draft is None
+    buckets, seqs = tuple(with_draft["prefill"]["buckets"]), tuple(with_draft["decode"]["buckets"])
+    ctx = tuple(with_draft["context"]["buckets"]) if with_draft["context"] else None
+    extra = sum(g.seconds for g in cost.draft.graphs(buckets, (), ctx) + cost.draft.graphs((), seqs, ctx))
+    assert extra > 0
+    assert with_draft["compile_seconds"] == pytest.approx(without["compile_seconds"] + extra)
