@@ -302,3 +302,22 @@ def test_nb_plan_counts_the_draft_models_graphs_in_the_compile_cost(self_draft, 
     extra = sum(g.seconds for g in cost.draft.graphs(buckets, (), ctx) + cost.draft.graphs((), seqs, ctx))
     assert extra > 0
     assert with_draft["compile_seconds"] == pytest.approx(without["compile_seconds"] + extra)
+
+
+def test_nb_compile_builds_the_draft_and_reuses_it_on_the_next_run(hf_model_dir, graph_cache, tmp_path):
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+
+    text = EAGER_SPECULATIVE.replace("speculation_length = 2", f"speculation_length = {K}")
+    text += DRAFT_SECTION.replace("{draft}", hf_model_dir.as_posix())
+    config = write_config(tmp_path, hf_model_dir, text)
+    args = ["compile", str(config), "--out", str(tmp_path / "artifact"), "--cache-dir", str(graph_cache)]
+    dry = CliRunner().invoke(app, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "decode_b2_c96" in dry.output and "decode_b2_s4_c96" in dry.output  # both grids
+    runs = [CliRunner().invoke(app, args) for _ in "ab"]
+    assert all(r.exit_code == 0 for r in runs), runs[0].output
+    assert "4 buckets in 8 pieces (2 buckets, 4 pieces the draft's)" in runs[0].output.replace("\n", " ")
+    assert "compiled 0, reused 8, failed 0" in runs[1].output  # the draft's pieces are cached too
+    assert BucketRuntime.open(tmp_path / "artifact" / DRAFT).buckets.decode_seq == 1

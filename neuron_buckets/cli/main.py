@@ -144,7 +144,8 @@ def compile_(
 
 
 def print_dry_run(compiler: Compiler) -> None:
-    """The dry run's table: each bucket, where its pieces are, what compiling it would cost."""
+    """The dry run's table: each bucket, where its pieces are, what compiling it would cost; then
+    the draft model's, as a table of its own."""
     from neuron_buckets.compile.compile_plan import PLACES, plan_compile
 
     plan = plan_compile(compiler)
@@ -162,6 +163,8 @@ def print_dry_run(compiler: Compiler) -> None:
         f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
         f"{counts['remote cache']} in the remote cache"
     )
+    if compiler.draft is not None:
+        print_dry_run(compiler.draft)
 
 
 @app.command("ls")
