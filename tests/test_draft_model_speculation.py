@@ -321,3 +321,18 @@ def test_nb_compile_builds_the_draft_and_reuses_it_on_the_next_run(hf_model_dir,
     assert "4 buckets in 8 pieces (2 buckets, 4 pieces the draft's)" in runs[0].output.replace("\n", " ")
     assert "compiled 0, reused 8, failed 0" in runs[1].output  # the draft's pieces are cached too
     assert BucketRuntime.open(tmp_path / "artifact" / DRAFT).buckets.decode_seq == 1
+
+
+def test_a_prefix_cache_hit_shares_the_drafts_cache_too(self_draft):
+    """The second request shares the first's prompt blocks: the draft prefilled them in the same
+    steps as the target, so the draft's K/V there is right and every draft is still accepted."""
+    runtime, spec, _ = self_draft
+    prefix = PROMPTS[2][:24]  # three full blocks
+    prompts = [prefix + [7, 7, 1], prefix + [9, 2]]
+    params = greedy_params(20)
+    plain = [off(runtime, [p], params)[0] for p in prompts]
+    engine = LLMEngine(runtime, speculative=spec)
+    got = [[o.token_ids for o in generate(engine, [p], params)][0] for p in prompts]
+    assert got == plain
+    assert engine.pool.hits == 24  # the second prompt's three blocks came from the cache
+    assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens > 0
