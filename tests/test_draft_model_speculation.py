@@ -336,3 +336,29 @@ def test_a_prefix_cache_hit_shares_the_drafts_cache_too(self_draft):
     assert got == plain
     assert engine.pool.hits == 24  # the second prompt's three blocks came from the cache
     assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens > 0
+
+
+def test_sampled_tokens_with_a_draft_model_follow_the_targets_distribution():
+    """As the n-gram test in test_speculative_decoding.py, with the drafts from a draft model: a
+    runtime double of another Markov chain, whose argmax drafts the target half accepts. 2000
+    seeded requests of 4 tokens: each token's marginal fits the target chain's exact one."""
+    from neuron_buckets.engine.block_pool import BlockPool
+    from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
+    from tests.test_speculative_decoding import MarkovRuntime, p_value
+
+    vocab, new = 5, 4
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.randn(vocab, vocab, generator=gen).softmax(-1)
+    target = MarkovRuntime(probs, K)
+    draft = MarkovRuntime(torch.randn(vocab, vocab, generator=gen).softmax(-1), 0)
+    pool = BlockPool(target.num_blocks, target.block_size)
+    engine = LLMEngine(target, pool=pool, speculative=SpeculativeConfig(num_speculative_tokens=K))
+    engine.drafter = engine.scheduler.drafter = DraftModelDrafter(draft)  # type: ignore[arg-type]
+    params = [SamplingParams(max_tokens=new, temperature=1.0, seed=i) for i in range(2000)]
+    tokens = torch.tensor([o.token_ids for o in generate(engine, [[0, 1, 2, 3]] * 2000, params)])
+    marginal = torch.eye(vocab)[3]
+    for t in range(new):
+        marginal = marginal @ probs
+        assert p_value(torch.bincount(tokens[:, t], minlength=vocab), marginal) > 0.001, t
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
