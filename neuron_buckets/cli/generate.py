@@ -93,7 +93,7 @@ SPECULATIVE_HELP = (
 )
 DRAFT_HELP = (
     "Draft K tokens per decode row with the draft model compiled into the artifact's draft/ "
-    "([speculative] method = 'draft_model'); K <= the artifact's speculation_length. 0 = off"
+    "(speculative.method = 'draft_model'); K <= the artifact's speculation_length. 0 = off"
 )
 
 
