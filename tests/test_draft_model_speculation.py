@@ -321,6 +321,8 @@ def test_nb_compile_builds_the_draft_and_reuses_it_on_the_next_run(hf_model_dir,
     assert "4 buckets in 8 pieces (2 buckets, 4 pieces the draft's)" in runs[0].output.replace("\n", " ")
     assert "compiled 0, reused 8, failed 0" in runs[1].output  # the draft's pieces are cached too
     assert BucketRuntime.open(tmp_path / "artifact" / DRAFT).buckets.decode_seq == 1
+    listing = CliRunner().invoke(app, ["ls", str(tmp_path / "artifact")])
+    assert listing.exit_code == 0 and "draft model: 2 buckets in draft/" in listing.output
 
 
 def test_a_prefix_cache_hit_shares_the_drafts_cache_too(self_draft):

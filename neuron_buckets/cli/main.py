@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from neuron_buckets import __version__
-from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.artifact.manifest import MANIFEST, read_manifest
 from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err
 from neuron_buckets.cli.console import out as console
@@ -18,7 +18,7 @@ from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
-from neuron_buckets.config.draft import draft_config
+from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.core.bucket import Bucket
 
 if TYPE_CHECKING:
@@ -192,6 +192,9 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
         f"({sum(p.bytes for p in ok) / 1e6:.1f} MB, {secs:.0f} s of compile); "
         f"weights {m.weights.bytes / 1e6:.1f} MB, sha256 {m.weights.sha256[:12]}"
     )
+    if (directory / DRAFT / MANIFEST).is_file():
+        draft = read_manifest(directory / DRAFT)
+        console.print(f"draft model: {len(draft.buckets)} buckets in {DRAFT}/ (nb ls {directory / DRAFT})")
 
 
 @app.command()
