@@ -61,3 +61,23 @@ def test_missing_config_exits_2(tmp_path):
     result = runner.invoke(app, ["grid", str(tmp_path / "absent.toml")])
     assert result.exit_code == 2
     assert "config file not found" in result.stderr
+
+
+def test_grid_lists_the_draft_models_buckets_beside_the_targets(tmp_path):
+    """The draft's grid is the target's with decode rows of one token: its own table."""
+    path = tmp_path / "draft.toml"
+    path.write_text(
+        "[buckets]\nmax_num_seqs = 2\nnum_seqs_buckets = [1, 2]\nspeculation_length = 3\n"
+        "[speculative]\nmethod = 'draft_model'\ndraft_model = 'small'\nnum_speculative_tokens = 3\n"
+    )
+    result = runner.invoke(app, ["grid", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    target = expected_rows(load_config(path))
+    assert rows[: len(target)] == target
+    draft = rows[len(target) :]
+    one_token_rows = [("decode", "1", "1", "256", "1"), ("decode", "2", "1", "256", "2")]
+    assert [r for r in draft if r[0] == "decode"] == one_token_rows
+    assert [r for r in draft if r[0] == "prefill"] == [r for r in target if r[0] == "prefill"]
+    assert "draft model's bucket grid" in result.stdout
+    assert result.stdout.rstrip().endswith(f"{len(rows)} buckets, {len(draft)} of them the draft model's")

@@ -16,6 +16,7 @@ from neuron_buckets.config import (
     Config,
     ConfigError,
     ModelSource,
+    SpeculativeConfig,
     load_config,
     parse_config,
 )
@@ -139,7 +140,7 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
          "buckets.num_seqs_buckets: linear buckets need 0 < min <= max"),
         ("[buckets]\ndecode_context_length_buckets = [40, 256]", "40 is not a multiple of cache.block_size"),
         ("[buckets]\ndecode_context_length_buckets = [128]", "decode_context_length_buckets must equal 256"),
-        ("[speculative]\nmethod = 'draft_model'", "speculative.method = 'draft_model' is not built yet"),
+        ("[speculative]\nmethod = 'draft_model'", "speculative.draft_model: method 'draft_model' needs"),
         ("[speculative]\nmethod = 'eagle'", "speculative.method must be one of .* got 'eagle'"),
         ("[speculative]\nnum_speculative_tokens = -2", "num_speculative_tokens must be a non-negative"),
         ("[speculative]\nprompt_lookup_min = 5", "prompt_lookup_min and prompt_lookup_max need 1 <= min"),
@@ -238,3 +239,10 @@ def test_speculative_section_is_off_by_default_and_reads_vllms_names(tmp_path):
         "ngram", 3, 2, 5
     )
     assert spec.enabled
+
+
+def test_a_draft_models_relative_path_resolves_against_the_config_file(tmp_path):
+    text = "[speculative]\nmethod = 'draft_model'\ndraft_model = 'models/small'\nnum_speculative_tokens = 2\n"
+    spec = load_config(write(tmp_path, text)).speculative
+    assert spec.uses_draft_model and spec.draft_model == tmp_path / "models" / "small"
+    assert SpeculativeConfig(method="draft_model").draft_model is None  # a runtime's: the artifact has it

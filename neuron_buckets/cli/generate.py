@@ -19,6 +19,7 @@ from neuron_buckets.cli.console import err, int_list
 from neuron_buckets.utils.errors import UserError
 
 if TYPE_CHECKING:  # the serve stage loads on first use, keeping every other `nb` command cheap
+    from neuron_buckets.config.speculative import SpeculativeConfig
     from neuron_buckets.engine.llm_engine import LLMEngine
     from neuron_buckets.engine.request_output import RequestOutput
 
@@ -64,7 +65,8 @@ def print_stats(engine: LLMEngine) -> None:
     table = Table(title="bucket counters")
     for col in ("bucket", "calls", "real tokens", "padded tokens", "padding"):
         table.add_column(col)
-    for label, s in engine.stats.items():
+    counters = [*engine.stats.items(), *((f"draft {name}", s) for name, s in engine.draft_stats.items())]
+    for label, s in counters:
         if s.calls:
             cells = (s.calls, s.real_tokens, s.padded_tokens, f"{s.padding_ratio:.0%}")
             table.add_row(label, *map(str, cells))
@@ -89,6 +91,21 @@ SPECULATIVE_HELP = (
     "Draft up to K tokens per decode row by prompt lookup (n-grams of 1 to 4), verified in the same "
     "step; K <= the artifact's speculation_length. 0 = off"
 )
+DRAFT_HELP = (
+    "Draft K tokens per decode row with the draft model compiled into the artifact's draft/ "
+    "(speculative.method = 'draft_model'); K <= the artifact's speculation_length. 0 = off"
+)
+
+
+def speculative_config(ngram: int, draft: int) -> SpeculativeConfig:
+    """The drafting ``--speculative-ngram`` or ``--speculative-draft`` asks for (one of the two)."""
+    from neuron_buckets.config.speculative import SpeculativeConfig
+
+    if ngram and draft:
+        raise UserError("--speculative-ngram and --speculative-draft each pick a drafter: give one")
+    if draft:
+        return SpeculativeConfig(method="draft_model", num_speculative_tokens=draft)
+    return SpeculativeConfig(num_speculative_tokens=ngram)
 
 
 def generate(
@@ -109,11 +126,11 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="A string that ends a request; repeatable")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Run past end-of-sequence tokens")] = False,
     speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
+    speculative_draft: Annotated[int, typer.Option(min=0, help=DRAFT_HELP)] = 0,
     stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket and speculation counters")] = False,
 ) -> None:
     """Generate through the runtime (continuous batching, packed and chunked prefill): text for
     --prompt, token ids for --prompt-ids; says why each request finished."""
-    from neuron_buckets.config.speculative import SpeculativeConfig
     from neuron_buckets.engine.llm_engine import LLMEngine
     from neuron_buckets.engine.sampling_params import SamplingParams
     from neuron_buckets.engine.tokenizer import Tokenizer
@@ -139,7 +156,7 @@ def generate(
             ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompt]
         else:
             ids = [tokenizer.encode(p) for p in prompt]
-    speculative = SpeculativeConfig(num_speculative_tokens=speculative_ngram)
+    speculative = speculative_config(speculative_ngram, speculative_draft)
     engine = LLMEngine(runtime, tokenizer, speculative=speculative)
     checked = [engine.check_request(p, params, f"prompt {i}") for i, p in enumerate(ids)]
     stream(engine, [engine.add_request(p, params) for p in checked], bool(prompt), max_new_tokens)

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from neuron_buckets import __version__
-from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.artifact.manifest import MANIFEST, read_manifest
 from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err
 from neuron_buckets.cli.console import out as console
@@ -18,6 +18,8 @@ from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
+from neuron_buckets.config.draft import DRAFT, draft_config
+from neuron_buckets.core.bucket import Bucket
 
 if TYPE_CHECKING:
     from neuron_buckets.compile.compiler import Compiler
@@ -49,16 +51,26 @@ def _root(
 
 @app.command()
 def grid(config: ConfigArg = None) -> None:
-    """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head pieces)."""
+    """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head
+    pieces), and with a draft model the draft's buckets in a table of their own."""
     cfg = load_config(config)
-    table = Table(title=f"bucket grid ({config or 'embedded default'})")
+    buckets = enumerate_grid(cfg)
+    _print_grid(f"bucket grid ({config or 'embedded default'})", buckets)
+    if (draft := draft_config(cfg)) is None:
+        console.print(f"{len(buckets)} buckets")
+        return
+    drafts = enumerate_grid(draft)
+    _print_grid(f"draft model's bucket grid ({draft.model.path})", drafts)
+    console.print(f"{len(buckets) + len(drafts)} buckets, {len(drafts)} of them the draft model's")
+
+
+def _print_grid(title: str, buckets: list[Bucket]) -> None:
+    table = Table(title=title)
     for col in ("kind", "batch", "seq", "ctx", "tokens per step"):
         table.add_column(col, justify="left" if col == "kind" else "right")
-    buckets = enumerate_grid(cfg)
     for b in buckets:
         table.add_row(b.kind, str(b.batch), str(b.seq), str(b.ctx), str(b.tokens))
     console.print(table)
-    console.print(f"{len(buckets)} buckets")
 
 
 CacheDirOpt = Annotated[
@@ -112,23 +124,28 @@ def compile_(
     c = cfg.compile
     runs = f"{c.jobs} jobs" if c.executor == "local" else f"Ray tasks of {c.task_cpus} CPUs"
     shared = compiler.cache.remote
+    draft = compiler.draft
+    buckets = len(compiler.buckets) + (len(draft.buckets) if draft else 0)
+    of_draft = f" ({len(draft.buckets)} buckets, {len(draft.shapes)} pieces the draft's)" if draft else ""
     err.print(
-        f"{len(compiler.buckets)} buckets in {len(compiler.shapes)} pieces, backend {c.backend} on "
-        f"{c.device}, {runs} -> {out}" + (f", sharing {shared.location}" if shared else "")
+        f"{buckets} buckets in {compiler.num_pieces} pieces{of_draft}"
+        + f", backend {c.backend} on {c.device}, {runs} -> {out}"
+        + (f", sharing {shared.location}" if shared else "")
     )
-    with CompileProgress(len(compiler.shapes), err) as progress:
+    with CompileProgress(compiler.num_pieces, err) as progress:
         report = compiler.run(c.jobs, progress)
-    reused = len(report.outcomes) - len(report.compiled) - len(report.failed)
+    reused = len(report.all_outcomes) - len(report.compiled) - len(report.failed)
     err.print(
         f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
         f"manifest: {out / 'manifest.json'}"
     )
-    if report.failed or len(report.outcomes) < len(compiler.shapes):
+    if report.failed or len(report.all_outcomes) < compiler.num_pieces:
         raise typer.Exit(1)
 
 
 def print_dry_run(compiler: Compiler) -> None:
-    """The dry run's table: each bucket, where its pieces are, what compiling it would cost."""
+    """The dry run's table: each bucket, where its pieces are, what compiling it would cost; then
+    the draft model's, as a table of its own."""
     from neuron_buckets.compile.compile_plan import PLACES, plan_compile
 
     plan = plan_compile(compiler)
@@ -146,6 +163,8 @@ def print_dry_run(compiler: Compiler) -> None:
         f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
         f"{counts['remote cache']} in the remote cache"
     )
+    if compiler.draft is not None:
+        print_dry_run(compiler.draft)
 
 
 @app.command("ls")
@@ -173,6 +192,9 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
         f"({sum(p.bytes for p in ok) / 1e6:.1f} MB, {secs:.0f} s of compile); "
         f"weights {m.weights.bytes / 1e6:.1f} MB, sha256 {m.weights.sha256[:12]}"
     )
+    if (directory / DRAFT / MANIFEST).is_file():
+        draft = read_manifest(directory / DRAFT)
+        console.print(f"draft model: {len(draft.buckets)} buckets in {DRAFT}/ (nb ls {directory / DRAFT})")
 
 
 @app.command()

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from neuron_buckets.cli.generate import SPECULATIVE_HELP
+from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, speculative_config
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -32,6 +32,7 @@ def serve(
         int, typer.Option(min=1, help="Largest request body in bytes; larger get HTTP 413")
     ] = 1 << 20,
     speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
+    speculative_draft: Annotated[int, typer.Option(min=0, help=DRAFT_HELP)] = 0,
     shutdown_timeout: Annotated[
         float, typer.Option(min=0, help="Seconds open requests may take to finish after SIGTERM")
     ] = 30.0,
@@ -47,8 +48,6 @@ def serve(
     ] = None,
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
-    from neuron_buckets.config.speculative import SpeculativeConfig
-
     try:
         from neuron_buckets.server.access import ServerAccess
         from neuron_buckets.server.api_server import ServerLimits, run_server
@@ -59,7 +58,7 @@ def serve(
     if key_metrics and not api_key:
         raise UserError("--key-metrics needs --api-key (or NB_API_KEY)")
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
-    speculative = SpeculativeConfig(num_speculative_tokens=speculative_ngram)
+    speculative = speculative_config(speculative_ngram, speculative_draft)
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
     run_server(directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access)
 

@@ -28,6 +28,7 @@ from neuron_buckets.traffic.runtime_replay import (
     prefix_report,
     replay_runtime,
 )
+from neuron_buckets.traffic.speculation_cost import measured_speculation, planned_speculation
 from neuron_buckets.traffic.trace_prompts import trace_prompts
 from neuron_buckets.traffic.traces import Trace, load_trace
 
@@ -121,7 +122,8 @@ def inspect(
     """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
     what the runtime does: the trace replayed through its scheduler and packing (``packed``; all
     requests at once, or ``--concurrency`` / ``--arrivals``), and for a trace with ``hash_ids``
-    the prefix cache's hits, evictions and prefill tokens saved."""
+    the prefix cache's hits, evictions and prefill tokens saved. What speculation costs in graphs
+    (``speculation``): measured with --manifest, counted in buckets with a config."""
     built = load_manifest_buckets(manifest) if manifest else None
     prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
@@ -135,6 +137,9 @@ def inspect(
     doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
     if replays:
         doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
+    spec = measured_speculation(manifest) if manifest else planned_speculation(load_config(config))
+    if spec is not None:
+        doc["speculation"] = spec
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 

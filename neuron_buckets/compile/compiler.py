@@ -8,6 +8,11 @@ loop here: after every finished piece the manifest is rewritten atomically, so a
 moment loses at most the pieces still compiling, and the next run resumes with exactly those. A
 failing piece is recorded with its error and log (its buckets fail); the rest go on. A piece
 whose worker died is compiled again, ``compile.retries`` times, then recorded as failed.
+
+With a draft model (``[speculative] method = "draft_model"``) a second compiler builds the draft's
+sub-artifact, ``<out>/draft/``, from ``config/draft.py``'s config, after the target and under the
+target's lock: the same pipeline, its own manifest, weights and buckets, its pieces keyed and
+cached like any other (a draft with the target's shapes reuses the target's prefill graphs).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from neuron_buckets.compile.output_dir import check_owned, owned_directory, prun
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import eos_token_ids, text_sources, write_text_files
 from neuron_buckets.compile.worker import CompileTask, Toolchain
-from neuron_buckets.config import Config, enumerate_grid
+from neuron_buckets.config import Config, ConfigError, enumerate_grid
+from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.config.memory import check_compile_memory, compile_job_bytes
 from neuron_buckets.model.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
 from neuron_buckets.model.model_config import LlamaConfig
@@ -81,14 +87,20 @@ class CompileReport:
     out: Path
     outcomes: list[Outcome] = field(default_factory=list)
     buckets: list[BucketRecord] = field(default_factory=list)
+    draft: CompileReport | None = None  # the draft model's sub-artifact, when there is one
+
+    @property
+    def all_outcomes(self) -> list[Outcome]:
+        """The target's pieces, then the draft model's."""
+        return self.outcomes + (self.draft.all_outcomes if self.draft else [])
 
     @property
     def failed(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.status != "ok"]
+        return [o for o in self.all_outcomes if o.status != "ok"]
 
     @property
     def compiled(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.status == "ok" and not o.cached]
+        return [o for o in self.all_outcomes if o.status == "ok" and not o.cached]
 
 
 def cache_geometry(model: LlamaConfig, config: Config) -> CacheGeometry:
@@ -170,6 +182,25 @@ class Compiler:
             for s in self.shapes
         }
         self.cache.check()  # an unusable store fails here, before anything is written
+        self.draft = self._draft_compiler(cache_dir, local_cache)
+
+    def _draft_compiler(self, cache_dir: str | Path, local_cache: Path | None) -> Compiler | None:
+        """The compiler of the draft model's sub-artifact; a draft of another vocabulary is refused."""
+        if (config := draft_config(self.config)) is None:
+            return None
+        draft = Compiler(config, self.out / DRAFT, cache_dir, self.fail_fast, local_cache=local_cache,
+                         ray_address=self.ray_address)
+        if (got := draft.model_config.vocab_size) != (want := self.model_config.vocab_size):
+            raise ConfigError(
+                f"speculative.draft_model: {config.model.path} has vocab_size {got}, the target "
+                f"{want}; a draft model must share the target's vocabulary"
+            )
+        return draft
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces this run builds or reuses, the draft's included."""
+        return len(self.shapes) + (self.draft.num_pieces if self.draft else 0)
 
     def graph_file(self, key: str) -> Path:
         return self.out / GRAPHS / f"{key}.{self.backend.graph_ext}"
@@ -329,7 +360,11 @@ class Compiler:
             ok = [self.graph_file(o.key) for o in done.values() if o.status == "ok"]
             keep = {f.relative_to(self.out).as_posix() for f in ok} | set(self.manifest.text.files)
             prune(self.out, old, keep)
-            return CompileReport(self.out, [done[s] for s in self.shapes if s in done], self.manifest.buckets)
+            outcomes = [done[s] for s in self.shapes if s in done]
+            report = CompileReport(self.out, outcomes, self.manifest.buckets)
+            if self.draft is not None and not self._stopped(done):
+                report.draft = self.draft.run(jobs, on_event)
+            return report
 
     def _stopped(self, done: dict[PieceShape, Outcome]) -> bool:
         return self.fail_fast and any(o.status != "ok" for o in done.values())

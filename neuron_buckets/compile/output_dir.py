@@ -28,10 +28,11 @@ from neuron_buckets.artifact.manifest import (
 )
 from neuron_buckets.compile.directory_lock import HOLDER_FILE, LOCK_FILE, directory_lock
 from neuron_buckets.compile.text_files import TEXT_FILES
+from neuron_buckets.config.draft import DRAFT
 
 LOGS = "logs"
-OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, LOGS, TOKENIZER, LOCK_FILE, HOLDER_FILE)
-OWN_FOLDERS = (GRAPHS, LOGS, TOKENIZER)
+OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, LOGS, TOKENIZER, DRAFT, LOCK_FILE, HOLDER_FILE)
+OWN_FOLDERS = (GRAPHS, LOGS, TOKENIZER, DRAFT)
 # Temp files of atomic_write (".<name>.<mkstemp random>.tmp") and compiler.place
 # (".<key>.<ext>.<pid>.tmp"), by the directory they are written in.
 TEMP_PATTERNS = {

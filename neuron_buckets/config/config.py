@@ -35,5 +35,9 @@ class Config:
                 raise ConfigError(f"{key}: {ctx} is not a multiple of cache.block_size={c.block_size}")
         if b.speculation_length + 1 > c.max_model_len:
             raise ConfigError("buckets.speculation_length must be below cache.max_model_len")
+        if self.speculative.uses_draft_model and self.speculative.draft_model is None:
+            raise ConfigError(
+                "speculative.draft_model: method 'draft_model' needs the draft checkpoint's directory"
+            )
         if contexts != spec:
             object.__setattr__(self, "buckets", replace(b, decode_context_length_buckets=contexts))

@@ -43,13 +43,15 @@ def _arguments(name: str, raw: Any) -> dict[str, Any]:
 
 
 def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
-    """Build a parsed TOML document's config; relative model paths resolve against ``base_dir``."""
+    """Build a parsed TOML document's config; relative model paths (the target's and the
+    draft's) resolve against ``base_dir``."""
     if unknown := set(raw) - set(SECTIONS):
         raise ConfigError(f"unknown section(s) {sorted(unknown)}; allowed: {sorted(SECTIONS)}")
     args = {name: _arguments(name, raw.get(name, {})) for name in SECTIONS}
-    path = args["model"].get("path")
-    if base_dir is not None and isinstance(path, str):
-        args["model"]["path"] = base_dir / path
+    for section, key in (("model", "path"), ("speculative", "draft_model")):
+        path = args[section].get(key)
+        if base_dir is not None and isinstance(path, str):
+            args[section][key] = base_dir / path
     return Config(**{name: SECTIONS[name](**a) for name, a in args.items()})
 
 

@@ -4,17 +4,22 @@ Off by default (``num_speculative_tokens = 0``). Drafts ride in the ``1 + specul
 positions a decode row already has, so ``num_speculative_tokens`` may not exceed the artifact's
 compiled ``buckets.speculation_length``; the engine checks that when it opens the artifact. No
 field shapes a graph: the decode rows' width is ``buckets.speculation_length``'s.
+
+``method = "draft_model"`` drafts with a second, smaller checkpoint of the same vocabulary,
+``draft_model``: ``nb compile`` builds it into the artifact's ``draft/`` sub-artifact (its own
+buckets over the same cache geometry, ``config/draft.py``), and the engine runs it from there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.setting import check_types, setting
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -25,10 +30,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int = setting(0, graph=False)  # 0 = off
     prompt_lookup_min: int = setting(1, graph=False)
     prompt_lookup_max: int = setting(4, graph=False)
+    # the draft checkpoint (a directory, as model.path), compiled into the artifact's draft/
+    draft_model: Path | None = setting(None, graph=False)
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ConfigError("speculative.method = 'draft_model' is not built yet; use 'ngram'")
+        if isinstance(self.draft_model, str):
+            object.__setattr__(self, "draft_model", Path(self.draft_model))
+        elif self.draft_model is not None and not isinstance(self.draft_model, Path):
+            got = self.draft_model
+            raise ConfigError(f"speculative.draft_model must be a string (a directory), got {got!r}")
         check_types(self)
         if self.method not in METHODS:
             raise ConfigError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
@@ -37,6 +47,10 @@ class SpeculativeConfig:
                 "speculative.prompt_lookup_min and prompt_lookup_max need 1 <= min <= max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @property
     def enabled(self) -> bool:

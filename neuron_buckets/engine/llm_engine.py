@@ -19,6 +19,8 @@ K prompt-lookup drafts (``engine/ngram_drafter.py``), verified in the same step
 (``engine/rejection_sampler.py``): greedy requests keep the drafts the target's argmax agrees
 with, so their tokens are exactly those without speculation; sampled ones use rejection
 sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances.
+With ``method = "draft_model"`` the drafts come from the artifact's compiled draft model instead
+(``engine/draft_model_drafter.py``), which also prefills every prompt chunk the target does.
 
 Single-threaded: a server drives it from one loop thread.
 """
@@ -38,6 +40,8 @@ from neuron_buckets.artifact.manifest import Manifest
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
+from neuron_buckets.engine.drafter import Drafter
 from neuron_buckets.engine.ngram_drafter import NgramDrafter
 from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sampled, target_probs
 from neuron_buckets.engine.request import Request
@@ -89,10 +93,14 @@ class LLMEngine:
         self.eos_token_ids = frozenset(default if eos_token_ids is None else eos_token_ids)
         spec = speculative or SpeculativeConfig()
         spec.check_fits(runtime.buckets.decode_seq - 1)
-        drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.enabled else None
+        self.drafter: Drafter | None = None
+        if spec.enabled and spec.uses_draft_model:
+            self.drafter = DraftModelDrafter.open(runtime)
+        elif spec.enabled:
+            self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.scheduler = Scheduler(
             self.pool, runtime.buckets.token_budget, runtime.buckets.max_rows,
-            drafter, spec.num_speculative_tokens,
+            self.drafter, spec.num_speculative_tokens,
         )
         self.spec_stats = SpecDecodeStats()
         self._requests: dict[int, Request] = {}
@@ -126,6 +134,11 @@ class LLMEngine:
     def stats(self) -> dict[str, BucketStats]:
         """The runtime's per-bucket counters: calls, real tokens, padded tokens."""
         return self.runtime.stats
+
+    @property
+    def draft_stats(self) -> dict[str, BucketStats]:
+        """The draft model's per-bucket counters; none without a draft model."""
+        return self.drafter.runtime.stats if isinstance(self.drafter, DraftModelDrafter) else {}
 
     def check_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, what: str = "prompt"
@@ -162,6 +175,9 @@ class LLMEngine:
             return outputs
         plan = self.scheduler.schedule()
         logits = self.runtime.run_plan(plan)
+        if self.drafter is not None:
+            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prompt_len]
+            self.drafter.follow(chunks)
         for request in self.scheduler.commit(plan, self._sample(plan, logits)):
             outputs.append(request.output())
             if request.done:

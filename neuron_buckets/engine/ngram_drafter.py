@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.engine.request import Request
+
 
 @dataclass(frozen=True)
 class NgramDrafter:
@@ -22,6 +25,13 @@ class NgramDrafter:
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram bounds need 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
+
+    def draft(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
+        """The drafter interface (``drafter.py``): each request's own lookup."""
+        return [self.propose(r.token_ids, k) for r, k in zip(requests, rooms, strict=True)]
+
+    def follow(self, chunks: Sequence[tuple[Request, Segment]]) -> None:
+        """Nothing to keep: a lookup reads the request's tokens, not the cache."""
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest

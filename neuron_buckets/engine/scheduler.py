@@ -32,10 +32,11 @@ lengths alone, to predict the runtime's calls.
 Speculation (``drafter`` and ``num_drafts``): a decode row of a request that speculates carries
 its last token and up to ``num_drafts`` drafted tokens, all sampled, so the target's logits at
 every draft position come back in one step. Drafts are capped so the request never passes its
-``max_tokens`` (and so its ``max_model_len`` and block reservation). The rejected drafts' K/V
-are written too, but ``commit`` advances ``cached`` only over the valid ones (the context, the
-last token, the accepted drafts): the next step writes its own tokens over those slots, so a
-rejected draft leaves nothing that any later token attends to.
+``max_tokens`` (and so its ``max_model_len`` and block reservation). Its blocks grow to cover
+the drafts' room before the drafter runs: a draft model writes its own cache at those positions.
+The rejected drafts' K/V are written too, but ``commit`` advances ``cached`` only over the valid
+ones (the context, the last token, the accepted drafts): the next step writes its own tokens over
+those slots, so a rejected draft leaves nothing that any later token attends to.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from collections.abc import Sequence
 
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
-from neuron_buckets.engine.ngram_drafter import NgramDrafter
+from neuron_buckets.engine.drafter import Drafter
 from neuron_buckets.engine.request import Request
 
 
@@ -55,7 +56,7 @@ class Scheduler:
         pool: BlockPool,
         budget: int,
         max_rows: int,
-        drafter: NgramDrafter | None = None,
+        drafter: Drafter | None = None,
         num_drafts: int = 0,
     ) -> None:
         """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
@@ -85,7 +86,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """This step's plan: prefill chunks (the continuing prompt first), then decode rows."""
         decoding = [r for r in self.running if r.prefilled]
-        rows = [(req, req.token_ids[-1:] + self.drafts(req)) for req in decoding]
+        rows = [(req, req.token_ids[-1:] + d) for req, d in zip(decoding, self.drafts(decoding), strict=True)]
         # decode rows ride in the prefill call (one weight pass): their tokens and rows come first
         chunks = self._prefill_chunks(
             self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows)
@@ -110,13 +111,23 @@ class Scheduler:
         )
         return prefill + decode
 
-    def drafts(self, req: Request) -> list[int]:
-        """The tokens drafted for ``req``'s next row: none unless it speculates, and never so many
-        that the row's tokens plus the one after them pass its ``max_tokens``."""
-        room = min(self.num_drafts, req.params.max_tokens - req.num_generated - 1)
-        if self.drafter is None or room <= 0 or not req.speculates:
-            return []
-        return self.drafter.propose(req.token_ids, room)
+    def drafts(self, decoding: Sequence[Request]) -> list[list[int]]:
+        """The tokens drafted for each request's next row: none unless it speculates, and never so
+        many that the row's tokens plus the one after them pass its ``max_tokens``."""
+        rooms = [
+            min(self.num_drafts, r.params.max_tokens - r.num_generated - 1) if r.speculates else 0
+            for r in decoding
+        ]
+        asking = [i for i, room in enumerate(rooms) if room > 0]
+        drafted: list[list[int]] = [[] for _ in decoding]
+        if self.drafter is None or not asking:
+            return drafted
+        for i in asking:
+            self.pool.grow(decoding[i].blocks, len(decoding[i].token_ids) - 1 + rooms[i])
+        found = self.drafter.draft([decoding[i] for i in asking], [rooms[i] for i in asking])
+        for i, tokens in zip(asking, found, strict=True):
+            drafted[i] = tokens
+        return drafted
 
     def commit(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
         """Apply a plan that ran: ``sampled[i]`` (empty where segment i returned no logits) is

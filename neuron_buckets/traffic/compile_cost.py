@@ -8,6 +8,11 @@ blind to a graph's context: only measured buckets tell two contexts apart). Buck
 their whole shape, ctx included: decode graphs that differ only in context are different graphs.
 A bucket's cost is the sum of its three pieces (embed, layer, head), shared pieces counted in
 each bucket that uses them: the upper bound of what adding or dropping it changes.
+
+An artifact with a draft model (its ``draft/``) compiles the draft's grid beside every bucket set:
+the same prefill buckets and decode batches and contexts, with rows of one token. ``graphs`` then
+counts the draft's graphs of a set too, priced from the draft's own manifest, so ``nb plan``'s
+compile budget covers both models.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from neuron_buckets.artifact.manifest import BucketRecord, ManifestError, read_manifest
+from neuron_buckets.artifact.manifest import MANIFEST, BucketRecord, ManifestError, read_manifest
+from neuron_buckets.config.draft import DRAFT
 from neuron_buckets.core.bucket import Bucket
 
 
@@ -39,6 +45,7 @@ class CompileCost:
     bytes_line: tuple[float, float]
     contexts: tuple[int, ...]  # decode context buckets, ascending; the last is max_model_len
     decode_seq: int = 1  # tokens per request in the manifest's decode graphs
+    draft: CompileCost | None = None  # the draft model's, compiled beside every set
 
     def estimate(self, bucket: Bucket) -> GraphCost:
         if (hit := self.measured.get(bucket)) is not None:
@@ -60,7 +67,9 @@ class CompileCost:
     def graphs(
         self, prefill: Sequence[int], num_seqs: Sequence[int], contexts: Sequence[int] | None = None
     ) -> list[GraphCost]:
-        return [self.estimate(b) for b in self.shapes(prefill, num_seqs, contexts)]
+        """The set's graphs, then the draft model's graphs of the same set."""
+        own = [self.estimate(b) for b in self.shapes(prefill, num_seqs, contexts)]
+        return own + (self.draft.graphs(prefill, num_seqs, contexts) if self.draft else [])
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,11 @@ def load_manifest_buckets(directory: str | Path) -> ManifestBuckets:
     size = np.array([n for _, n in measured.values()], dtype=np.float64)
     contexts = sorted({e.ctx for e in entries if e.kind == "decode"} | {manifest.cache.max_model_len})
     decode_seq = 1 + manifest.decode.speculation_length
-    fitted = CompileCost(measured, _line(tokens, seconds), _line(tokens, size), tuple(contexts), decode_seq)
+    sub = Path(directory) / DRAFT
+    draft = load_manifest_buckets(sub).cost if (sub / MANIFEST).is_file() else None
+    fitted = CompileCost(
+        measured, _line(tokens, seconds), _line(tokens, size), tuple(contexts), decode_seq, draft
+    )
     return ManifestBuckets(
         prefill=tuple(sorted({e.seq for e in entries if e.kind == "prefill"})),
         num_seqs=tuple(sorted({e.batch for e in entries if e.kind == "decode"})),

@@ -102,6 +102,26 @@ def print_inspect(console: Console, doc: dict) -> None:
         total = sum(g["seconds"] for g in doc["graphs"])
         size = sum(g["bytes"] for g in doc["graphs"])
         console.print(f"{len(doc['graphs'])} graphs: {total:.1f} s to compile, {_size(size)}")
+    if spec := doc.get("speculation"):
+        _print_speculation(console, spec)
+
+
+def _print_speculation(console: Console, spec: dict) -> None:
+    """One line for the verify rows, one for the draft model."""
+    rows = f"decode rows of 1 + {spec['speculation_length']} tokens"
+    if "verify" not in spec:  # from a config: buckets only
+        console.print(f"speculation: {spec['verify_buckets']} of {spec['target_buckets']} target buckets "
+                      f"verify {rows}; the draft model adds {spec['draft_buckets']} buckets")  # fmt: skip
+        return
+    verify, target = spec["verify"], spec["target"]
+    console.print(f"speculation: {verify['pieces']} decode pieces verify {rows}: "
+                  f"{verify['compile_seconds']:.1f} of the target's {target['compile_seconds']:.1f} s "
+                  f"of compile, {_size(verify['bytes'])}")  # fmt: skip
+    if draft := spec["draft"]:
+        weights = _size(draft["weights_bytes"])
+        console.print(f"draft model: {draft['buckets']} buckets, {draft['pieces']} pieces of its own "
+                      f"({draft['compile_seconds']:.1f} s of compile, {_size(draft['bytes'])}) and "
+                      f"{draft['shared_pieces']} shared with the target; weights {weights}")  # fmt: skip
 
 
 def _load_text(load: dict, requests: int) -> str:
