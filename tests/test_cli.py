@@ -70,8 +70,8 @@ def test_ls_lists_every_bucket_with_its_pieces(eager_dir):
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 2}
     expected = {
-        "prefill_s16": "layer_t16_b1_c128",
-        "prefill_s32": "layer_t32_b1_c128",
+        "prefill_s16": "layer_t16_b2_c128_packed",
+        "prefill_s32": "layer_t32_b2_c128_packed",
         "decode_b1_c128": "layer_t1_b1_c128",
         "decode_b2_c128": "layer_t2_b2_c128",
     }

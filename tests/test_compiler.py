@@ -55,7 +55,8 @@ PREFILL_16, PREFILL_32 = Bucket("prefill", 2, 16, 128), Bucket("prefill", 2, 32,
 DECODE_1, DECODE_2 = Bucket("decode", 1, 1, 128), Bucket("decode", 2, 1, 128)
 BUCKETS = (PREFILL_16, PREFILL_32, DECODE_1, DECODE_2)
 EMBED, HEAD = PieceShape("embed", 0), PieceShape("head", 0)  # dynamic: one for every bucket
-LAYER_16, LAYER_32 = PieceShape("layer", 16, rows=1, ctx=128), PieceShape("layer", 32, rows=1, ctx=128)
+LAYER_16 = PieceShape("layer", 16, rows=2, ctx=128, packed=True)
+LAYER_32 = PieceShape("layer", 32, rows=2, ctx=128, packed=True)
 LAYER_D1, LAYER_D2 = PieceShape("layer", 1, rows=1, ctx=128), PieceShape("layer", 2, rows=2, ctx=128)
 PIECES = (EMBED, HEAD, LAYER_D1, LAYER_D2, LAYER_16, LAYER_32)  # the compiler's (sorted) order
 
@@ -110,7 +111,8 @@ def test_the_tiny_grid_is_four_buckets_over_six_shared_pieces(eager, tmp_path):
         DECODE_2: {"embed": EMBED, "layer": LAYER_D2, "head": HEAD},
     }
     assert [s.name for s in PIECES] == [
-        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b1_c128", "layer_t32_b1_c128",
+        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b2_c128_packed",
+        "layer_t32_b2_c128_packed",
     ]
 
 
@@ -190,13 +192,13 @@ def test_one_new_bucket_list_entry_compiles_only_its_layer_piece(eager, hf_model
     grown = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [16, 24, 32]")
     (tmp_path / "grown").mkdir()
     report = compile_(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)), out, cache)
-    assert names(report.compiled) == ["layer_t24_b1_c128"]  # embed and head are shared, reused
+    assert names(report.compiled) == ["layer_t24_b2_c128_packed"]  # embed and head are shared, reused
     assert len(report.outcomes) == 7 and report.failed == []
     assert len(records(out)) == 5
     new = records(out)[Bucket("prefill", 2, 24, 128).name]
     after = pieces(out)
     assert new["pieces"] == {
-        "embed": before["embed"][0], "layer": after["layer_t24_b1_c128"][0], "head": before["head"][0],
+        "embed": before["embed"][0], "layer": after["layer_t24_b2_c128_packed"][0], "head": before["head"][0],
     }
     assert new["status"] == "ok"
 
@@ -448,7 +450,7 @@ def first_key(m: dict) -> str:
     ("edit", "error", "message"),
     [
         (lambda m: first_piece(m).update(sha256="0" * 64), ArtifactError,
-         r"of piece layer_t16_b1_c128 does not match its sha256"),
+         r"of piece layer_t16_b2_c128_packed does not match its sha256"),
         (lambda m: first_piece(m).update(file="../graphs/x.pt2"), ManifestError,
          lambda m: f"pieces/{first_key(m)}/file"),
         (lambda m: first_piece(m).update(status="done"), ManifestError,
