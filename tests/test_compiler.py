@@ -494,6 +494,7 @@ def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir
 KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replace(
     "num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1]"
 )
+KILL_16, KILL_32 = (PieceShape("layer", n, rows=1, ctx=128, packed=True) for n in (16, 32))  # one row each
 HANG_SCRIPT = (  # a compile whose worker stays where its graph is built, not yet published
     "import sys; from pathlib import Path\n"
     "from neuron_buckets.compile.compiler import Compiler\n"
@@ -517,14 +518,14 @@ def wait_for(condition, timeout: float, proc: subprocess.Popen, log: Path) -> No
 def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     compiled_dir, graph_cache_dir, hf_model_dir, tmp_path
 ):
-    """SIGKILL the whole ``nb compile`` (workers too) mid-compile of prefill 32's layer; rerun."""
+    """SIGKILL the whole ``nb compile`` (workers too) mid-compile of prefill 16's layer; rerun."""
     config_file = write_config(tmp_path, hf_model_dir, KILL_CONFIG)
     config, out, cache = load_config(config_file), tmp_path / "out", tmp_path / "cache"
     compiler = Compiler(config, out, cache)
     keys = compiler.keys
-    assert compiler.shapes == [EMBED, HEAD, LAYER_D1, LAYER_16, LAYER_32]
+    assert compiler.shapes == [EMBED, HEAD, LAYER_D1, KILL_16, KILL_32]
     shared, store = GraphStore(graph_cache_dir), GraphStore(cache)
-    reused = (EMBED, HEAD, LAYER_D1, LAYER_16)  # the session's pieces: only prefill 32's layer compiles
+    reused = (EMBED, HEAD, LAYER_D1)  # the session's pieces: only the one-row prefill layers compile
     for shape in reused:
         entry = shared.read_record(keys[shape], "pt2")
         assert entry and shared.verified(entry), f"{shape.name} is not in the session cache"
@@ -539,8 +540,8 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
             start_new_session=True,  # its own group: workers die too
         )
     try:
-        wait_for(stopped(cache).exists, 600, proc, log)  # prefill 32's layer is built, unpublished
-        assert proc.poll() is None and store.read_record(keys[LAYER_32], "pt2") is None
+        wait_for(stopped(cache).exists, 600, proc, log)  # prefill 16's layer is built, unpublished
+        assert proc.poll() is None and store.read_record(keys[KILL_16], "pt2") is None
         with pytest.raises(DirectoryLocked, match=f"pid {proc.pid}"):
             Compiler(config, out, cache).run(jobs=1)
     finally:
@@ -549,7 +550,7 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         proc.wait()
 
     recs = records(out)  # valid JSON and schema: manifest writes are atomic
-    assert set(recs) == {Bucket("prefill", 1, 16, 128).name, DECODE_1.name}
+    assert set(recs) == {DECODE_1.name}
     done = pieces(out)
     assert set(done) == {s.name for s in reused}
     listed = {rec.file for _, rec in done.values()}
@@ -558,12 +559,12 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         assert graph.name.startswith(".") or rel in listed, f"{rel} looks valid but is not in the manifest"
     for _, rec in done.values():
         assert sha256_file(out / rec.file) == rec.sha256
-    assert store.read_record(keys[LAYER_32], "pt2") is None
+    assert store.read_record(keys[KILL_16], "pt2") is None
     for entry in store.entries():  # every entry is a complete, checked one
         assert store.verified(entry)
 
     report = Compiler(config, out, cache).run(jobs=1)
-    assert names(report.compiled) == [LAYER_32.name] and report.failed == []
+    assert names(report.compiled) == [KILL_16.name, KILL_32.name] and report.failed == []
     assert {o.shape for o in report.outcomes if o.cached} == set(reused)
     prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]  # 20 tokens: the new prefill 32 layer
     resumed = BucketRuntime.open(out).prefill(prompt)
