@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from neuron_buckets.core.masks import segment_positions
 from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import gather_context
@@ -54,22 +53,25 @@ def block_kv_attention(
     """
     batch, seq = q.shape[:2]
     kernel = block_kv_paged if seq <= PAGED_ROWS else block_kv_sdpa
-    if seq <= DENSE_ROWS:
+    # A window in one packed row needs each token's position, a buffer computed in the graph,
+    # which inductor's CPU flex template cannot take (it fails to lower): those rows go dense.
+    packed_window = window is not None and step.block_table.shape[0] != batch
+    if seq <= DENSE_ROWS or packed_window:
         return kernel.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     k_ctx, v_ctx, cached = gather_context(k_cache, v_cache, step, batch)
     s_ctx, row_len = k_ctx.shape[1], cached.shape[2]
-    position = segment_positions(cached, step.segment_ids)  # (B, S)
 
     def may_attend(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-        # Keys are the context rows the row reads (ki < s_ctx), then the step's own tokens.
+        # Keys are the context rows the row reads (ki < s_ctx), then the step's own tokens; row
+        # b reads block-table row b (decode layout) or row g for segment g (one packed row).
         own_ki = (ki - s_ctx).clamp(min=0)
         row, pos = ki.clamp(max=s_ctx - 1) // row_len, ki.clamp(max=s_ctx - 1) % row_len
-        segments = step.segment_ids[b]
+        segments, cache_len = step.segment_ids[b], step.cache_lens[b + row]
         own = (ki >= s_ctx) & (own_ki <= qi) & (segments[own_ki] == segments[qi])
-        context = (ki < s_ctx) & (segments[qi] == row) & (pos < step.cache_lens[b + row])
-        if window is not None:
+        context = (ki < s_ctx) & (segments[qi] == row) & (pos < cache_len)
+        if window is not None:  # decode layout only: segment 0's token qi sits at cache_len + qi
             own = own & (qi - own_ki < window)
-            context = context & (position[b, qi] - pos < window)
+            context = context & (cache_len + qi - pos < window)
         return own | context
 
     mask = create_block_mask(

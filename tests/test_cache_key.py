@@ -62,14 +62,15 @@ def test_keys_are_distinct_hex_sha256(config, keys_of):
     keys = keys_of(config)
     # four buckets: one shared dynamic embed and head, and a layer piece per bucket shape
     assert sorted(s.name for s in keys) == sorted(
-        ["embed", "head", "layer_t16_b1_c128", "layer_t32_b1_c128", "layer_t1_b1_c128", "layer_t2_b2_c128"]
+        ["embed", "head", "layer_t16_b2_c128_packed", "layer_t32_b2_c128_packed", "layer_t1_b1_c128",
+         "layer_t2_b2_c128"]
     )
     assert len(set(keys.values())) == len(keys) == 6
     assert all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys.values())
 
 
 def test_every_field_of_a_piece_shape_is_in_the_key():
-    """Role, tokens, rows, ctx and samples each decide a graph; nothing else of a bucket does."""
+    """Role, tokens, rows, ctx, samples and layout each decide a graph; nothing else of a bucket does."""
     common = dict(model_config={"a": 1}, cache={"block_size": 8}, backend={"name": "x"}, sources="s")
     base = PieceShape("layer", 16, rows=1, ctx=128)
     others = [
@@ -78,6 +79,7 @@ def test_every_field_of_a_piece_shape_is_in_the_key():
         PieceShape("layer", 16, rows=2, ctx=128),
         PieceShape("layer", 16, rows=1, ctx=64),
         PieceShape("layer", 16, rows=1, ctx=128, samples=2),
+        PieceShape("layer", 16, rows=1, ctx=128, packed=True),
     ]
     keys = [cache_key.graph_key(piece=s, **common) for s in [base, *others]]
     assert len(set(keys)) == len(keys)
@@ -141,7 +143,8 @@ def test_adding_a_bucket_keeps_the_other_keys(config, keys_of, compiler_of, hf_m
     before = keys_of(config)
     (tmp_path / "grown").mkdir()
     after = keys_of(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)))
-    assert set(after) - set(before) == {PieceShape("layer", 24, rows=1, ctx=128)}  # one new layer piece
+    new = {PieceShape("layer", 24, rows=2, ctx=128, packed=True)}
+    assert set(after) - set(before) == new  # one new layer piece
     assert {s: after[s] for s in before} == before
     (tmp_path / "grown2").mkdir()
     grown_compiler = compiler_of(load_config(write_config(tmp_path / "grown2", hf_model_dir, grown)))

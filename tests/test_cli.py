@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from neuron_buckets.artifact.manifest import read_manifest, read_manifest_dict
-from neuron_buckets.cli import app
+from neuron_buckets.cli import app, console
 from neuron_buckets.compile.store_entry import StoreEntry
 from tests.conftest import TINY_CONFIG, error_line, write_config
 
@@ -65,13 +65,14 @@ def test_compile_reports_a_failed_piece_and_exits_1(hf_model_dir, tmp_path):
     assert "compiled 5, reused 0, failed 1" in said(result)
 
 
-def test_ls_lists_every_bucket_with_its_pieces(eager_dir):
+def test_ls_lists_every_bucket_with_its_pieces(eager_dir, monkeypatch):
+    monkeypatch.setattr(console.out, "width", 200)  # wide enough that every row is one line
     result = nb("ls", eager_dir)
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 2}
     expected = {
-        "prefill_s16": "layer_t16_b1_c128",
-        "prefill_s32": "layer_t32_b1_c128",
+        "prefill_s16": "layer_t16_b2_c128_packed",
+        "prefill_s32": "layer_t32_b2_c128_packed",
         "decode_b1_c128": "layer_t1_b1_c128",
         "decode_b2_c128": "layer_t2_b2_c128",
     }

@@ -55,7 +55,8 @@ PREFILL_16, PREFILL_32 = Bucket("prefill", 2, 16, 128), Bucket("prefill", 2, 32,
 DECODE_1, DECODE_2 = Bucket("decode", 1, 1, 128), Bucket("decode", 2, 1, 128)
 BUCKETS = (PREFILL_16, PREFILL_32, DECODE_1, DECODE_2)
 EMBED, HEAD = PieceShape("embed", 0), PieceShape("head", 0)  # dynamic: one for every bucket
-LAYER_16, LAYER_32 = PieceShape("layer", 16, rows=1, ctx=128), PieceShape("layer", 32, rows=1, ctx=128)
+LAYER_16 = PieceShape("layer", 16, rows=2, ctx=128, packed=True)
+LAYER_32 = PieceShape("layer", 32, rows=2, ctx=128, packed=True)
 LAYER_D1, LAYER_D2 = PieceShape("layer", 1, rows=1, ctx=128), PieceShape("layer", 2, rows=2, ctx=128)
 PIECES = (EMBED, HEAD, LAYER_D1, LAYER_D2, LAYER_16, LAYER_32)  # the compiler's (sorted) order
 
@@ -110,7 +111,8 @@ def test_the_tiny_grid_is_four_buckets_over_six_shared_pieces(eager, tmp_path):
         DECODE_2: {"embed": EMBED, "layer": LAYER_D2, "head": HEAD},
     }
     assert [s.name for s in PIECES] == [
-        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b1_c128", "layer_t32_b1_c128",
+        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b2_c128_packed",
+        "layer_t32_b2_c128_packed",
     ]
 
 
@@ -190,13 +192,13 @@ def test_one_new_bucket_list_entry_compiles_only_its_layer_piece(eager, hf_model
     grown = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [16, 24, 32]")
     (tmp_path / "grown").mkdir()
     report = compile_(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)), out, cache)
-    assert names(report.compiled) == ["layer_t24_b1_c128"]  # embed and head are shared, reused
+    assert names(report.compiled) == ["layer_t24_b2_c128_packed"]  # embed and head are shared, reused
     assert len(report.outcomes) == 7 and report.failed == []
     assert len(records(out)) == 5
     new = records(out)[Bucket("prefill", 2, 24, 128).name]
     after = pieces(out)
     assert new["pieces"] == {
-        "embed": before["embed"][0], "layer": after["layer_t24_b1_c128"][0], "head": before["head"][0],
+        "embed": before["embed"][0], "layer": after["layer_t24_b2_c128_packed"][0], "head": before["head"][0],
     }
     assert new["status"] == "ok"
 
@@ -448,7 +450,7 @@ def first_key(m: dict) -> str:
     ("edit", "error", "message"),
     [
         (lambda m: first_piece(m).update(sha256="0" * 64), ArtifactError,
-         r"of piece layer_t16_b1_c128 does not match its sha256"),
+         r"of piece layer_t16_b2_c128_packed does not match its sha256"),
         (lambda m: first_piece(m).update(file="../graphs/x.pt2"), ManifestError,
          lambda m: f"pieces/{first_key(m)}/file"),
         (lambda m: first_piece(m).update(status="done"), ManifestError,
@@ -492,6 +494,7 @@ def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir
 KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replace(
     "num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1]"
 )
+KILL_16, KILL_32 = (PieceShape("layer", n, rows=1, ctx=128, packed=True) for n in (16, 32))  # one row each
 HANG_SCRIPT = (  # a compile whose worker stays where its graph is built, not yet published
     "import sys; from pathlib import Path\n"
     "from neuron_buckets.compile.compiler import Compiler\n"
@@ -515,14 +518,14 @@ def wait_for(condition, timeout: float, proc: subprocess.Popen, log: Path) -> No
 def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     compiled_dir, graph_cache_dir, hf_model_dir, tmp_path
 ):
-    """SIGKILL the whole ``nb compile`` (workers too) mid-compile of prefill 32's layer; rerun."""
+    """SIGKILL the whole ``nb compile`` (workers too) mid-compile of prefill 16's layer; rerun."""
     config_file = write_config(tmp_path, hf_model_dir, KILL_CONFIG)
     config, out, cache = load_config(config_file), tmp_path / "out", tmp_path / "cache"
     compiler = Compiler(config, out, cache)
     keys = compiler.keys
-    assert compiler.shapes == [EMBED, HEAD, LAYER_D1, LAYER_16, LAYER_32]
+    assert compiler.shapes == [EMBED, HEAD, LAYER_D1, KILL_16, KILL_32]
     shared, store = GraphStore(graph_cache_dir), GraphStore(cache)
-    reused = (EMBED, HEAD, LAYER_D1, LAYER_16)  # the session's pieces: only prefill 32's layer compiles
+    reused = (EMBED, HEAD, LAYER_D1)  # the session's pieces: only the one-row prefill layers compile
     for shape in reused:
         entry = shared.read_record(keys[shape], "pt2")
         assert entry and shared.verified(entry), f"{shape.name} is not in the session cache"
@@ -537,8 +540,8 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
             start_new_session=True,  # its own group: workers die too
         )
     try:
-        wait_for(stopped(cache).exists, 600, proc, log)  # prefill 32's layer is built, unpublished
-        assert proc.poll() is None and store.read_record(keys[LAYER_32], "pt2") is None
+        wait_for(stopped(cache).exists, 600, proc, log)  # prefill 16's layer is built, unpublished
+        assert proc.poll() is None and store.read_record(keys[KILL_16], "pt2") is None
         with pytest.raises(DirectoryLocked, match=f"pid {proc.pid}"):
             Compiler(config, out, cache).run(jobs=1)
     finally:
@@ -547,7 +550,7 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         proc.wait()
 
     recs = records(out)  # valid JSON and schema: manifest writes are atomic
-    assert set(recs) == {Bucket("prefill", 1, 16, 128).name, DECODE_1.name}
+    assert set(recs) == {DECODE_1.name}
     done = pieces(out)
     assert set(done) == {s.name for s in reused}
     listed = {rec.file for _, rec in done.values()}
@@ -556,12 +559,12 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
         assert graph.name.startswith(".") or rel in listed, f"{rel} looks valid but is not in the manifest"
     for _, rec in done.values():
         assert sha256_file(out / rec.file) == rec.sha256
-    assert store.read_record(keys[LAYER_32], "pt2") is None
+    assert store.read_record(keys[KILL_16], "pt2") is None
     for entry in store.entries():  # every entry is a complete, checked one
         assert store.verified(entry)
 
     report = Compiler(config, out, cache).run(jobs=1)
-    assert names(report.compiled) == [LAYER_32.name] and report.failed == []
+    assert names(report.compiled) == [KILL_16.name, KILL_32.name] and report.failed == []
     assert {o.shape for o in report.outcomes if o.cached} == set(reused)
     prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]  # 20 tokens: the new prefill 32 layer
     resumed = BucketRuntime.open(out).prefill(prompt)

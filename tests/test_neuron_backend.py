@@ -103,7 +103,7 @@ def test_stacked_layer_updates_the_chosen_layer_of_the_stacked_cache_only():
     weights = tuple(torch.randn(w.shape, generator=gen) * 0.1 for w in weights)
     slots = torch.tensor([17, 18, 19, -1, 33, 34, -1, -1])
     table = torch.tensor([[1, -1], [2, -1]])
-    lens, seg = torch.tensor([1, 1]), torch.zeros(8, dtype=torch.int64)
+    lens, seg = torch.tensor([1, 1]), torch.zeros(2, 4, dtype=torch.int64)  # two decode rows
     stacked = [torch.randn(config.num_layers, 6, 16, config.num_kv_heads, config.head_dim, generator=gen)
                for _ in range(2)]
     want_k, want_v = (c[1].clone() for c in stacked)
