@@ -183,6 +183,9 @@ def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_bl
     assert total(samples, "vllm:num_requests_running") == 0
     calls = total(samples, "nb:bucket_calls_total")
     assert calls == sum(s.calls for s in engine.stats.values()) and calls > 0
+    assert total(samples, "nb:engine_steps_total") == engine.step_stats.steps > 0
+    step_s, graph_s = (total(samples, f"nb:engine_{k}_seconds_total") for k in ("step", "graph"))
+    assert step_s >= graph_s > 0
     # the artifact's default turns prefix caching on: every prompt is looked up once, at admission
     assert total(samples, "vllm:prefix_cache_queries_total") == pool.queries == queries + sum(lengths)
     assert total(samples, "vllm:prefix_cache_hits_total") == pool.hits

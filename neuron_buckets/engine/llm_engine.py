@@ -18,7 +18,8 @@ attention keeps them out of the real token's output). With one (``speculative=``
 K prompt-lookup drafts (``engine/ngram_drafter.py``), verified in the same step
 (``engine/rejection_sampler.py``): greedy requests keep the drafts the target's argmax agrees
 with, so their tokens are exactly those without speculation; sampled ones use rejection
-sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances.
+sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances;
+``step_stats`` counts steps and their wall seconds, in graph calls and in all.
 
 Single-threaded: a server drives it from one loop thread.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -47,6 +49,7 @@ from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
+from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
@@ -95,6 +98,7 @@ class LLMEngine:
             drafter, spec.num_speculative_tokens,
         )
         self.spec_stats = SpecDecodeStats()
+        self.step_stats = StepStats()
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
@@ -160,12 +164,16 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if not self.scheduler.busy:
             return outputs
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
+        graph_start = time.perf_counter()
         logits = self.runtime.run_plan(plan)
+        graph_seconds = time.perf_counter() - graph_start
         for request in self.scheduler.commit(plan, self._sample(plan, logits)):
             outputs.append(request.output())
             if request.done:
                 del self._requests[request.request_id]
+        self.step_stats.add(time.perf_counter() - start, graph_seconds)
         return outputs
 
     def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:
