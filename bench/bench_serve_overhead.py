@@ -18,9 +18,12 @@ Both read the engine's own counters (``LLMEngine.step_stats``; ``nb:engine_*`` i
 steps, wall seconds inside ``step`` and inside its graph calls (``run_plan``). Printed per round:
 mean ms per step, ms of graph calls per step, the rest (planning, sampling, detokenization,
 outputs), the wall time between steps (a server that holds the engine up between steps shows
-there), padded positions per step (the step mix, which should match), and HTTP / in-process. The
-two alternate ``--rounds`` times after one warm-up round each (graphs load on first use), since a
-shared machine's load drifts; the last line is the median of the ratios. Run it on an idle machine.
+there), padded positions per step (the step mix, which should match), CPU ms per step of the
+engine's process (every thread), of which the server's event loop, and of the HTTP client (CPU
+time barely moves with other processes' load, where wall time swings), and HTTP / in-process of
+the step time and of the whole time per step (between steps included). The two alternate
+``--rounds`` times after one warm-up round each (graphs load on first use), since a shared
+machine's load drifts; the last lines are the medians of the ratios. Run it on an idle machine.
 
     python bench/bench_serve_overhead.py [--layers 4] [--rounds 3] [--tiny]
 """
@@ -35,14 +38,14 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import SERVED, bench_model, nb_server, serve_artifact  # noqa: E402
-from profile_serve import scrape  # noqa: E402
+from profile_serve import scrape, thread_cpu  # noqa: E402
 from real_models import add_size_args  # noqa: E402
 from servers import free_port  # noqa: E402
 from workloads import _random_prompts  # noqa: E402
@@ -61,13 +64,17 @@ class Round:
     padded: int  # positions computed in graph calls, real and pad
     wall_s: float
     tokens: int  # generated tokens the client received
+    cpu_s: float  # CPU seconds of the engine's process, every thread (OpenMP workers too)
+    loop_cpu_s: float = 0.0  # of which the server's main thread: its event loop (HTTP, SSE)
+    client_cpu_s: float = 0.0  # CPU seconds of the HTTP client
 
     def row(self, name: str) -> str:
-        n = max(self.steps, 1)
-        return (f"  {name:11s}{self.steps:6d} steps {self.step_s / n * 1e3:8.1f} ms/step "
-                f"{self.graph_s / n * 1e3:8.1f} graph {(self.step_s - self.graph_s) / n * 1e3:6.1f} rest "
-                f"{(self.wall_s - self.step_s) / n * 1e3:6.1f} between {self.padded / n:6.0f} pos/step "
-                f"{self.tokens / self.wall_s:7.1f} tok/s")
+        n, ms = max(self.steps, 1), 1e3 / max(self.steps, 1)
+        return (f"  {name:11s}{self.steps:5d} steps {self.step_s * ms:7.1f} ms/step "
+                f"{self.graph_s * ms:7.1f} graph {(self.step_s - self.graph_s) * ms:5.1f} rest "
+                f"{(self.wall_s - self.step_s) * ms:5.1f} between {self.padded / n:4.0f} pos/step | CPU "
+                f"ms/step {self.cpu_s * ms:6.1f}, event loop {self.loop_cpu_s * ms:4.1f}, client "
+                f"{self.client_cpu_s * ms:4.1f} | {self.tokens / self.wall_s:5.1f} tok/s")
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -79,8 +86,8 @@ def in_process(engine: LLMEngine, batch: list[list[int]], concurrency: int, max_
     """The closed loop on the engine itself: up to ``concurrency`` requests open, a finished one
     replaced before the next step."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    s0, pos0, start = engine.step_stats.seconds, padded_total(engine), time.perf_counter()
-    steps0, graph0 = engine.step_stats.steps, engine.step_stats.graph_seconds
+    s0, pos0 = replace(engine.step_stats), padded_total(engine)
+    start, cpu0 = time.perf_counter(), time.process_time()
     pending, open_, tokens = iter(batch), set(), 0
     while True:
         while len(open_) < concurrency and (prompt := next(pending, None)) is not None:
@@ -92,8 +99,8 @@ def in_process(engine: LLMEngine, batch: list[list[int]], concurrency: int, max_
             if out.finished:
                 open_.discard(out.request_id)
     s = engine.step_stats
-    return Round(s.steps - steps0, s.seconds - s0, s.graph_seconds - graph0, padded_total(engine) - pos0,
-                 time.perf_counter() - start, tokens)
+    return Round(s.steps - s0.steps, s.seconds - s0.seconds, s.graph_seconds - s0.graph_seconds,
+                 padded_total(engine) - pos0, time.perf_counter() - start, tokens, time.process_time() - cpu0)
 
 
 def padded_total(engine: LLMEngine) -> int:
@@ -128,19 +135,21 @@ async def closed_loop(port: int, batch: list[list[int]], concurrency: int, max_t
         return sum(await asyncio.gather(*(client(session) for _ in range(concurrency))))
 
 
-def over_http(port: int, batch: list[list[int]], concurrency: int, max_tokens: int) -> Round:
-    """The closed loop against the server; its counters from ``/metrics`` around it."""
-    m0, start = scrape(port), time.perf_counter()
+def over_http(server: int, port: int, batch: list[list[int]], concurrency: int, max_tokens: int) -> Round:
+    """The closed loop against the server (process id ``server``); its counters from ``/metrics``
+    and its threads' CPU time from ``/proc`` around it."""
+    m0, cpu0, start, client0 = scrape(port), thread_cpu(server), time.perf_counter(), time.process_time()
     tokens = asyncio.run(closed_loop(port, batch, concurrency, max_tokens))
-    wall = time.perf_counter() - start
-    m1 = scrape(port)
+    wall, client = time.perf_counter() - start, time.process_time() - client0
+    m1, cpu1 = scrape(port), thread_cpu(server)
+    cpu = {tid: s - cpu0.get(tid, ("", 0.0))[1] for tid, (_, s) in cpu1.items()}
 
     def delta(name: str) -> float:
         return sum(v - m0.get(k, 0.0) for k, v in m1.items() if k[0] == name)
 
     return Round(int(delta("nb:engine_steps_total")), delta("nb:engine_step_seconds_total"),
                  delta("nb:engine_graph_seconds_total"), int(delta("nb:bucket_padded_tokens_total")),
-                 wall, tokens)
+                 wall, tokens, sum(cpu.values()), cpu.get(str(server), 0.0), client)
 
 
 def parse_args() -> argparse.Namespace:
@@ -174,26 +183,29 @@ def main() -> None:
     def local_round(batch: list[list[int]]) -> Round:
         return engine_thread.submit(in_process, engine, batch, args.concurrency, args.max_tokens).result()
 
-    with nb_server(artifact, port, args.work / "overhead-nb-serve.log"):
+    with nb_server(artifact, port, args.work / "overhead-nb-serve.log") as server:
         local_round(warm)
-        over_http(port, warm, args.concurrency, args.max_tokens)
+        over_http(server.pid, port, warm, args.concurrency, args.max_tokens)
         print(f"SmolLM2-135M shape, {args.layers} layers, float32; {artifact.name}; closed loop of "
               f"{args.concurrency} streams, {args.num_prompts} prompts of 225-375 tokens, "
               f"{args.max_tokens} new tokens each", flush=True)
         for r in range(args.rounds):
             batch = prompts(args.num_prompts, seed=100 + r)
             if r % 2:  # every other round HTTP first, so a drifting load favours neither
-                http = over_http(port, batch, args.concurrency, args.max_tokens)
+                http = over_http(server.pid, port, batch, args.concurrency, args.max_tokens)
                 local = local_round(batch)
             else:
                 local = local_round(batch)
-                http = over_http(port, batch, args.concurrency, args.max_tokens)
-            ratio = (http.step_s / http.steps) / (local.step_s / local.steps)
-            ratios.append(ratio)
-            print(f"round {r + 1}: HTTP / in-process step time {ratio:.3f}x", flush=True)
+                http = over_http(server.pid, port, batch, args.concurrency, args.max_tokens)
+            ratios.append(((http.step_s / http.steps) / (local.step_s / local.steps),
+                           (http.wall_s / http.steps) / (local.wall_s / local.steps)))
+            print(f"round {r + 1}: HTTP / in-process: step time {ratios[-1][0]:.3f}x, time per step "
+                  f"{ratios[-1][1]:.3f}x", flush=True)
             print(local.row("in-process"))
             print(http.row("HTTP"), flush=True)
-    print(f"median HTTP / in-process step time: {statistics.median(ratios):.3f}x over {len(ratios)} rounds")
+    step, whole = (statistics.median(x) for x in zip(*ratios, strict=True))
+    print(f"median over {len(ratios)} rounds, HTTP / in-process: step time {step:.3f}x, "
+          f"time per step {whole:.3f}x")
 
 
 if __name__ == "__main__":
