@@ -96,6 +96,22 @@ def test_abort_frees_the_blocks_at_once_and_is_reported_next_step(artifact, alon
     assert reported[b].token_ids == alone[1] and engine.pool.num_free == engine.pool.num_blocks - 1
 
 
+def test_step_stats_count_the_steps_that_ran_a_plan_and_the_graph_time_inside_them(artifact):
+    engine = engine_of(artifact)
+    for p in PROMPTS:
+        engine.add_request(p, FULL)
+    planned = 0
+    while engine.has_unfinished:
+        planned += engine.scheduler.busy
+        engine.step()
+    engine.abort(engine.add_request([5, 6, 7], FULL))
+    assert not engine.scheduler.busy
+    engine.step()  # reports the abort, runs no plan
+    stats = engine.step_stats
+    assert stats.steps == planned > 0
+    assert stats.seconds >= stats.graph_seconds > 0
+
+
 def test_a_request_added_between_steps_gets_what_it_gets_alone(artifact, alone):
     engine = engine_of(artifact)
     a = engine.add_request(PROMPTS[0], FULL)

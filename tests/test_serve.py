@@ -28,7 +28,9 @@ from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
 from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.server.api_server import ServerLimits, create_app
+from neuron_buckets.server.engine_loop import RequestStream, deliver_step
 from tests.conftest import error_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
@@ -183,6 +185,9 @@ def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_bl
     assert total(samples, "vllm:num_requests_running") == 0
     calls = total(samples, "nb:bucket_calls_total")
     assert calls == sum(s.calls for s in engine.stats.values()) and calls > 0
+    assert total(samples, "nb:engine_steps_total") == engine.step_stats.steps > 0
+    step_s, graph_s = (total(samples, f"nb:engine_{k}_seconds_total") for k in ("step", "graph"))
+    assert step_s >= graph_s > 0
     # the artifact's default turns prefix caching on: every prompt is looked up once, at admission
     assert total(samples, "vllm:prefix_cache_queries_total") == pool.queries == queries + sum(lengths)
     assert total(samples, "vllm:prefix_cache_hits_total") == pool.hits
@@ -338,3 +343,26 @@ def test_nb_serve_refuses_a_port_in_use_in_one_line_before_opening_anything(tmp_
         port = taken.getsockname()[1]
         line = error_line(CliRunner().invoke(app, ["serve", str(tmp_path), "--port", str(port)]))
     assert f"cannot listen on 127.0.0.1:{port}" in line
+
+
+def test_a_steps_outputs_reach_each_open_stream_in_order_with_one_wake_up_of_their_loop():
+    loop = asyncio.new_event_loop()
+    wake_ups = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *args: wake_ups.append(args) or call_soon_threadsafe(*args)
+    a, gone, b = (RequestStream(loop) for _ in range(3))
+    gone.attached = False  # its connection went away: nothing is queued for it
+
+    def output(rid: int, token: int) -> RequestOutput:
+        return RequestOutput(rid, [1], [token], [token], "", "", False, None)
+
+    first, second, other, late = output(0, 5), output(0, 6), output(2, 7), output(1, 8)
+    try:
+        deliver_step([(a, first), (gone, late), (b, other), (a, second)])
+        assert len(wake_ups) == 1
+        loop.run_until_complete(asyncio.sleep(0))
+        got = [a.outputs.get_nowait(), a.outputs.get_nowait(), b.outputs.get_nowait()]
+        assert got == [first, second, other]
+        assert a.outputs.empty() and b.outputs.empty() and gone.outputs.empty()
+    finally:
+        loop.close()

@@ -18,7 +18,8 @@ attention keeps them out of the real token's output). With one (``speculative=``
 K prompt-lookup drafts (``engine/ngram_drafter.py``), verified in the same step
 (``engine/rejection_sampler.py``): greedy requests keep the drafts the target's argmax agrees
 with, so their tokens are exactly those without speculation; sampled ones use rejection
-sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances.
+sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances;
+``step_stats`` counts steps and their wall seconds, in graph calls and in all.
 With ``method = "draft_model"`` the drafts come from the artifact's compiled draft model instead
 (``engine/draft_model_drafter.py``), which also prefills every prompt chunk the target does.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -51,6 +53,7 @@ from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
+from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
@@ -103,6 +106,7 @@ class LLMEngine:
             self.drafter, spec.num_speculative_tokens,
         )
         self.spec_stats = SpecDecodeStats()
+        self.step_stats = StepStats()
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
@@ -173,15 +177,19 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if not self.scheduler.busy:
             return outputs
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
+        graph_start = time.perf_counter()
         logits = self.runtime.run_plan(plan)
         if self.drafter is not None:
             chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prompt_len]
             self.drafter.follow(chunks)
+        graph_seconds = time.perf_counter() - graph_start  # the target's calls and the draft's catch-up
         for request in self.scheduler.commit(plan, self._sample(plan, logits)):
             outputs.append(request.output())
             if request.done:
                 del self._requests[request.request_id]
+        self.step_stats.add(time.perf_counter() - start, graph_seconds)
         return outputs
 
     def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:

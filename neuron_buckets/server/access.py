@@ -12,6 +12,9 @@ rebinding: the page's own name resolves to 127.0.0.1, and the browser sends the 
 the Host. So a loopback server answers only requests whose Host is a loopback name or one of
 ``allowed_hosts``; anything else gets a 400. A server bound elsewhere checks the Host only
 against ``allowed_hosts`` when some are given (its clients may use any name of the machine).
+
+The checks are coroutines, though they never wait: FastAPI runs a plain function dependency on a
+worker thread, a thread hop per request that takes the GIL from the engine thread once more.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class ServerAccess:
         hosts = LOOPBACK_NAMES | extra if is_loopback(host) else (extra or None)
         return cls(api_key or None, key_metrics, hosts)
 
-    def check_host(self, request: Request) -> None:
+    async def check_host(self, request: Request) -> None:
         header = request.headers.get("host")
         if self.allowed_hosts is None or header is None:  # HTTP/1.0 sends none; browsers always do
             return
@@ -68,7 +71,7 @@ class ServerAccess:
             raise HTTPException(400, f"Host {header!r} is not served here; start nb serve with "
                                      f"--allowed-host to add a name")
 
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -78,6 +81,6 @@ class ServerAccess:
         if not ok:
             raise HTTPException(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'")
 
-    def check_metrics(self, request: Request) -> None:
+    async def check_metrics(self, request: Request) -> None:
         if self.key_metrics:
-            self.check_key(request)
+            await self.check_key(request)

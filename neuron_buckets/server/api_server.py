@@ -178,6 +178,7 @@ class OpenAIServer:
             lambda: engine.stats,
             lambda: (engine.pool.queries, engine.pool.hits),
             lambda: engine.spec_stats,
+            lambda: engine.step_stats,
         )
         self.loop = EngineLoop(engine, self.metrics, limits.max_open_requests)
         self.created = int(time.time())

@@ -89,6 +89,22 @@ class RequestStream:
         self.loop.call_soon_threadsafe(settle)
 
 
+def deliver_step(deliveries: Sequence[tuple[RequestStream, RequestOutput]]) -> None:
+    """A step's outputs handed over in one call per event loop, not one per request: each call
+    wakes the loop, which then takes the GIL from the engine thread while it hands over the rest."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    for stream, out in deliveries:
+        if stream.attached:
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.outputs.put_nowait(out)
+
+
 @dataclass
 class Connection:
     """What only the server keeps of an open request: where its outputs go, and its timings
@@ -205,8 +221,7 @@ class EngineLoop:
                 self.metrics.waiting.set(self.engine.num_waiting)
                 # Counted before delivered: a client holding its final output finds it in
                 # /metrics and may send its next request at once without meeting its own slot.
-                for stream, out in self._record(outputs, time.monotonic()):
-                    stream.deliver(out)
+                deliver_step(self._record(outputs, time.monotonic()))
         except Exception as e:
             log.exception("the engine loop stopped")
             self.error = f"{type(e).__name__}: {e}"

@@ -5,9 +5,10 @@ waiting, time to first token, time per output token, end-to-end latency, prompt 
 token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens)
 and speculative decoding's draft and acceptance counters, all labelled with ``model_name``. What
 vLLM has no name for is the point of nb: per-bucket calls, real and padded tokens and the padding
-ratio. Both kinds of counter are read from the engine's own at scrape time (so they are exactly
-``nb generate --stats``). Each server owns its registry, so several servers in one process
-(tests) do not collide.
+ratio, and the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
+compare with the same steps run in-process). Both kinds of counter are read from the engine's own
+at scrape time (so they are exactly ``nb generate --stats``). Each server owns its registry, so
+several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
+from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.runtime.bucket_stats import BucketStats
 
 # vLLM's bucket boundaries, so histograms from both servers can be compared bin by bin.
@@ -59,18 +61,22 @@ class EngineCounterCollector(Collector):
     tokens, mean accepted length = 1 + accepted / drafts."""
 
     def __init__(
-        self, model_name: str, pool: Callable[[], tuple[int, int]], spec: Callable[[], SpecDecodeStats]
+        self, model_name: str, pool: Callable[[], tuple[int, int]], spec: Callable[[], SpecDecodeStats],
+        steps: Callable[[], StepStats],
     ) -> None:
-        self.model_name, self.pool, self.spec = model_name, pool, spec
+        self.model_name, self.pool, self.spec, self.steps = model_name, pool, spec, steps
 
     def collect(self) -> Iterator[Metric]:
-        (queries, hits), s = self.pool(), self.spec()
+        (queries, hits), s, steps = self.pool(), self.spec(), self.steps()
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits),
             ("vllm:spec_decode_num_drafts", "Decode rows that carried drafts", s.num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
+            ("nb:engine_steps", "Engine steps that ran a plan", steps.steps),
+            ("nb:engine_step_seconds", "Wall seconds in those steps", steps.seconds),
+            ("nb:engine_graph_seconds", "Of which in the runtime's graph calls", steps.graph_seconds),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -86,9 +92,10 @@ class ServerMetrics:
         bucket_stats: Callable[[], Mapping[str, BucketStats]],
         prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
         spec_stats: Callable[[], SpecDecodeStats] = SpecDecodeStats,
+        step_stats: Callable[[], StepStats] = StepStats,
     ) -> None:
         """``prefix_cache`` reads the pool's (queries, hits) counters, ``spec_stats`` the engine's
-        speculative decoding counters."""
+        speculative decoding counters, ``step_stats`` its steps and their seconds."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -114,7 +121,7 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.registry.register(BucketCollector(bucket_stats))
-        self.registry.register(EngineCounterCollector(model_name, prefix_cache, spec_stats))
+        self.registry.register(EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats))
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()
