@@ -8,9 +8,10 @@ op opaque to inductor, whose schema is oneDNN's ``mkldnn::_linear_pointwise``, s
 calls that op's C shim directly (``C_SHIMS``) and a loaded graph needs nothing registered from
 Python. It computes the same product over a dense weight or over the packed one ``pack`` makes;
 the runtime packs the layers' projections once, as it loads them, and keeps no dense copy. The head
-reads the tied embedding, which the embed piece reads densely, so it stays dense: oneDNN over the
-dense head weight is as fast as over a packed copy at decode sizes (measured), and a packed copy
-would hold the embedding twice.
+reads the tied embedding, which the embed piece reads densely, so it stays dense: at 8 rows over a
+49152 x 576 head (2-core AMD EPYC, busy), oneDNN took 23 ms over the dense weight, 19 over a packed
+copy and F.linear 40 on one thread (24, 24 and 93 on two), and a packed copy would hold the
+embedding twice.
 """
 
 from __future__ import annotations
