@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.errors import UserError
 
 GraphFn = Callable[..., Any]
@@ -53,6 +54,11 @@ class Backend(Protocol):
     ) -> None:
         """Compile ``piece`` for the shapes of ``example`` (``dynamic``: torch.export's dynamic
         dimensions, or None for all static) and write the graph to ``out_file``."""
+        ...
+
+    def pack(self, layer: LayerWeights) -> LayerWeights:
+        """One layer's weights in the layout this backend's graphs read (the same record for
+        most): the runtime applies it to each layer as it loads the weights."""
         ...
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:

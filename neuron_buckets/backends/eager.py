@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from neuron_buckets.backends.base import GraphFn
+from neuron_buckets.model.weights import LayerWeights
 
 
 class EagerBackend:
@@ -40,6 +41,9 @@ class EagerBackend:
     ) -> None:
         shapes = None if dynamic else [list(t.shape) for t in tree_leaves(example)]
         out_file.write_text(json.dumps({"piece": type(piece).__name__, "input_shapes": shapes}))
+
+    def pack(self, layer: LayerWeights) -> LayerWeights:
+        return layer  # the eager model reads the checkpoint's dense tensors
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         from neuron_buckets.model.model_config import LlamaConfig

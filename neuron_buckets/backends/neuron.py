@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
+from neuron_buckets.model.weights import LayerWeights
 
 INSTALL_HINT = (
     "install the AWS Neuron SDK 2.29 or later (on a Trn/Inf instance or the Neuron DLAMI): "
@@ -267,6 +268,9 @@ class NeuronBackend:
             traced = sdk.trace(spec.module, spec.inputs, input_output_aliases=spec.aliases, **trace)
         sdk.async_load(traced)  # must precede jit.save: loading overlaps across piece graphs
         torch.jit.save(traced, str(out_file))
+
+    def pack(self, layer: LayerWeights) -> LayerWeights:
+        return layer  # the traced graph takes the dense tensors
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         sdk = _sdk()

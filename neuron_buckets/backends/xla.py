@@ -32,6 +32,7 @@ from neuron_buckets.backends.xla_lowering import (
     torch_xla,
     torch_xla_version,
 )
+from neuron_buckets.model.weights import LayerWeights
 
 
 class XlaGraph:
@@ -108,6 +109,9 @@ class XlaBackend:
         record = {"piece": type(piece).__name__, "input_shapes": shapes, "summary": lowering.summary,
                   "hlo": lowering.hlo}
         out_file.write_text(json.dumps(record))
+
+    def pack(self, layer: LayerWeights) -> LayerWeights:
+        return layer  # the traced graph takes the dense tensors
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         from neuron_buckets.model.llama import LlamaConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,7 +147,8 @@ def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(
-    config: LlamaConfig, tensors: str | Path | dict[str, Tensor], dtype: torch.dtype | None = None
+    config: LlamaConfig, tensors: str | Path | dict[str, Tensor], dtype: torch.dtype | None = None,
+    pack: Callable[[LayerWeights], LayerWeights] | None = None,
 ) -> ModelWeights:
     """The model's weights from a state dict (or one safetensors file) by transformers name.
 
@@ -157,7 +158,8 @@ def load_weights(
     copied, unless it is not ``ALIGNMENT``-aligned (safetensors' are not): CPU BLAS picks its
     kernels by alignment, so an unaligned weight rounds differently, and a model read back from
     its file would not compute what the model that wrote it did. The tensors are taken out of
-    ``tensors`` as each layer is fused, so a checkpoint's layers are never held twice.
+    ``tensors`` as each layer is fused, so a checkpoint's layers are never held twice; ``pack``
+    (a backend's weight layout) is applied to each layer as it is built, for the same reason.
     """
     if not isinstance(tensors, dict):
         tensors = load_file(Path(tensors))
@@ -186,7 +188,8 @@ def load_weights(
         for field in part_shapes(config):
             parts = [take(f"model.layers.{i}.{n}") for n in LAYER_PARTS[field]]
             fused[field] = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return LayerWeights(**fused)
+        built = LayerWeights(**fused)
+        return built if pack is None else pack(built)
 
     embed = take("model.embed_tokens.weight")
     layers = tuple(layer(i) for i in range(config.num_layers))

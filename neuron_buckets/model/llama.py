@@ -8,7 +8,7 @@ that layer's weights, so ONE compiled layer serves every layer), and ``head`` (f
 head on the sampled tokens). Everything is torch.export-friendly: no data-dependent Python control
 flow, no ``.item()``, no loop over tokens; shape checks run only in eager mode. The cache write
 and the attention go through ``kernels/dispatch.py``: the torch kernels unless a backend (Neuron)
-swaps its own in.
+swaps its own in; the projections go through ``model/linear.py`` (oneDNN in inductor's CPU graphs).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from neuron_buckets.core.block_table import check_block_ids
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.dispatch import block_kv_attention, write_kv_cache
+from neuron_buckets.model.linear import linear
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.weights import LayerWeights, ModelWeights
 
@@ -90,7 +91,7 @@ def decoder_layer(
     tokens, (batch, seq) = h.shape[0], step.segment_ids.shape
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     x = rms_norm(h, w.input_norm, c.rms_norm_eps)
-    q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = linear(x, w.qkv, w.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(tokens, c.num_heads, c.head_dim)
     k = k.reshape(tokens, c.num_kv_heads, c.head_dim)
     v = v.reshape(tokens, c.num_kv_heads, c.head_dim)
@@ -104,15 +105,15 @@ def decoder_layer(
         q.view(batch, seq, c.num_heads, c.head_dim), k.view(kv_shape), v.view(kv_shape),
         k_cache, v_cache, step, c.head_dim**-0.5, c.sliding_window,
     )
-    h = h + F.linear(out.reshape(tokens, q_size), w.o, w.o_bias)
+    h = h + linear(out.reshape(tokens, q_size), w.o, w.o_bias)
     x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, w.down)
+    gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, w.down)
 
 
 def head(config: LlamaConfig, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor) -> Tensor:
     """(N, vocab) float32 logits of the tokens at ``sampling_positions`` only."""
-    return F.linear(rms_norm(h[sampling_positions], norm, config.rms_norm_eps), out).float()
+    return linear(rms_norm(h[sampling_positions], norm, config.rms_norm_eps), out).float()
 
 
 class Llama(nn.Module):

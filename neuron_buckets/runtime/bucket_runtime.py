@@ -86,15 +86,15 @@ class BucketRuntime:
             )
 
     def _load_weights(self) -> ModelWeights:
-        """The artifact's weights, fused once as the layer pieces take them; the file's own
-        tensors are dropped layer by layer, so the model is never held twice."""
+        """The artifact's weights, fused once as the layer pieces take them, in the backend's
+        layout; the file's own tensors are dropped layer by layer, so the model is never held twice."""
         info = self.manifest.weights
         path = self.directory / info.file
         if not path.is_file():
             raise ArtifactError(f"weights file {path} is missing")
         if sha256_file(path) != info.sha256:
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
-        return load_weights(self.config, load_file(path, device=self.device))
+        return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
 
     def graph(self, key: str) -> GraphFn:
         """A piece's graph, loaded on first use after checking its file against the manifest."""

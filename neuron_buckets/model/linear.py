@@ -1,0 +1,94 @@
+"""The model's projections: ``F.linear``, or oneDNN's fp32 kernel over weights packed at load.
+
+``F.linear`` on float32 CPU tensors is MKL's sgemm, which on AMD runs far below the machine's
+AVX-512 rate; oneDNN generates its kernels for the CPU it runs on, and reads a weight packed once
+into its blocked layout faster still (it is what vLLM CPU calls). So where inductor compiles for a
+CPU (``onednn()`` around the trace), each projection is one call of ``nb::_linear_pointwise``: an
+op opaque to inductor, whose schema is oneDNN's ``mkldnn::_linear_pointwise``, so that AOTInductor
+calls that op's C shim directly (``C_SHIMS``) and a loaded graph needs nothing registered from
+Python. It computes the same product over a dense weight or over the packed one ``pack`` makes;
+the runtime packs the layers' projections once, as it loads them, and keeps no dense copy. The head
+reads the tied embedding, which the embed piece reads densely, so it stays dense: at 8 rows over a
+49152 x 576 head (2-core AMD EPYC, busy), oneDNN took 23 ms over the dense weight, 19 over a packed
+copy and F.linear 40 on one thread (24, 24 and 93 on two), and a packed copy would hold the
+embedding twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from neuron_buckets.model.weights import LayerWeights
+
+torch.library.define(
+    "nb::_linear_pointwise",
+    "(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm) -> Tensor",
+)
+OP = torch.ops.nb._linear_pointwise.default
+# oneDNN's C shim of the same schema, as AOTInductor declares the shims of custom ops.
+C_SHIMS = {
+    OP: [
+        "AOTITorchError aoti_torch_cpu__linear_pointwise(AtenTensorHandle X, AtenTensorHandle W, "
+        "AtenTensorHandle* B, const char* attr, const double** scalars, int64_t scalars_len_, "
+        "const char** algorithm, AtenTensorHandle* ret0)"
+    ]
+}
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the LayerWeights fields ``pack`` packs
+PACK_TOKENS = 512  # oneDNN's batch hint: one blocked layout serves every bucket (1 token and up)
+
+
+@torch.library.impl("nb::_linear_pointwise", ("CPU", "MkldnnCPU"))  # dense and packed weights
+def _linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, attr: str, scalars: list,
+                      algorithm: str | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, scalars, algorithm)
+
+
+@torch.library.register_fake("nb::_linear_pointwise")
+def _linear_pointwise_fake(x: Tensor, weight: Tensor, bias: Tensor | None, attr: str, scalars: list,
+                           algorithm: str | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_tracing_onednn = False
+
+
+def available(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether oneDNN computes this dtype's projections here: float32 on a CPU (bfloat16's
+    ``F.linear`` is already oneDNN's)."""
+    cpu = torch.device(device).type == "cpu"
+    return cpu and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@contextmanager
+def onednn() -> Iterator[None]:
+    """Trace the projections as oneDNN calls inside the block (inductor's CPU compiles)."""
+    global _tracing_onednn
+    previous, _tracing_onednn = _tracing_onednn, True
+    try:
+        yield
+    finally:
+        _tracing_onednn = previous
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear``, through oneDNN in a oneDNN trace or on a packed weight (the eager reference
+    runs the runtime's packed weights too)."""
+    if weight.is_mkldnn or (_tracing_onednn and available(weight.dtype, weight.device)):
+        return OP(x, weight, bias, "none", [], None)
+    return F.linear(x, weight, bias)
+
+
+def pack(layer: LayerWeights) -> LayerWeights:
+    """The layer's projections in oneDNN's blocked layout, where oneDNN computes their dtype here;
+    the loader packs each layer as it builds it, so the dense copies never pile up."""
+    return replace(layer, **{
+        name: torch.ops.mkldnn._reorder_linear_weight(getattr(layer, name), PACK_TOKENS)
+        for name in PROJECTIONS
+        if available(getattr(layer, name).dtype, getattr(layer, name).device)
+    })

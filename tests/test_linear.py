@@ -1,0 +1,82 @@
+"""The projections' oneDNN path: packed weights compute F.linear, and compiled graphs call oneDNN's
+C shim directly, so a serving process needs nothing of ``model/linear.py`` registered."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from neuron_buckets.backends.inductor import InductorBackend
+from neuron_buckets.model import linear
+from neuron_buckets.model.weights import LayerWeights
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 40), k=st.sampled_from([16, 48, 64]), n=st.sampled_from([8, 32, 96]),
+       bias=st.booleans())
+def test_a_packed_weight_computes_f_linear(tokens: int, k: int, n: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(tokens * k + n)
+    x, w = torch.randn(tokens, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, linear.PACK_TOKENS)
+    torch.testing.assert_close(linear.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _layer(dtype: torch.dtype) -> LayerWeights:
+    def t(*shape: int) -> Tensor:
+        return torch.randn(shape).to(dtype)
+
+    return LayerWeights(input_norm=t(16), qkv=t(32, 16), o=t(16, 16), post_norm=t(16), gate_up=t(48, 16),
+                        down=t(16, 24), qkv_bias=t(32))
+
+
+def test_pack_packs_the_float32_projections_only() -> None:
+    dense = _layer(torch.float32)
+    packed = linear.pack(dense)
+    for name in ("input_norm", "post_norm", "qkv_bias"):
+        assert getattr(packed, name) is getattr(dense, name)
+    for name in linear.PROJECTIONS:
+        assert getattr(packed, name).is_mkldnn
+        assert torch.equal(getattr(packed, name).to_dense(), getattr(dense, name))
+    bf16 = _layer(torch.bfloat16)  # bfloat16's F.linear is oneDNN's already: nothing to pack
+    assert linear.pack(bf16) == bf16
+
+
+class Projection(nn.Module):
+    def forward(self, x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return torch.relu(linear.linear(x, w, b))
+
+
+RUN_WITHOUT_NB = """
+import sys, torch
+x, w, b = torch.load(sys.argv[2])
+graph = torch._inductor.aoti_load_package(sys.argv[1])
+packed = torch.ops.mkldnn._reorder_linear_weight(w, 512)
+assert not hasattr(torch.ops, "nb") or not hasattr(torch.ops.nb, "_linear_pointwise")
+torch.testing.assert_close(graph(x, packed, b), torch.relu(torch.nn.functional.linear(x, w, b)))
+print("ok")
+"""
+
+
+def test_a_compiled_graph_calls_onednn_directly_on_packed_weights(tmp_path) -> None:
+    x, w, b = torch.randn(12, 64), torch.randn(96, 64), torch.randn(96)
+    out = tmp_path / "projection.pt2"
+    InductorBackend().compile(Projection(), (x, w, b), out, {}, None)
+    with zipfile.ZipFile(out) as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp"))
+    assert "aoti_torch_cpu__linear_pointwise(" in wrapper
+    assert "aoti_torch_proxy_executor_call_function" not in wrapper  # no call back into Python
+    torch.save((x, w, b), tmp_path / "inputs.pt")
+    run = subprocess.run([sys.executable, "-c", RUN_WITHOUT_NB, str(out), str(tmp_path / "inputs.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
