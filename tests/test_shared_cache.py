@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from neuron_buckets.artifact.manifest import read_manifest
-from neuron_buckets.cli import app
+from neuron_buckets.cli import app, console
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from tests.conftest import TINY_CONFIG, aws_env, error_line, free_port, write_config
@@ -123,7 +123,7 @@ def test_a_truncated_or_tampered_remote_entry_is_detected_and_compiled_again(eag
     by_piece = {e.piece: e for e in store.entries()}
     bucket, prefix = remote.removeprefix("s3://").split("/", 1)
     s3 = boto3.client("s3")
-    truncated, tampered = by_piece["layer_t16_b1_c128"], by_piece["head"]
+    truncated, tampered = by_piece["layer_t16_b2_c128_packed"], by_piece["head"]
     body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{truncated.graph_name}")["Body"].read()
     s3.put_object(Bucket=bucket, Key=f"{prefix}/{truncated.graph_name}", Body=body[: len(body) // 2])
     record_key = f"{prefix}/{StoreEntry.record_name(tampered.key, tampered.ext)}"
@@ -206,7 +206,8 @@ def test_dry_run_says_where_each_bucket_comes_from_and_writes_nothing(
     assert not (tmp_path / "new").exists() and not (tmp_path / "c2").exists()
 
 
-def test_cache_push_pull_ls_and_prune(eager_config, remote, tmp_path):
+def test_cache_push_pull_ls_and_prune(eager_config, remote, tmp_path, monkeypatch):
+    monkeypatch.setattr(console.out, "width", 240)  # the listing's cells unwrapped and untruncated
     local = tmp_path / "local"
     assert nb("compile", eager_config, "--out", tmp_path / "o", "--cache-dir", local).exit_code == 0
     push = nb("cache", "push", remote, "--cache-dir", local)

@@ -36,7 +36,9 @@ def runtime(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Buc
     from neuron_buckets.config import load_config
 
     tmp = tmp_path_factory.mktemp("speculative")
-    text = EAGER_SPECULATIVE.replace("speculation_length = 2", "speculation_length = 3")
+    text = EAGER_SPECULATIVE.replace("speculation_length = 2", "speculation_length = 3").replace(
+        "max_num_seqs = 2", "max_num_seqs = 4"  # four rows: a chunk beside drafted rows
+    ).replace("num_seqs_buckets = [2]", "num_seqs_buckets = [2, 4]")
     config = load_config(write_config(tmp, hf_model_dir, text))
     assert not Compiler(config, tmp / "artifact", tmp / "cache").run(jobs=1).failed
     runtime = BucketRuntime.open(tmp / "artifact")
