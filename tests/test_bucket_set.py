@@ -18,8 +18,8 @@ from neuron_buckets.runtime.bucket_set import BucketSet, Part
 DECODE = [Bucket("decode", b, 1, c) for c in (64, 256) for b in (1, 4)]
 
 
-def buckets(*seqs: int, max_rows: int = 8) -> BucketSet:
-    return BucketSet.of([*(Bucket("prefill", min(max_rows, s), s, 256) for s in seqs), *DECODE])
+def buckets(*seqs: int, max_rows: int = 8, mix_decode: bool = True) -> BucketSet:
+    return BucketSet.of([*(Bucket("prefill", min(max_rows, s), s, 256) for s in seqs), *DECODE], mix_decode)
 
 
 def chunk(tokens: int, context: int = 0, samples: int = 1) -> Segment:
@@ -91,6 +91,8 @@ def test_decode_rows_that_do_not_fit_the_packed_call_take_the_decode_graphs():
         ("prefill", [0]),
         ("decode", [1, 2]),
     ]
+    unmixed = buckets(32, mix_decode=False).calls([chunk(20), row(40)])  # the default: two calls
+    assert [c.bucket.kind for c in unmixed] == ["prefill", "decode"]
     rows_only = [row(40), row(50)]  # a decode-only step keeps the decode graphs
     assert [c.bucket.kind for c in buckets(32).calls(rows_only)] == ["decode"]
     crowded = [chunk(2), *(row(9) for _ in range(4))]  # 5 segments, the packed call holds 4

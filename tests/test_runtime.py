@@ -20,6 +20,7 @@ from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
+from neuron_buckets.runtime.bucket_set import BucketSet
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
 
@@ -179,6 +180,25 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
     assert calls == {"prefill_s16": 1, "prefill_s32": 1, "decode_b1_c128": 1, "decode_b2_c128": 1}
     rest = runtime.run_plan((Segment(2, seqs[2][24:], 24, tables[2], 1),))  # reads what the cut chunk wrote
     torch.testing.assert_close(rest[0], hf_last_logits(hf_model, seqs[2]), rtol=1e-4, atol=1e-4)
+
+
+def test_with_mixing_on_a_continuing_chunk_and_a_decode_row_run_in_one_compiled_call(compiled_dir, hf_model):
+    """``mix_decode``: the decode row rides in the chunk's packed call, each over its own context,
+    over a cache poisoned with NaN wherever nothing was written; logits are transformers'."""
+    runtime = BucketRuntime.open(compiled_dir)
+    runtime.k_cache.fill_(float("nan"))
+    runtime.v_cache.fill_(float("nan"))
+    runtime.buckets = BucketSet.of(runtime.records, mix_decode=True)
+    seqs = [tokens(18, 40), tokens(11, 41)]
+    tables = [blocks(3, 18), blocks(9, 11)]
+    runtime.prefill([PrefillChunk(seqs[0][:6], 0, tables[0]), PrefillChunk(seqs[1][:10], 0, tables[1])])
+    before = {name: s.calls for name, s in runtime.stats.items()}
+    plan = (Segment(0, seqs[0][6:], 6, tables[0], 1), Segment(1, seqs[1][10:], 10, tables[1], 1))
+    logits = runtime.run_plan(plan)
+    want = torch.stack([hf_last_logits(hf_model, s) for s in seqs])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    calls = {name: s.calls - before[name] for name, s in runtime.stats.items() if s.calls > before[name]}
+    assert calls == {"prefill_s16": 1}  # 12 chunk tokens + the decode row, one weight pass
 
 
 def _delete(path: Path) -> None:

@@ -115,9 +115,6 @@ def test_a_closed_loop_at_concurrency_4_counts_what_nb_inspect_predicts(wide, tm
     assert client.in_flight_peak == 4
     assert measured == predicted(config, sample, "--concurrency", "4")
     assert measured != predicted(config, sample)  # all at once runs other steps
-    # mixed steps: fewer decode rows ran on decode graphs than were generated after prefill
-    decode_rows = sum(s["real_tokens"] for name, s in measured.items() if name.startswith("decode"))
-    assert decode_rows < int(client.trace.output_lens.sum()) - REQUESTS
 
 
 @pytest.mark.slow
