@@ -109,6 +109,15 @@ def paged_case(cache_lens: list[int], seq: int, bs: int, max_blocks: int, heads:
     return q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq
 
 
+def poisoned(k_cache, v_cache, table, lens: list[int], bs: int, fill: float):
+    """The caches with ``fill`` in every slot outside each row's context (the null block too)."""
+    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        live[table[b, pos // bs], pos % bs] = True
+    return (torch.where(live[..., None, None], c, fill) for c in (k_cache, v_cache))
+
+
 def run_attention(case, cache_lens, scale=0.3, table=None, window=None):
     q, k_act, v_act, k_cache, v_cache, base_table, _, _ = case
     table = remap_null_block_to_sentinel(base_table) if table is None else table
@@ -151,12 +160,7 @@ def test_null_block_and_unwritten_slots_never_reach_the_output(lens, seq, fill, 
     case = paged_case(lens, seq, bs, max_blocks, KVH * 2, seed)
     clean = run_attention(case, lens)
     q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
-    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
-    for b, n in enumerate(lens):
-        pos = torch.arange(n)
-        live[table[b, pos // bs], pos % bs] = True
-    dirty_k = torch.where(live[..., None, None], k_cache, fill)
-    dirty_v = torch.where(live[..., None, None], v_cache, fill)
+    dirty_k, dirty_v = poisoned(k_cache, v_cache, table, lens, bs, fill)
     dirty = run_attention((q, k_act, v_act, dirty_k, dirty_v, table, k_seq, v_seq), lens)
     assert torch.isfinite(clean).all()
     assert torch.equal(bits(dirty), bits(clean))
@@ -262,12 +266,7 @@ def packed_case(lens: list[int], counts: list[int], pads: int, seed: int, fill: 
     bs, max_blocks = 8, 5
     case = paged_case(lens, max(counts), bs, max_blocks, KVH * 3, seed)
     q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
-    live = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
-    for b, n in enumerate(lens):
-        pos = torch.arange(n)
-        live[table[b, pos // bs], pos % bs] = True
-    k_cache = torch.where(live[..., None, None], k_cache, fill)
-    v_cache = torch.where(live[..., None, None], v_cache, fill)
+    k_cache, v_cache = poisoned(k_cache, v_cache, table, lens, bs, fill)
     gen = torch.Generator().manual_seed(seed)
 
     def packed(x: torch.Tensor) -> torch.Tensor:  # (R, seq, ...) -> (1, T, ...), pads random
