@@ -289,10 +289,10 @@ num_batched_tokens_buckets = {buckets}
 
 
 def test_plan_picks_token_buckets_that_pad_the_replayed_steps_less(tmp_path: Path) -> None:
-    """Prompts of 40 tokens of 2, 5 or 9 output tokens at concurrency 2: nearly every replayed
-    packed call holds a new prompt and the other request's decode row, 41 tokens, which powers
-    of two pad to 64. The plan's buckets pad them less, and nb inspect replaying a config with
-    those buckets counts what the plan said. Each prompt alone would want a 40-token bucket."""
+    """Prompts of 40 tokens of 2, 5 or 9 output tokens at concurrency 2: the replayed packed
+    calls hold one 40-token prompt (decode rows take the decode graphs: mixing is off), which
+    powers of two pad to 64. The plan's buckets pad them less, and nb inspect replaying a config
+    with those buckets counts what the plan said."""
     trace = tmp_path / "t.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "40,2\n40,5\n40,9\n" * 10)
     config = tmp_path / "nb.toml"
@@ -302,7 +302,7 @@ def test_plan_picks_token_buckets_that_pad_the_replayed_steps_less(tmp_path: Pat
     assert replay["load"]["concurrency"] == 2 and replay["requests"] == 30
     assert replay["baseline"]["buckets"] == [32, 64, 128] and replay["buckets"][-1] == 128
     assert replay["padded_tokens"] < replay["baseline"]["padded_tokens"]
-    assert 48 in replay["buckets"]  # what 41 tokens pad to on multiples of 8
+    assert 40 in replay["buckets"]  # a prompt's own length, a multiple of 8
     assert doc["prefill"]["buckets"] == [40]  # the offline optimum: each prompt alone
     snippet = tomllib.loads(doc["toml"])["buckets"]
     assert snippet["num_batched_tokens_buckets"] == replay["buckets"]
