@@ -69,7 +69,9 @@ def grid_graphs(config: Config, out: Path) -> dict[str, dict]:
 
     backend, model = get_backend("xla"), model_config_of(config.model.path)
     c = config.cache
-    shapes = {s for b in enumerate_grid(config) for s in bucket_pieces(b, backend.dynamic_shapes).values()}
+    decode_seq = 1 + config.buckets.speculation_length  # a packed head returns a decode row's logits
+    pieces = (bucket_pieces(b, backend.dynamic_shapes, decode_seq) for b in enumerate_grid(config))
+    shapes = {s for p in pieces for s in p.values()}
     for s in shapes:
         example = example_inputs(s, model, c.block_size, c.num_blocks, getattr(torch, c.dtype))
         backend.compile(PIECES[s.role](model), example, out / f"{s.name}.json", {}, None)
@@ -163,10 +165,11 @@ def test_every_bucket_on_xla_cpu_agrees_with_eager_over_a_nan_cache(runtimes):
     steps = []
     for b in sorted(xla.records, key=lambda b: (b.kind == "decode", b.seq, b.batch)):
         if b.kind == "prefill" and b.seq == 16:  # one request
-            steps.append((b, pad_prefill([PrefillChunk(prompt[0][:8], 0, blocks[0])], b, 8)))
+            chunk = [PrefillChunk(prompt[0][:8], 0, blocks[0])]
+            steps.append((b, pad_prefill(chunk, b, 8, xla.buckets.samples(b))))
         elif b.kind == "prefill":  # two requests packed; the first continues its cached start
             chunks = [PrefillChunk(prompt[0][8:20], 8, blocks[0]), PrefillChunk(prompt[1], 0, blocks[1])]
-            steps.append((b, pad_prefill(chunks, b, 8)))
+            steps.append((b, pad_prefill(chunks, b, 8, xla.buckets.samples(b))))
         else:  # 1 + 2 speculative positions per row
             rows = [DecodeRow([5, 6, 7], 20, blocks[0]), DecodeRow([8, 9, 1], 9, blocks[1])][: b.batch]
             steps.append((b, pad_decode(rows, b, 8)))
