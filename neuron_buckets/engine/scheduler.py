@@ -2,7 +2,8 @@
 
 ``schedule`` returns a ``StepPlan``: one decode row for every request whose prompt is complete,
 its last token fed back, then a token budget filled the way vLLM does: the decode rows' tokens
-and rows count first (they ride in the prefill call), then the request whose prompt was cut last
+and rows count first (so they fit the prefill call when ``BucketSet.mix_decode`` lets them ride
+in it, and the step stays within ``max_num_seqs`` rows either way), then the request whose prompt was cut last
 step continues, then waiting requests are admitted in order while the budget
 ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the block pool allow; the last one
 admitted may be cut, to continue next step. Blocks for every token the plan writes are
@@ -87,7 +88,7 @@ class Scheduler:
         """This step's plan: prefill chunks (the continuing prompt first), then decode rows."""
         decoding = [r for r in self.running if r.prefilled]
         rows = [(req, req.token_ids[-1:] + d) for req, d in zip(decoding, self.drafts(decoding), strict=True)]
-        # decode rows ride in the prefill call (one weight pass): their tokens and rows come first
+        # decode rows' tokens and rows come first: room for them to ride in the prefill call
         chunks = self._prefill_chunks(
             self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows)
         )
