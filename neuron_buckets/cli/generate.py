@@ -81,7 +81,8 @@ def print_stats(engine: LLMEngine) -> None:
         err.print(
             f"speculation: {spec.num_drafts} drafted rows, {spec.num_accepted_tokens} of "
             f"{spec.num_draft_tokens} draft tokens accepted ({spec.acceptance_rate:.0%}), "
-            f"mean accepted length {spec.mean_accepted_length:.2f}",
+            f"mean accepted length {spec.mean_accepted_length:.2f}, "
+            f"{spec.num_steps_off} steps with speculation off (it did not pay)",
             soft_wrap=True,
         )
 
