@@ -1,17 +1,22 @@
 """N-gram speculative decoding at concurrency 1: tok/s with and without drafts, and acceptance.
 
-Model: the SmolLM2-135M shape with random weights (``--layers`` deep; 30 is the real depth).
-Two artifacts of the same grid: one without speculation rows and one whose decode rows carry
-``1 + K`` tokens. Three runs per workload, one request at a time, greedy, ``--new-tokens`` each:
-the plain artifact, the speculation artifact without drafts (what the wider rows cost alone) and
-with prompt-lookup drafts. Workloads: ``repeat`` (a prompt that repeats one passage: prompt
-lookup's home ground when the output quotes it) and ``random`` (random prompts: little to look
-up). Greedy tokens must be identical across the three runs; the script fails otherwise. Random
-weights decide how much the output repeats, so acceptance is what it is on this model: the
-figures say what drafts cost and save here, not what a trained model accepts. Run it on an idle
-machine; timings vary by machine and load.
+Model: the SmolLM2-135M shape with random weights (``--layers`` deep; 30 is the real depth),
+built once into ``--models``. Two artifacts of the same grid: one without speculation rows and
+one whose decode rows carry ``1 + K`` tokens. Per workload, one request at a time, ``--new-tokens``
+each: the plain artifact (``plain``), the speculation artifact without drafts (``wide rows``: what
+the wider rows cost alone), with prompt-lookup drafts as the engine runs them by default, turning
+speculation off where it does not pay (``ngram``; ``off`` counts the steps it sat out), and
+drafting every step (``always``, ``auto_off = false``). ``ratio`` is ngram over plain.
+Workloads: ``repeat`` (greedy; a prompt that repeats one passage: prompt lookup's home ground
+when the output quotes it), ``random`` (greedy; random prompts) and ``sampled`` (random prompts at
+temperature 1: a flat distribution, whose tokens drafts rarely guess: where lookup does not pay).
+Greedy tokens must be identical across the runs, and a seeded sampled request's tokens between
+the runs without drafts; the script fails otherwise. Random weights decide how much the output
+repeats, so acceptance is what it is on this model: the figures say what drafts cost and save
+here, not what a trained model accepts. Run it on an idle machine; timings vary by machine and
+load.
 
-    python bench/bench_speculative.py [--layers 30] [--k 3] [--new-tokens 64] [--backend inductor]
+    python bench/bench_speculative.py [--layers 30] [--k 3] [--new-tokens 64] [--requests 4]
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from real_models import build_smollm  # noqa: E402
 from workloads import TOKEN_HIGH, TOKEN_LOW, Workload  # noqa: E402
 
-from neuron_buckets import LLMEngine, SamplingParams, generate  # noqa: E402
+from neuron_buckets import BucketRuntime, LLMEngine, SamplingParams, generate  # noqa: E402
 from neuron_buckets.config.speculative import SpeculativeConfig  # noqa: E402
 
 CONFIG = """
@@ -53,14 +59,27 @@ jobs = 1
 """
 
 
-def workloads(n: int, new_tokens: int, seed: int = 0) -> list[Workload]:
+@dataclass(frozen=True)
+class Case:
+    workload: Workload
+    temperature: float  # 0: greedy
+
+    def params(self, i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=self.workload.max_new_tokens, ignore_eos=True,
+                              temperature=self.temperature, seed=i)  # fmt: skip
+
+
+def cases(n: int, new_tokens: int, seed: int = 0) -> list[Case]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     passages = [torch.randint(TOKEN_LOW, TOKEN_HIGH, (40,), generator=gen).tolist() for _ in range(n)]
     randoms = [torch.randint(TOKEN_LOW, TOKEN_HIGH, (160,), generator=gen).tolist() for _ in range(n)]
-    repeat = Workload("repeat", [p * 4 for p in passages], new_tokens)
-    return [repeat, Workload("random", randoms, new_tokens)]
+    return [
+        Case(Workload("repeat", [p * 4 for p in passages], new_tokens), 0.0),
+        Case(Workload("random", randoms, new_tokens), 0.0),
+        Case(Workload("sampled", randoms, new_tokens), 1.0),
+    ]
 
 
 def compile_artifact(root: Path, model: Path, k: int, backend: str) -> Path:
@@ -72,14 +91,16 @@ def compile_artifact(root: Path, model: Path, k: int, backend: str) -> Path:
     return out
 
 
-def run(engine: LLMEngine, wl: Workload) -> tuple[list[list[int]], float]:
-    """Each prompt alone (concurrency 1); the tokens and the generated tokens per second."""
-    params = SamplingParams(max_tokens=wl.max_new_tokens, ignore_eos=True)
-    generate(engine, wl.prompts[:1], params)  # warm-up: load the graphs this workload calls
-    start, tokens = time.perf_counter(), []
-    for prompt in wl.prompts:
-        tokens.append(generate(engine, [prompt], params)[0].token_ids)
-    return tokens, len(wl.prompts) * wl.max_new_tokens / (time.perf_counter() - start)
+def run(
+    runtime: BucketRuntime, spec: SpeculativeConfig | None, case: Case
+) -> tuple[list[list[int]], float, LLMEngine]:
+    """Each prompt alone (concurrency 1) on a fresh engine: the tokens, the generated tokens per
+    second, and the engine (its counters)."""
+    prompts = case.workload.prompts
+    engine, start, tokens = LLMEngine(runtime, speculative=spec), time.perf_counter(), []
+    for i, prompt in enumerate(prompts):
+        tokens.append(generate(engine, [prompt], case.params(i))[0].token_ids)
+    return tokens, len(prompts) * case.workload.max_new_tokens / (time.perf_counter() - start), engine
 
 
 def main() -> None:
@@ -89,28 +110,36 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="prompts per workload, run one at a time")
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
+    ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
     args = ap.parse_args()
-    from neuron_buckets import BucketRuntime
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_smollm(root / "model", num_layers=args.layers)
+        model = build_smollm(args.models / f"smollm2-{args.layers}layers", num_layers=args.layers)
         plain = BucketRuntime.open(compile_artifact(root, model, 0, args.backend))
         wide = BucketRuntime.open(compile_artifact(root, model, args.k, args.backend))
         spec = SpeculativeConfig(num_speculative_tokens=args.k)
-        print(f"{args.layers} layers, K = {args.k}, {args.requests} requests x {args.new_tokens} tokens")
-        print(f"{'workload':<8} {'plain tok/s':>12} {'wide rows':>10} {'ngram':>8} {'speedup':>8} "
-              f"{'accept':>7} {'mean len':>9}")  # fmt: skip
-        for wl in workloads(args.requests, args.new_tokens):
-            base, base_tps = run(LLMEngine(plain), wl)
-            off, off_tps = run(LLMEngine(wide), wl)
-            engine = LLMEngine(wide, speculative=spec)
-            on, on_tps = run(engine, wl)
-            if not base == off == on:
-                sys.exit(f"{wl.name}: greedy tokens differ between the runs")
-            s, speedup = engine.spec_stats, on_tps / base_tps
-            print(f"{wl.name:<8} {base_tps:>12.1f} {off_tps:>10.1f} {on_tps:>8.1f} {speedup:>7.2f}x "
-                  f"{s.acceptance_rate:>7.0%} {s.mean_accepted_length:>9.2f}")  # fmt: skip
+        always = replace(spec, auto_off=False)
+        print(f"{args.layers} layers, K = {args.k}, {args.requests} requests x {args.new_tokens} tokens, "
+              f"concurrency 1, {args.backend}")  # fmt: skip
+        print(f"{'workload':<8} {'plain tok/s':>11} {'wide rows':>9} {'ngram':>7} {'ratio':>6} {'accept':>6} "
+              f"{'mean len':>8} {'off':>9} {'always':>7} {'ratio':>6} {'accept':>6}")  # fmt: skip
+        workloads = cases(args.requests, args.new_tokens)
+        for runtime in (plain, wide):  # a first pass untimed: whatever a first call costs is paid
+            run(runtime, None, workloads[0])
+        for case in workloads:
+            base, base_tps, _ = run(plain, None, case)
+            bare, bare_tps, _ = run(wide, None, case)
+            gated, gated_tps, engine = run(wide, spec, case)
+            every, every_tps, every_engine = run(wide, always, case)
+            name = case.workload.name
+            if base != bare or (case.temperature == 0 and not base == gated == every):
+                sys.exit(f"{name}: tokens differ between the runs")
+            s, a, steps = engine.spec_stats, every_engine.spec_stats, engine.step_stats.steps
+            print(f"{name:<8} {base_tps:>11.1f} {bare_tps:>9.1f} {gated_tps:>7.1f} "
+                  f"{gated_tps / base_tps:>5.2f}x {s.acceptance_rate:>6.0%} {s.mean_accepted_length:>8.2f} "
+                  f"{s.num_steps_off:>4}/{steps:<4} "
+                  f"{every_tps:>7.1f} {every_tps / base_tps:>5.2f}x {a.acceptance_rate:>6.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

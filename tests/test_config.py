@@ -146,6 +146,8 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
         ("[speculative]\nprompt_lookup_min = 5", "prompt_lookup_min and prompt_lookup_max need 1 <= min"),
         ("[speculative]\nprompt_lookup_max = 0", "need 1 <= min <= max, got 1 and 0"),
         ("[speculative]\nk = 3", "speculative. unknown key"),
+        ("[speculative]\nauto_off_window = 0", "speculative.auto_off_window must be positive, got 0"),
+        ("[speculative]\nauto_off = 1", "speculative.auto_off must be true or false, got 1"),
         # removed keys name the release and say what replaced them
         ("[buckets]\nprefill_batch_buckets = [2]\nnum_batched_tokens_buckets = [128]",
          "prefill_batch_buckets was removed in 0.2: .*packs up to max_num_seqs requests.*delete the key"),
@@ -239,6 +241,10 @@ def test_speculative_section_is_off_by_default_and_reads_vllms_names(tmp_path):
         "ngram", 3, 2, 5
     )
     assert spec.enabled
+    assert (spec.auto_off, spec.auto_off_window, spec.auto_off_probe_interval) == (True, 16, 128)
+    text += "auto_off = false\nauto_off_window = 8\nauto_off_probe_interval = 32\n"
+    spec = load_config(write(tmp_path, text)).speculative
+    assert (spec.auto_off, spec.auto_off_window, spec.auto_off_probe_interval) == (False, 8, 32)
 
 
 def test_a_draft_models_relative_path_resolves_against_the_config_file(tmp_path):

@@ -10,6 +10,7 @@ others' drafted rows.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,12 @@ def compile_with_draft(tmp: Path, model: Path, draft: Path, cache: Path):
     return config, report
 
 
+def always_drafting(spec: SpeculativeConfig) -> SpeculativeConfig:
+    """These tests check what the drafts compute, every step: not whether they pay, which the
+    clock decides (the target drafting for itself costs about what it saves)."""
+    return replace(spec, auto_off=False)
+
+
 @pytest.fixture(scope="module")
 def graph_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("draft-graph-cache")
@@ -56,7 +63,7 @@ def self_draft(hf_model_dir: Path, graph_cache: Path, tmp_path_factory: pytest.T
     """An artifact whose draft is the target's own checkpoint, and the config that built it."""
     tmp = tmp_path_factory.mktemp("self-draft")
     config, report = compile_with_draft(tmp, hf_model_dir, hf_model_dir, graph_cache)
-    return BucketRuntime.open(tmp / "artifact"), config.speculative, report
+    return BucketRuntime.open(tmp / "artifact"), always_drafting(config.speculative), report
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +73,7 @@ def random_draft(hf_model_dir: Path, graph_cache: Path, tmp_path_factory: pytest
     draft = save_tiny_llama(tmp / "draft-model", seed=7, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     config, _ = compile_with_draft(tmp, hf_model_dir, draft, graph_cache)
-    return BucketRuntime.open(tmp / "artifact"), config.speculative
+    return BucketRuntime.open(tmp / "artifact"), always_drafting(config.speculative)
 
 
 def off(runtime: BucketRuntime, prompts, params) -> list[list[int]]:

@@ -7,6 +7,7 @@ with drafts actually accepted; rejected drafts must leave nothing that a later s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -143,8 +144,9 @@ def test_sampled_requests_speculate_and_a_request_may_opt_out(runtime):
     out = run(engine, PROMPTS[:1], [sampled])[0]
     assert len(out.token_ids) == 30 and all(0 <= t < runtime.limits.vocab_size for t in out.token_ids)
     assert engine.spec_stats.num_drafts > 0
-    again = run(LLMEngine(runtime, speculative=SPEC), PROMPTS[:1], [sampled])[0]
-    assert again.token_ids == out.token_ids  # a seed still decides the tokens
+    always = replace(SPEC, auto_off=False)  # which steps draft, and so the random stream, is fixed
+    once, again = (run(LLMEngine(runtime, speculative=always), PROMPTS[:1], [sampled])[0] for _ in "ab")
+    assert once.token_ids == again.token_ids  # a seed still decides the tokens
     engine = LLMEngine(runtime, speculative=SPEC)
     off = greedy_params(20, 20, 20, speculative=False)
     penalised = [SamplingParams(max_tokens=20, repetition_penalty=1.3, ignore_eos=True)] * 3
@@ -173,6 +175,7 @@ def test_nb_generate_speculates_with_the_same_tokens_and_prints_acceptance(runti
     assert "speculation:" not in plain.output
     line = next(line for line in spec.output.splitlines() if line.startswith("speculation:"))
     assert "draft tokens accepted" in line and "mean accepted length" in line
+    assert "steps with speculation off" in line
     too_many = CliRunner().invoke(app, [*args, "--speculative-ngram", "4"])
     assert too_many.exit_code == 2
     assert error_line(too_many).startswith("error: speculative.num_speculative_tokens = 4 exceeds")
@@ -194,6 +197,40 @@ def test_metrics_expose_vllms_spec_decode_counters(runtime):
     for name, value in expected.items():
         assert samples[f"vllm:spec_decode_num_{name}_total"] == ({"model_name": "tiny"}, value)
     assert stats.num_accepted_tokens > 0
+    assert samples["nb:spec_decode_steps_off_total"] == ({"model_name": "tiny"}, stats.num_steps_off)
+
+
+class RejectedDrafter:
+    """Drafts the target always rejects: one past the token the greedy run produced next."""
+
+    def __init__(self, runs: dict[int, list[int]], vocab: int) -> None:
+        self.runs, self.vocab = runs, vocab  # request id -> prompt + greedy tokens
+
+    def draft(self, requests, rooms):
+        return [[(self.runs[r.request_id][len(r.token_ids)] + 1) % self.vocab] * k
+                for r, k in zip(requests, rooms, strict=True)]  # fmt: skip
+
+    def follow(self, chunks):
+        """Prompt lookup's: nothing to keep."""
+
+
+def test_drafts_that_never_pay_turn_speculation_off_and_it_probes_again(runtime):
+    params = greedy_params(40, 40, 40)
+    plain = [o.token_ids for o in run(LLMEngine(runtime), PROMPTS, params)]
+    engine = LLMEngine(runtime, speculative=replace(SPEC, auto_off_window=4, auto_off_probe_interval=6))
+    runs = {i: p + t for i, (p, t) in enumerate(zip(PROMPTS, plain, strict=True))}
+    engine.gate.drafter = RejectedDrafter(runs, runtime.limits.vocab_size)
+    plans = recording(engine)
+    assert [o.token_ids for o in run(engine, PROMPTS, params)] == plain
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == 0
+    def has_room(s) -> bool:  # a decode row that may draft: two or more tokens still to come
+        generated = s.context_len + 1 - len(PROMPTS[s.request_id])
+        return generated >= 1 and generated < params[s.request_id].max_tokens - 1
+
+    drafted = [any(s.num_samples > 1 for s in p) for p in plans if any(map(has_room, p))]
+    assert drafted[:14] == [True] * 4 + [False] * 6 + [True] * 4  # a window, off, a probe's window
+    assert stats.num_steps_off == drafted.count(False) >= 12
 
 
 class MarkovRuntime:

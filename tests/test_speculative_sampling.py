@@ -1,6 +1,7 @@
-"""Drafts and their verification: prompt lookup proposes what followed the latest earlier match,
-greedy verification gives exactly the tokens of decoding without drafts, and rejection sampling
-keeps the target distribution exactly (chi-square, as the sampler tests do)."""
+"""Drafts and their verification: prompt lookup proposes what followed the latest earlier match
+(with its period past the end), greedy verification gives exactly the tokens of decoding without
+drafts, and rejection sampling keeps the target distribution exactly (chi-square, as the sampler
+tests do)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def test_the_longest_suffix_match_decides_and_the_latest_occurrence_wins():
     assert NgramDrafter(1, 3).propose([1, 2, 3, 4, 8, 2, 3, 5, 1, 2, 3], 1) == [4]
 
 
-def test_no_match_no_draft_and_drafts_stop_at_the_tokens_end():
+def test_no_match_no_draft_and_drafts_that_reach_the_end_repeat_the_matchs_period():
     assert NgramDrafter(2, 4).propose([1, 2, 3, 4], 3) == []
     assert NgramDrafter(1, 1).propose([1], 3) == []
-    assert NgramDrafter(1, 2).propose([4, 8, 4], 5) == [8, 4]
+    assert NgramDrafter(1, 2).propose([4, 8, 4], 5) == [8, 4, 8, 4, 8]  # (4) two back: period 2
+    assert NgramDrafter(1, 4).propose([3, 7, 7, 7, 7], 3) == [7, 7, 7]  # a run of one token
 
 
 def test_bounds_are_checked():
@@ -43,15 +45,16 @@ TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 def test_a_draft_is_what_followed_an_earlier_occurrence_of_a_suffix(tokens, min_n, extra, k):
     drafter = NgramDrafter(min_n, min_n + extra)
     draft = drafter.propose(tokens, k)
-    assert len(draft) <= k
     if not draft:
         # no suffix of min_n..max_n tokens occurs earlier with anything after it
         for n in range(min_n, min(min_n + extra, len(tokens) - 1) + 1):
             suffix = tokens[-n:]
             assert all(tokens[i : i + n] != suffix for i in range(len(tokens) - n))
         return
+    assert len(draft) == k
+    # what followed the match, going on with the match's period past the end
     n_ok = any(
-        tokens[i : i + n] == tokens[-n:] and tokens[i + n : i + n + len(draft)] == draft
+        tokens[i : i + n] == tokens[-n:] and (tokens[i + n :] * k)[:k] == draft
         for n in range(min_n, min_n + extra + 1)
         for i in range(len(tokens) - n)
     )

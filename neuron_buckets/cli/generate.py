@@ -77,11 +77,12 @@ def print_stats(engine: LLMEngine) -> None:
         err.print(f"prefix cache: {pool.hits} of {pool.queries} prompt tokens hit ({rate:.0%})")
     else:
         err.print("prefix cache: off")
-    if (spec := engine.spec_stats).num_drafts:
+    if (spec := engine.spec_stats).num_drafts or spec.num_steps_off:
         err.print(
             f"speculation: {spec.num_drafts} drafted rows, {spec.num_accepted_tokens} of "
             f"{spec.num_draft_tokens} draft tokens accepted ({spec.acceptance_rate:.0%}), "
-            f"mean accepted length {spec.mean_accepted_length:.2f}",
+            f"mean accepted length {spec.mean_accepted_length:.2f}, "
+            f"{spec.num_steps_off} steps with speculation off (it did not pay)",
             soft_wrap=True,
         )
 

@@ -8,6 +8,11 @@ field shapes a graph: the decode rows' width is ``buckets.speculation_length``'s
 ``method = "draft_model"`` drafts with a second, smaller checkpoint of the same vocabulary,
 ``draft_model``: ``nb compile`` builds it into the artifact's ``draft/`` sub-artifact (its own
 buckets over the same cache geometry, ``config/draft.py``), and the engine runs it from there.
+
+``auto_off`` (on by default) lets the engine stop drafting while drafts do not pay for the
+drafter's time, judged over the last ``auto_off_window`` drafting steps, and draft again after
+``auto_off_probe_interval`` steps without (``engine/speculation_gate.py``). Turn it off to draft
+every step whatever it costs: then a seeded sampled request's tokens no longer depend on timing.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from neuron_buckets.config.config_error import ConfigError
-from neuron_buckets.config.setting import check_types, setting
+from neuron_buckets.config.setting import check_positive, check_types, setting
 
 METHODS = ("ngram", "draft_model")
 
@@ -32,6 +37,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = setting(4, graph=False)
     # the draft checkpoint (a directory, as model.path), compiled into the artifact's draft/
     draft_model: Path | None = setting(None, graph=False)
+    auto_off: bool = setting(True, graph=False)  # stop drafting while it does not pay
+    auto_off_window: int = setting(16, graph=False)  # drafting steps that decide whether it pays
+    auto_off_probe_interval: int = setting(128, graph=False)  # steps off before drafting again
 
     def __post_init__(self) -> None:
         if isinstance(self.draft_model, str):
@@ -40,6 +48,7 @@ class SpeculativeConfig:
             got = self.draft_model
             raise ConfigError(f"speculative.draft_model must be a string (a directory), got {got!r}")
         check_types(self)
+        check_positive(self, "auto_off_window", "auto_off_probe_interval")
         if self.method not in METHODS:
             raise ConfigError(f"speculative.method must be one of {METHODS}, got {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

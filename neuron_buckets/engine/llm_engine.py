@@ -22,6 +22,9 @@ sampling, which keeps the target's distribution. ``spec_stats`` counts drafts an
 ``step_stats`` counts steps and their wall seconds, in graph calls and in all.
 With ``method = "draft_model"`` the drafts come from the artifact's compiled draft model instead
 (``engine/draft_model_drafter.py``), which also prefills every prompt chunk the target does.
+Drafting stops by itself while it does not pay and is tried again now and then
+(``engine/speculation_gate.py``; ``auto_off`` in ``[speculative]``), so rows without drafts
+still run the wide graphs then; ``spec_stats.num_steps_off`` counts those steps.
 
 Single-threaded: a server drives it from one loop thread.
 """
@@ -53,6 +56,7 @@ from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
+from neuron_buckets.engine.speculation_gate import SpeculationGate
 from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
@@ -101,11 +105,16 @@ class LLMEngine:
             self.drafter = DraftModelDrafter.open(runtime)
         elif spec.enabled:
             self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.spec_stats = SpecDecodeStats()
+        self.gate: SpeculationGate | None = None
+        if self.drafter is not None and spec.auto_off:
+            self.gate = SpeculationGate(
+                self.drafter, self.spec_stats, spec.auto_off_window, spec.auto_off_probe_interval
+            )
         self.scheduler = Scheduler(
             self.pool, runtime.buckets.token_budget, runtime.buckets.max_rows,
-            self.drafter, spec.num_speculative_tokens,
+            self.gate or self.drafter, spec.num_speculative_tokens,
         )
-        self.spec_stats = SpecDecodeStats()
         self.step_stats = StepStats()
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -177,19 +186,22 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if not self.scheduler.busy:
             return outputs
-        start = time.perf_counter()
+        start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
         graph_start = time.perf_counter()
         logits = self.runtime.run_plan(plan)
-        if self.drafter is not None:
+        if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
             chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prompt_len]
-            self.drafter.follow(chunks)
+            drafter.follow(chunks)
         graph_seconds = time.perf_counter() - graph_start  # the target's calls and the draft's catch-up
         for request in self.scheduler.commit(plan, self._sample(plan, logits)):
             outputs.append(request.output())
             if request.done:
                 del self._requests[request.request_id]
-        self.step_stats.add(time.perf_counter() - start, graph_seconds)
+        seconds = time.perf_counter() - start
+        self.step_stats.add(seconds, graph_seconds)
+        if self.gate is not None:
+            self.gate.observe(seconds, self.spec_stats.num_accepted_tokens - accepted)
         return outputs
 
     def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:

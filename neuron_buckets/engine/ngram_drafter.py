@@ -1,6 +1,10 @@
 """Prompt-lookup drafts: the tokens that followed the latest earlier match of the request's own
 last n tokens. No second model, so it costs only a search over the request's tokens; it pays
-where text repeats (code edits, quoting, extraction) and proposes nothing elsewhere."""
+where text repeats (code edits, quoting, extraction) and proposes nothing elsewhere.
+
+A match ``d`` tokens back says the text repeats with period ``d``; when fewer than k tokens
+follow it (the match is recent: a loop, a run of one token), the draft goes on with that period
+instead of stopping at the last token, so a row in a loop still carries k drafts."""
 
 from __future__ import annotations
 
@@ -34,14 +38,14 @@ class NgramDrafter:
         """Nothing to keep: a lookup reads the request's tokens, not the cache."""
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
-        matching suffix; [] when no suffix of at least ``min_n`` tokens occurred before."""
+        """``k`` tokens: those that followed the most recent earlier occurrence of the longest
+        matching suffix, repeated with the match's period where they reach the end; [] when no
+        suffix of at least ``min_n`` tokens occurred before."""
         seq = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             # windows that end before the suffix itself starts, so a match has a continuation
             windows = sliding_window_view(seq[:-1], n)
             hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                return seq[start : start + k].tolist()
+                return np.resize(seq[int(hits[-1]) + n :], k).tolist()  # cyclic past the end
         return []

@@ -1,5 +1,6 @@
 """Speculative decoding's counters: vLLM's ``spec_decode_*`` series, read by ``/metrics`` and
-``nb generate --stats``."""
+``nb generate --stats``, plus nb's count of the steps the gate (``speculation_gate.py``) kept
+drafts out of because they did not pay."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ class SpecDecodeStats:
     num_drafts: int = 0  # decode rows that carried at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_steps_off: int = 0  # steps whose rows might have drafted but speculation was off
 
     def add(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1

@@ -5,8 +5,9 @@ waiting, time to first token, time per output token, end-to-end latency, prompt 
 token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens)
 and speculative decoding's draft and acceptance counters, all labelled with ``model_name``. What
 vLLM has no name for is the point of nb: per-bucket calls, real and padded tokens and the padding
-ratio, and the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
-compare with the same steps run in-process). Both kinds of counter are read from the engine's own
+ratio, the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
+compare with the same steps run in-process), and the steps speculation sat out because it did
+not pay (``nb:spec_decode_steps_off``). Both kinds of counter are read from the engine's own
 at scrape time (so they are exactly ``nb generate --stats``). Each server owns its registry, so
 several servers in one process (tests) do not collide.
 """
@@ -74,6 +75,7 @@ class EngineCounterCollector(Collector):
             ("vllm:spec_decode_num_drafts", "Decode rows that carried drafts", s.num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
+            ("nb:spec_decode_steps_off", "Steps speculation sat out: it did not pay", s.num_steps_off),
             ("nb:engine_steps", "Engine steps that ran a plan", steps.steps),
             ("nb:engine_step_seconds", "Wall seconds in those steps", steps.seconds),
             ("nb:engine_graph_seconds", "Of which in the runtime's graph calls", steps.graph_seconds),
