@@ -8,7 +8,8 @@ installed; so it imports nothing from the project and reads its prompts from a J
         --json-out vllm.json
 
 Reported: ``startup_s`` (``LLM(...)`` construction: engine processes, weight load, compile, KV
-cache), then after a one-prompt warm-up, ``seconds`` for one ``generate`` over the whole workload,
+cache), then after a one-prompt warm-up, ``seconds`` for one ``generate`` over the whole workload
+(the median of ``--repeats``, prefix caching off so that every run computes its prompts),
 ``tok_s`` = generated tokens / ``seconds``, and the generated ids per request. Greedy, every request
 generates exactly ``max_new_tokens`` (ignore_eos, min_tokens == max_tokens).
 
@@ -76,6 +77,10 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         seed=0,
+        # The same prompts run --repeats times: with vLLM's default prefix caching every run after
+        # the first would find its whole prompt cached and skip its prefill (measured: mixed
+        # workload 110.9 tok/s against about 50 cold, 2026-12-01). Each run must compute its prompts.
+        enable_prefix_caching=False,
     )
     startup_s = time.perf_counter() - start
 

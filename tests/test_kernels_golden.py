@@ -232,7 +232,7 @@ def test_layer_write_through_a_view_touches_only_that_layer():
 @settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
-    # rows longer than a flex tile take the block-sparse path, shorter ones the dense one
+    # decode rows of at most DENSE_ROWS tokens take the dense path, longer ones block-sparse flex
     seq=st.integers(1, 6) | st.integers(block_kv_flex.DENSE_ROWS + 1, block_kv_flex.DENSE_ROWS + 40),
     packed=st.booleans(),
     fill=st.sampled_from([float("nan"), 1e30]),
@@ -316,8 +316,8 @@ def test_each_packed_segment_attends_to_its_own_context_like_a_request_alone(
 def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(
     kernel, long, lens, counts, pads, fill, window, seed
 ):
-    """The same packed rows through each fast path (a long pad tail sends flex down its
-    block-sparse path) within float tolerance of the golden."""
+    """The same packed rows through each fast path (flex takes every packed row of more than
+    ``PAGED_ROWS`` tokens; a long pad tail adds tiles of pads) within float tolerance of the golden."""
     pads += (block_kv_flex.DENSE_ROWS + 1) * long
     args, _ = packed_case(lens, counts[: len(lens)], pads, seed, fill)
     want = block_kv_attention(*args, 0.3, window)
