@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from neuron_buckets.compile import compiler
 from neuron_buckets.compile import store as graph_store
 from neuron_buckets.compile.compiler import Compiler, CompileReport, Outcome
 from neuron_buckets.compile.directory_lock import DirectoryLocked, directory_lock
+from neuron_buckets.compile.local_executor import LocalExecutor
 from neuron_buckets.compile.output_dir import OutputDirError
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
@@ -48,7 +49,7 @@ from neuron_buckets.core.padding import PrefillChunk
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
-from tests.worker_stops import stopped
+from tests.worker_stops import dies_on, stopped
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
 PREFILL_16, PREFILL_32 = Bucket("prefill", 2, 16, 128), Bucket("prefill", 2, 32, 128)
@@ -319,16 +320,12 @@ def test_fail_fast_on_a_shared_piece_still_records_every_bucket_it_fails(eager, 
     )
 
 
-def test_a_worker_that_dies_fails_only_its_piece(eager, tmp_path):
-    """An OOM kill or segfault breaks the worker pool; the pieces after it still compile."""
-
-    def kill_the_worker(event: str, outcome: Outcome) -> None:
-        if event == "queued" and outcome.shape == LAYER_16:
-            for worker in multiprocessing.active_children():
-                os.kill(worker.pid, signal.SIGKILL)
-
+def test_a_worker_that_dies_fails_only_its_piece(eager, tmp_path, monkeypatch):
+    """An OOM kill or segfault breaks the worker pool; the pieces after it still compile. The
+    worker dies inside its compile (a kill sent when the piece was queued raced a fast compile)."""
+    monkeypatch.setattr(LocalExecutor, "run", staticmethod(partial(dies_on, LAYER_16.name)))
     out = tmp_path / "out"
-    report = compile_(eager, out, tmp_path / "cache", jobs=1, on_event=kill_the_worker)
+    report = compile_(eager, out, tmp_path / "cache", jobs=1)
     assert names(report.failed) == [LAYER_16.name]
     assert "BrokenProcessPool" in pieces(out)[LAYER_16.name][1].error
     assert "BrokenProcessPool" in records(out)[PREFILL_16.name]["error"]

@@ -34,6 +34,16 @@ def first_dies(task: CompileTask) -> tuple[float, str | None]:
     return compile_piece(task, before_publish=die)
 
 
+def dies_on(name: str, task: CompileTask) -> tuple[float, str | None]:
+    """``compile_piece``, but the worker compiling piece ``name`` exits before publishing it, every
+    time (as an OOM kill would); the other pieces compile as usual."""
+
+    def die() -> None:
+        os._exit(1)
+
+    return compile_piece(task, before_publish=die if task.shape.name == name else None)
+
+
 def hangs(task: CompileTask) -> tuple[float, str | None]:
     """``compile_piece``, but the worker stays there until it is killed."""
 
