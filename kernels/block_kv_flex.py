@@ -97,11 +97,11 @@ def block_kv_attention(
                  *step_parts: Tensor) -> tuple[Tensor, Tensor]:
         return _keys(None, k_active, padded), _keys(None, v_active, padded)
 
-    operands = (k_cache, v_cache, k_active, v_active, *step)
+    operands, cached = (k_cache, v_cache, k_active, v_active, *step), step.cache_lens.max() > 0
     if torch.compiler.is_compiling():
-        keys, values = torch.cond(step.cache_lens.max() > 0, context_keys, own_keys, operands)
+        keys, values = torch.cond(cached, context_keys, own_keys, operands)
     else:  # eager (the eager backend, tests): a plain branch, which torch.cond would trace per shape
-        keys, values = (context_keys if bool(step.cache_lens.max() > 0) else own_keys)(*operands)
+        keys, values = (context_keys if bool(cached) else own_keys)(*operands)
     queries = q.transpose(1, 2).contiguous()
     out = flex_attention(queries, keys, values, block_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
