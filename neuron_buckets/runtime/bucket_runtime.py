@@ -31,6 +31,7 @@ from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.passing_thread import on_passing_thread
 
 
 class ArtifactError(UserError, RuntimeError):
@@ -67,14 +68,19 @@ class BucketRuntime:
 
     @classmethod
     def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:
-        """Open an artifact directory; ``preload`` loads every graph now instead of on first use."""
-        manifest = read_manifest(Path(path))
-        runtime = cls(Path(path), manifest, device or manifest.backend.device)
-        if preload:
-            for record in runtime.records.values():
-                for key in record.pieces.values():
-                    runtime.graph(key)
-        return runtime
+        """Open an artifact directory; ``preload`` loads every graph now instead of on first use.
+        The weights are cast, packed and the cache filled on a passing thread, so the thread that
+        opens leaves no OpenMP pool to slow the one that steps (``utils/passing_thread.py``)."""
+        def load() -> BucketRuntime:
+            manifest = read_manifest(Path(path))
+            runtime = cls(Path(path), manifest, device or manifest.backend.device)
+            if preload:
+                for record in runtime.records.values():
+                    for key in record.pieces.values():
+                        runtime.graph(key)
+            return runtime
+
+        return on_passing_thread(load)
 
     def _check_versions(self) -> None:
         recorded = self.manifest.backend.versions
