@@ -10,9 +10,9 @@ detokenized in both.
   client in this process, every event read.
 - **in-process**: ``LLMEngine`` over the same artifact in this process, stepped in a plain loop that
   adds the next prompt as one finishes. No HTTP, no event loop. The loop runs on a thread of its
-  own, as ``nb serve``'s engine loop does: libgomp spins its workers between parallel regions only
-  while a process has no more OpenMP threads than cores, so on a loaded 2-core machine the same
-  steps run on the main thread took 3.5x longer (2026-12-01, load average 9) and would flatter HTTP.
+  own, as ``nb serve``'s engine loop does. (Before ``BucketRuntime.open`` loaded on a passing
+  thread, both ways ran 1.7x slower than a loop on the opening thread: libgomp's idle pool on the
+  opener made the stepping thread's workers sleep between parallel loops; ``utils/passing_thread.py``.)
 
 Both read the engine's own counters (``LLMEngine.step_stats``; ``nb:engine_*`` in ``/metrics``):
 steps, wall seconds inside ``step`` and inside its graph calls (``run_plan``). Printed per round:
