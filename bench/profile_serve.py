@@ -14,9 +14,9 @@ a busy event loop shows up as idle time of the engine thread; a sample whose inn
 waits (a selector, a lock, a queue) is idle whatever py-spy says. py-spy must be allowed to read
 the server's memory (same user; ptrace not restricted to descendants).
 
-Also printed, from ``/metrics`` and ``/proc`` over the same window: graph calls per second and the
-time per call of each kind, the share of positions that were padding (the time it costs, if a
-call's time follows the positions it computes), generated tokens per second, and CPU seconds per
+Also printed, from ``/metrics`` and ``/proc`` over the same window: graph calls per second of each
+kind and their real and padded positions, the share of the graph time spent on padding positions
+(if a call's time follows the positions it computes), generated tokens per second, and CPU seconds per
 wall second of each thread, the native ones (OpenMP workers) included.
 
     python bench/profile_serve.py --vllm-python VENV/bin/python [--py-spy PATH] [--tiny]
@@ -203,24 +203,20 @@ def print_thread(w: Window, tid: str, kinds: dict[str, dict[str, float]]) -> Non
     print(f"  thread {w.names[tid] or tid} (CPU {cpu:.2f} s per s):")
     for s, n in sorted(stages.items(), key=lambda kv: -kv[1]):
         print(f"    {s:34s}{n / ticks:7.1%}")
-        kind = kinds.get(s.removeprefix("graph: "), {})
-        if s.startswith("graph: ") and kind.get("padded"):
-            pad = 1 - kind["real"] / kind["padded"]
+        real, padded = (sum(k[f] for k in kinds.values()) for f in ("real", "padded"))
+        if s.startswith("graph: ") and padded:  # a step's calls of every kind, under run_plan
+            pad = 1 - real / padded
             print(f"      {'of which padding positions':32s}{pad * n / ticks:7.1%}  ({pad:.0%} of them)")
     print(f"    {'idle (or waiting for the GIL)':34s}{max(ticks - sum(stages.values()), 0) / ticks:7.1%}")
 
 
 def print_calls(w: Window, kinds: dict[str, dict[str, float]]) -> None:
-    """Graph calls per second and per call of each bucket kind, from the samples and /metrics."""
-    graph: Counter[str] = Counter()
-    for (_, _, s), n in w.active.items():
-        if s.startswith("graph: "):
-            graph[s.removeprefix("graph: ")] += n
-    tick_s = w.seconds / max(w.ticks.values())
+    """Graph calls per second of each bucket kind and their real and padded positions, from
+    /metrics (one ``run_plan`` sample covers every call of its step, so time per kind is not
+    told apart here; ``bench_roofline.py`` times the calls themselves)."""
     for kind, k in sorted(kinds.items()):
         if k["calls"]:
-            ms = graph[kind] * tick_s / k["calls"] * 1e3
-            print(f"  {kind}: {k['calls'] / w.seconds:.1f} calls per s, {ms:.0f} ms per call, "
+            print(f"  {kind}: {k['calls'] / w.seconds:.1f} calls per s, "
                   f"{k['real'] / k['calls']:.0f} real of {k['padded'] / k['calls']:.0f} positions per call")
 
 
