@@ -200,10 +200,10 @@ def print_thread(w: Window, tid: str, kinds: dict[str, dict[str, float]]) -> Non
     ticks = w.ticks[tid]
     stages = {s: n for (t, _, s), n in w.active.items() if t == tid and s != IDLE}
     cpu = w.cpu.get(tid, ("", 0.0))[1] / w.seconds
+    real, padded = (sum(k[f] for k in kinds.values()) for f in ("real", "padded"))
     print(f"  thread {w.names[tid] or tid} (CPU {cpu:.2f} s per s):")
     for s, n in sorted(stages.items(), key=lambda kv: -kv[1]):
         print(f"    {s:34s}{n / ticks:7.1%}")
-        real, padded = (sum(k[f] for k in kinds.values()) for f in ("real", "padded"))
         if s.startswith("graph: ") and padded:  # a step's calls of every kind, under run_plan
             pad = 1 - real / padded
             print(f"      {'of which padding positions':32s}{pad * n / ticks:7.1%}  ({pad:.0%} of them)")
