@@ -58,17 +58,20 @@ def block_kv_attention(
     context: ``torch.cond`` picks at run time between gathering it and leaving the context part
     of the key buffers unwritten, where no kept tile reads. Only the key buffers are built in the
     branches: torch.export (non-strict, torch 2.13) rejects a flex call inside one, and a branch
-    that writes into a buffer in place.
+    that writes into a buffer in place. Inductor still fills the unwritten part (with NaN: 0.9 ms
+    a layer at 512 tokens, for 16 rows of 512 context positions), so a runtime with a piece over
+    no context (a block table of no columns) runs that one for such steps, with no context part.
     """
     batch, seq = q.shape[:2]
     packed = step.block_table.shape[0] != batch
-    if seq <= PAGED_ROWS:
+    row_len = k_cache.shape[1] * step.block_table.shape[1]
+    if seq <= PAGED_ROWS and row_len:
         return block_kv_paged.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     # A window in one packed row needs each token's position, a buffer computed in the graph,
-    # which inductor's CPU flex template cannot take (it fails to lower): those rows go dense.
-    if (seq <= DENSE_ROWS and not packed) or (packed and window is not None):
+    # which inductor's CPU flex template cannot take (it fails to lower): those rows go dense, as
+    # do short rows over no context (nothing to read in place).
+    if (seq <= DENSE_ROWS and not packed) or (packed and window is not None) or seq <= PAGED_ROWS:
         return block_kv_sdpa.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
-    row_len = k_cache.shape[1] * step.block_table.shape[1]
     s_ctx = row_len * (step.block_table.shape[0] // batch)  # K context rows per step row (1 or R)
     padded = -(-s_ctx // TILE) * TILE  # the context axis in whole key tiles
 
@@ -76,13 +79,17 @@ def block_kv_attention(
         # Keys are the context rows the row reads (ki < s_ctx), padding up to a whole tile, then
         # the step's own tokens; row b reads block-table row b (decode) or row g for segment g.
         own_ki = (ki - padded).clamp(min=0)
-        ctx_ki = ki.clamp(max=s_ctx - 1)
-        row, pos = ctx_ki // row_len, ctx_ki % row_len
-        segments, cache_len = step.segment_ids[b], step.cache_lens[b + row]
+        segments = step.segment_ids[b]
         own = (ki >= padded) & (own_ki <= qi) & (segments[own_ki] == segments[qi])
-        context = (ki < s_ctx) & (segments[qi] == row) & (pos < cache_len)
         if window is not None:  # decode layout only: segment 0's token qi sits at cache_len + qi
             own = own & (qi - own_ki < window)
+        if not s_ctx:  # a piece over no context (a fresh layer): the step's own tokens only
+            return own
+        ctx_ki = ki.clamp(max=s_ctx - 1)
+        row, pos = ctx_ki // row_len, ctx_ki % row_len
+        cache_len = step.cache_lens[b + row]
+        context = (ki < s_ctx) & (segments[qi] == row) & (pos < cache_len)
+        if window is not None:
             context = context & (cache_len + qi - pos < window)
         return own | context
 
@@ -98,7 +105,9 @@ def block_kv_attention(
         return _keys(None, k_active, padded), _keys(None, v_active, padded)
 
     operands, cached = (k_cache, v_cache, k_active, v_active, *step), step.cache_lens.max() > 0
-    if torch.compiler.is_compiling():
+    if not s_ctx:
+        keys, values = own_keys(*operands)
+    elif torch.compiler.is_compiling():
         keys, values = torch.cond(cached, context_keys, own_keys, operands)
     else:  # eager (the eager backend, tests): a plain branch, which torch.cond would trace per shape
         keys, values = (context_keys if bool(cached) else own_keys)(*operands)

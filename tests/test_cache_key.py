@@ -60,12 +60,13 @@ def assert_all_changed(before: dict[PieceShape, str], after: dict[PieceShape, st
 
 def test_keys_are_distinct_hex_sha256(config, keys_of):
     keys = keys_of(config)
-    # four buckets: one shared dynamic embed and head, and a layer piece per bucket shape
+    # four buckets: one shared dynamic embed and head, a layer piece per bucket shape, and the
+    # packed buckets' fresh layers
     assert sorted(s.name for s in keys) == sorted(
-        ["embed", "head", "layer_t16_b2_c128_packed", "layer_t32_b2_c128_packed", "layer_t1_b1_c128",
-         "layer_t2_b2_c128"]
+        ["embed", "head", "layer_t16_b2_c128_packed", "layer_t32_b2_c128_packed", "layer_t16_b2_c0_packed",
+         "layer_t32_b2_c0_packed", "layer_t1_b1_c128", "layer_t2_b2_c128"]
     )
-    assert len(set(keys.values())) == len(keys) == 6
+    assert len(set(keys.values())) == len(keys) == 8
     assert all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys.values())
 
 
@@ -143,8 +144,8 @@ def test_adding_a_bucket_keeps_the_other_keys(config, keys_of, compiler_of, hf_m
     before = keys_of(config)
     (tmp_path / "grown").mkdir()
     after = keys_of(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)))
-    new = {PieceShape("layer", 24, rows=2, ctx=128, packed=True)}
-    assert set(after) - set(before) == new  # one new layer piece
+    new = {PieceShape("layer", 24, rows=2, ctx=ctx, packed=True) for ctx in (0, 128)}
+    assert set(after) - set(before) == new  # one new layer piece and its fresh layer
     assert {s: after[s] for s in before} == before
     (tmp_path / "grown2").mkdir()
     grown_compiler = compiler_of(load_config(write_config(tmp_path / "grown2", hf_model_dir, grown)))
@@ -161,7 +162,8 @@ def test_bucket_shape_is_in_the_key(config, compiler_of):
     assert (short["layer"], long["layer"]) == (PieceShape("layer", 1, 1, 64), PieceShape("layer", 1, 1, 128))
     assert keys[short["layer"]] != keys[long["layer"]]
     assert short["embed"] == long["embed"] and short["head"] == long["head"]
-    assert len(set(keys.values())) == len(keys) == len(compiler.shapes) == 8  # embed, head, 6 layers
+    # embed, head, 6 layers and the two packed buckets' fresh layers
+    assert len(set(keys.values())) == len(keys) == len(compiler.shapes) == 10
 
 
 def test_max_model_len_alone_changes_no_graph(config, keys_of):
@@ -213,7 +215,7 @@ OTHER_VALUE = {
     },
     "compile": {
         "backend": "eager", "jobs": 1, "device": "cuda", "flags": {"compile_threads": 1},
-        "executor": "ray", "task_cpus": 4, "retries": 0,
+        "executor": "ray", "task_cpus": 4, "retries": 0, "fresh_layers": False,
     },
 }  # fmt: skip
 SETTINGS = [(s, f) for s in (CacheConfig, CompileConfig) for f in fields(s)]

@@ -39,13 +39,13 @@ def eager_dir(hf_model_dir: Path, tmp_path: Path) -> Path:
 def test_compile_writes_the_artifact_and_a_rerun_compiles_nothing(eager_dir, tmp_path):
     m = read_manifest(eager_dir)
     assert [r.status for r in m.buckets] == ["ok"] * 4
-    assert [p.status for p in m.pieces.values()] == ["ok"] * 6  # shared embed and head, 4 layers
+    assert [p.status for p in m.pieces.values()] == ["ok"] * 8  # shared embed and head, 4 layers, 2 fresh
     assert (eager_dir / "weights.safetensors").is_file()
     config = tmp_path / "nb.toml"
     again = nb("compile", config, "--out", eager_dir, "--cache-dir", tmp_path / "cache")
     assert again.exit_code == 0, again.output
-    assert "4 buckets in 6 pieces" in said(again)
-    assert "compiled 0, reused 6, failed 0" in said(again)
+    assert "4 buckets in 8 pieces" in said(again)
+    assert "compiled 0, reused 8, failed 0" in said(again)
 
 
 def test_compile_reports_a_failed_piece_and_exits_1(hf_model_dir, tmp_path):
@@ -62,7 +62,7 @@ def test_compile_reports_a_failed_piece_and_exits_1(hf_model_dir, tmp_path):
     assert f"failed {layer.name}:" in said(result) and "exists and is not a record" in said(result)
     assert "bug in nb" not in said(result)  # exit 1 is the expected outcome, not a crash
     assert f"logs/{layer.name}.log" in said(result)
-    assert "compiled 5, reused 0, failed 1" in said(result)
+    assert "compiled 7, reused 0, failed 1" in said(result)
 
 
 def test_ls_lists_every_bucket_with_its_pieces(eager_dir, monkeypatch):
@@ -70,17 +70,17 @@ def test_ls_lists_every_bucket_with_its_pieces(eager_dir, monkeypatch):
     result = nb("ls", eager_dir)
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 2}
-    expected = {
-        "prefill_s16": "layer_t16_b2_c128_packed",
-        "prefill_s32": "layer_t32_b2_c128_packed",
-        "decode_b1_c128": "layer_t1_b1_c128",
-        "decode_b2_c128": "layer_t2_b2_c128",
+    expected = {  # a packed bucket's layer and its fresh layer (over no context)
+        "prefill_s16": ["layer_t16_b2_c128_packed", "layer_t16_b2_c0_packed"],
+        "prefill_s32": ["layer_t32_b2_c128_packed", "layer_t32_b2_c0_packed"],
+        "decode_b1_c128": ["layer_t1_b1_c128"],
+        "decode_b2_c128": ["layer_t2_b2_c128"],
     }
     assert set(rows) == set(expected)
-    for bucket, layer in expected.items():
+    for bucket, layers in expected.items():
         cells = [c.strip() for c in rows[bucket].split("│")]
-        assert cells[2] == "ok" and sorted(cells[3].split()) == sorted(["embed", "head", layer])
-    assert "4 of 4 buckets ok, 6 of 6 pieces" in said(result)
+        assert cells[2] == "ok" and sorted(cells[3].split()) == sorted(["embed", "head", *layers])
+    assert "4 of 4 buckets ok, 8 of 8 pieces" in said(result)
 
 
 def test_ls_of_a_directory_without_manifest_is_one_clear_error(tmp_path):
@@ -209,7 +209,7 @@ def test_buckets_share_piece_files_and_the_one_weights_copy(eager_dir):
 
     runtime = BucketRuntime.open(eager_dir, preload=True)
     assert sorted(runtime.loaded) == sorted(doc["pieces"])  # each shared piece loaded once
-    assert len(runtime.loaded) == 6
+    assert len(runtime.loaded) == 8
     for key in runtime.loaded:
         assert list(runtime.graph(key).piece.parameters()) == []
     shared = {t.data_ptr() for t in runtime.weights.tensors()}

@@ -5,9 +5,10 @@ worker processes, store and manifest without compile time. Failures are injected
 compile can fail: a cache entry that cannot be written, a worker process that dies. The slow tests
 use inductor and reuse the session's compiled pieces, so together they compile one layer piece.
 
-The tiny grid's four buckets run as six pieces: the dynamic embed and head every bucket shares,
-and one decoder-layer piece per bucket shape. Outcomes, cache entries and graph files are per
-piece; the manifest's buckets say which pieces run them.
+The tiny grid's four buckets run as eight pieces: the dynamic embed and head every bucket shares,
+one decoder-layer piece per bucket shape, and each packed bucket's fresh layer (over no context).
+Outcomes, cache entries and graph files are per piece; the manifest's buckets say which pieces run
+them.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ BUCKETS = (PREFILL_16, PREFILL_32, DECODE_1, DECODE_2)
 EMBED, HEAD = PieceShape("embed", 0), PieceShape("head", 0)  # dynamic: one for every bucket
 LAYER_16 = PieceShape("layer", 16, rows=2, ctx=128, packed=True)
 LAYER_32 = PieceShape("layer", 32, rows=2, ctx=128, packed=True)
+FRESH_16 = PieceShape("layer", 16, rows=2, ctx=0, packed=True)  # the fresh layers: no context
+FRESH_32 = PieceShape("layer", 32, rows=2, ctx=0, packed=True)
 LAYER_D1, LAYER_D2 = PieceShape("layer", 1, rows=1, ctx=128), PieceShape("layer", 2, rows=2, ctx=128)
-PIECES = (EMBED, HEAD, LAYER_D1, LAYER_D2, LAYER_16, LAYER_32)  # the compiler's (sorted) order
+PIECES = (EMBED, HEAD, LAYER_D1, LAYER_D2, FRESH_16, LAYER_16, FRESH_32, LAYER_32)  # the compiler's order
 
 
 @pytest.fixture
@@ -100,20 +103,20 @@ def block_cache_entry(config: Config, cache: Path, shape: PieceShape) -> Path:
     return record
 
 
-def test_the_tiny_grid_is_four_buckets_over_six_shared_pieces(eager, tmp_path):
+def test_the_tiny_grid_is_four_buckets_over_eight_shared_pieces(eager, tmp_path):
     c = Compiler(eager, tmp_path / "out", tmp_path / "cache")
     assert c.buckets == list(BUCKETS)
     assert c.shapes == list(PIECES)
     assert set(c.keys) == set(PIECES)
     assert c.bucket_pieces == {
-        PREFILL_16: {"embed": EMBED, "layer": LAYER_16, "head": HEAD},
-        PREFILL_32: {"embed": EMBED, "layer": LAYER_32, "head": HEAD},
+        PREFILL_16: {"embed": EMBED, "layer": LAYER_16, "head": HEAD, "fresh_layer": FRESH_16},
+        PREFILL_32: {"embed": EMBED, "layer": LAYER_32, "head": HEAD, "fresh_layer": FRESH_32},
         DECODE_1: {"embed": EMBED, "layer": LAYER_D1, "head": HEAD},
         DECODE_2: {"embed": EMBED, "layer": LAYER_D2, "head": HEAD},
     }
     assert [s.name for s in PIECES] == [
-        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b2_c128_packed",
-        "layer_t32_b2_c128_packed",
+        "embed", "head", "layer_t1_b1_c128", "layer_t2_b2_c128", "layer_t16_b2_c0_packed",
+        "layer_t16_b2_c128_packed", "layer_t32_b2_c0_packed", "layer_t32_b2_c128_packed",
     ]
 
 
@@ -122,14 +125,18 @@ def test_shared_pieces_appear_once_in_the_manifest_and_every_bucket_references_t
     report = compile_(eager, out, tmp_path / "cache", jobs=2)
     m = read_manifest(out)
     assert sorted(r.name for r in m.pieces.values()) == sorted(s.name for s in PIECES)
-    assert len({r.file for r in m.pieces.values()}) == len(m.pieces) == 6  # one file per piece
+    assert len({r.file for r in m.pieces.values()}) == len(m.pieces) == 8  # one file per piece
     by_name = pieces(out)
     embed_key, head_key = by_name["embed"][0], by_name["head"][0]
     assert [(b.kind, b.batch, b.seq, b.ctx) for b in m.buckets] == [
         (b.kind, b.batch, b.seq, b.ctx) for b in BUCKETS
     ]
-    for b, layer in zip(m.buckets, (LAYER_16, LAYER_32, LAYER_D1, LAYER_D2), strict=True):
-        assert b.pieces == {"embed": embed_key, "layer": by_name[layer.name][0], "head": head_key}
+    fresh = {PREFILL_16: FRESH_16, PREFILL_32: FRESH_32}
+    for b, bucket, layer in zip(m.buckets, BUCKETS, (LAYER_16, LAYER_32, LAYER_D1, LAYER_D2), strict=True):
+        want = {"embed": embed_key, "layer": by_name[layer.name][0], "head": head_key}
+        if bucket in fresh:
+            want["fresh_layer"] = by_name[fresh[bucket].name][0]
+        assert b.pieces == want
         assert (b.status, b.error) == ("ok", None)
     assert report.buckets == m.buckets
     for key, rec in m.pieces.items():
@@ -151,10 +158,10 @@ def test_second_run_compiles_nothing_and_touches_no_graph(eager, tmp_path):
     events = []
     second = compile_(eager, out, cache, jobs=2, on_event=lambda e, o: events.append((e, o.cached)))
     assert second.compiled == [] and second.failed == []
-    assert events == [("done", True)] * 6  # no worker was started
+    assert events == [("done", True)] * 8  # no worker was started
     assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (out / "graphs").iterdir()} == files
     assert {name: key for name, (key, _) in pieces(out).items()} == {o.name: o.key for o in first.outcomes}
-    assert len(files) == 6
+    assert len(files) == 8
 
 
 def test_each_graph_is_hashed_once_per_run(eager, tmp_path, monkeypatch):
@@ -167,7 +174,7 @@ def test_each_graph_is_hashed_once_per_run(eager, tmp_path, monkeypatch):
         hashed.clear()
         compile_(eager, tmp_path / "out", tmp_path / "cache")
         keys = [Path(p).name.split(".")[0] for p in hashed if Path(p).suffix == ".json"]  # eager graphs
-        assert len(keys) == len(set(keys)) == 6
+        assert len(keys) == len(set(keys)) == 8
 
 
 def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
@@ -178,7 +185,7 @@ def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
     record = cache / StoreEntry.record_name(pieces(tmp_path / "a")[LAYER_32.name][0], "json")
     record.write_text(json.dumps({**json.loads(record.read_text()), "compile_seconds": 42.0}))
     report = compile_(eager, tmp_path / "b", cache)
-    assert report.compiled == [] and len(report.outcomes) == 6
+    assert report.compiled == [] and len(report.outcomes) == 8
     first, second = pieces(tmp_path / "a"), pieces(tmp_path / "b")
     assert first.keys() == second.keys()
     for name, (key, rec) in second.items():
@@ -186,20 +193,22 @@ def test_another_artifact_directory_reuses_the_shared_cache(eager, tmp_path):
     assert second[LAYER_32.name][1].compile_seconds == 42.0
 
 
-def test_one_new_bucket_list_entry_compiles_only_its_layer_piece(eager, hf_model_dir, tmp_path):
+def test_one_new_bucket_list_entry_compiles_only_its_layer_pieces(eager, hf_model_dir, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
     before = pieces(out)
     grown = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [16, 24, 32]")
     (tmp_path / "grown").mkdir()
     report = compile_(load_config(write_config(tmp_path / "grown", hf_model_dir, grown)), out, cache)
-    assert names(report.compiled) == ["layer_t24_b2_c128_packed"]  # embed and head are shared, reused
-    assert len(report.outcomes) == 7 and report.failed == []
+    # its layer and fresh layer; embed and head are shared, reused
+    assert names(report.compiled) == ["layer_t24_b2_c0_packed", "layer_t24_b2_c128_packed"]
+    assert len(report.outcomes) == 10 and report.failed == []
     assert len(records(out)) == 5
     new = records(out)[Bucket("prefill", 2, 24, 128).name]
     after = pieces(out)
     assert new["pieces"] == {
         "embed": before["embed"][0], "layer": after["layer_t24_b2_c128_packed"][0], "head": before["head"][0],
+        "fresh_layer": after["layer_t24_b2_c0_packed"][0],
     }
     assert new["status"] == "ok"
 
@@ -241,7 +250,7 @@ def test_graphs_of_pieces_dropped_from_the_grid_leave_the_directory(eager, hf_mo
     shrunk = EAGER.replace("tokens_buckets = [16, 32]", "tokens_buckets = [32]")
     (tmp_path / "shrunk").mkdir()
     report = compile_(load_config(write_config(tmp_path / "shrunk", hf_model_dir, shrunk)), out, cache)
-    assert report.compiled == [] and len(report.outcomes) == 5  # prefill 16's layer piece is gone
+    assert report.compiled == [] and len(report.outcomes) == 6  # prefill 16's two layer pieces are gone
     assert LAYER_16.name not in names(report.outcomes) and "embed" in names(report.outcomes)
     assert sorted(p.name for p in (out / "graphs").iterdir()) == sorted(
         Path(r.file).name for r in read_manifest(out).pieces.values()
@@ -249,7 +258,7 @@ def test_graphs_of_pieces_dropped_from_the_grid_leave_the_directory(eager, hf_mo
     assert not (out / "graphs" / f"{dropped}.json").exists()
     store = GraphStore(cache)
     assert store.verified(store.read_record(dropped, "json"))  # the cache keeps the dropped piece's graph
-    assert len(store.entries()) == 6
+    assert len(store.entries()) == 8
 
 
 def test_a_failing_piece_is_recorded_and_the_others_finish(eager, tmp_path):
@@ -397,17 +406,17 @@ def test_a_graph_edited_in_place_is_caught_and_rebuilt_by_the_next_compile(eager
     """Artifact graphs are hard links into the cache: the edit reaches the cache entry too."""
     out, cache = tmp_path / "out", tmp_path / "cache"
     compile_(eager, out, cache)
-    _, rec = pieces(out)[LAYER_16.name]
+    _, rec = pieces(out)[FRESH_16.name]  # the layer a fresh prompt runs
     good = (out / rec.file).read_bytes()
     with open(out / rec.file, "r+b") as f:  # in place, as an editor or bit rot would
         f.write(b"[]" + b" " * (len(good) - 2))
 
-    with pytest.raises(ArtifactError, match=f"of piece {LAYER_16.name} does not match its sha256"):
+    with pytest.raises(ArtifactError, match=f"of piece {FRESH_16.name} does not match its sha256"):
         BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
     report = compile_(eager, out, cache)
-    assert names(report.compiled) == [LAYER_16.name]
+    assert names(report.compiled) == [FRESH_16.name]
     assert (out / rec.file).read_bytes() == good
-    assert pieces(out)[LAYER_16.name][1].sha256 == rec.sha256
+    assert pieces(out)[FRESH_16.name][1].sha256 == rec.sha256
     BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
 
 
@@ -430,7 +439,7 @@ def test_a_damaged_manifest_is_refused_on_load_and_rebuilt_from_the_cache(eager,
     assert manifest.read_bytes() == damaged
     manifest.unlink()
     report = compile_(eager, out, cache)
-    assert report.compiled == [] and len(report.outcomes) == 6
+    assert report.compiled == [] and len(report.outcomes) == 8
     assert len(BucketRuntime.open(out).records) == 4
 
 
@@ -490,7 +499,7 @@ def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir
 
 KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replace(
     "num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1]"
-)
+) + "fresh_layers = false\n"  # the two prefill layers are compile time enough
 KILL_16, KILL_32 = (PieceShape("layer", n, rows=1, ctx=128, packed=True) for n in (16, 32))  # one row each
 HANG_SCRIPT = (  # a compile whose worker stays where its graph is built, not yet published
     "import sys; from pathlib import Path\n"

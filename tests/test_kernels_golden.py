@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
-from neuron_buckets.kernels import block_kv_flex, block_kv_paged, block_kv_sdpa
+from neuron_buckets.kernels import block_kv_flex, block_kv_paged, block_kv_sdpa, block_kv_torch
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
@@ -322,5 +322,24 @@ def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(
     args, _ = packed_case(lens, counts[: len(lens)], pads, seed, fill)
     want = block_kv_attention(*args, 0.3, window)
     got = kernel.block_kv_attention(*args, 0.3, window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kernel", [block_kv_torch, block_kv_flex], ids=["golden", "flex"])
+@settings(max_examples=20, deadline=None)
+@given(long=st.booleans(), **PACKED)
+def test_a_fresh_packed_row_over_no_context_columns_equals_it_over_the_whole_table(
+    kernel, long, lens, counts, pads, fill, window, seed
+):
+    """A fresh layer piece's step (nothing cached, a block table of no columns): the same output
+    as the full table gives with nothing cached, on short rows (dense) and long ones (flex)."""
+    pads += (block_kv_flex.DENSE_ROWS + 1) * long
+    args, _ = packed_case([0] * len(lens), counts[: len(lens)], pads, seed, fill)
+    q, k_act, v_act, k_cache, v_cache, step = args
+    want = block_kv_attention(*args, 0.3, window)
+    fresh = step._replace(block_table=step.block_table[:, :0])
+    got = kernel.block_kv_attention(q, k_act, v_act, k_cache, v_cache, fresh, 0.3, window)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -144,7 +144,7 @@ def test_eager_graphs_from_ray_are_byte_identical_to_local_ones(ray_address, hf_
     assert status == 0, log
     Compiler(load_config(config), tmp_path / "local", tmp_path / "local-cache").run(jobs=2)
     shas = [{k: r.sha256 for k, r in read_manifest(tmp_path / d).pieces.items()} for d in ("ray", "local")]
-    assert shas[0] == shas[1] and len(shas[0]) == 6
+    assert shas[0] == shas[1] and len(shas[0]) == 8
 
 
 @pytest.mark.slow

@@ -53,9 +53,9 @@ def artifact_copy(compiled_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(compiled_dir, tmp_path / "artifact"))
 
 
-def piece_keys(runtime: BucketRuntime, bucket: Bucket) -> list[str]:
+def piece_keys(runtime: BucketRuntime, bucket: Bucket, layer: str = "layer") -> list[str]:
     pieces = runtime.records[bucket].pieces
-    return [pieces[role] for role in ("embed", "layer", "head")]
+    return [pieces[role] for role in ("embed", layer, "head")]
 
 
 def test_open_loads_no_graph_first_use_loads_its_pieces_preload_loads_all(compiled_dir):
@@ -63,20 +63,24 @@ def test_open_loads_no_graph_first_use_loads_its_pieces_preload_loads_all(compil
     assert runtime.loaded == []
 
     runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
-    prefill_16 = piece_keys(runtime, Bucket("prefill", 2, 16, 128))
-    assert runtime.loaded == prefill_16  # embed, the bucket's layer, head
+    prefill_16 = piece_keys(runtime, Bucket("prefill", 2, 16, 128), "fresh_layer")
+    assert runtime.loaded == prefill_16  # embed, the bucket's layer over no context (nothing cached), head
 
-    runtime.decode([DecodeRow([7], 10, [1, 2])])  # another bucket: only its layer piece is new
+    runtime.prefill([PrefillChunk(tokens(4, 1), 10, [1, 2])])  # a continuing chunk reads a context
+    with_context = piece_keys(runtime, Bucket("prefill", 2, 16, 128))[1]
+    assert runtime.loaded == [*prefill_16, with_context]
+
+    runtime.decode([DecodeRow([7], 14, [1, 2])])  # another bucket: only its layer piece is new
     decode_1 = piece_keys(runtime, Bucket("decode", 1, 1, 128))
     assert (decode_1[0], decode_1[2]) == (prefill_16[0], prefill_16[2])  # the shared embed and head
-    assert runtime.loaded == [*prefill_16, decode_1[1]]
+    assert runtime.loaded == [*prefill_16, with_context, decode_1[1]]
 
     warm = BucketRuntime.open(compiled_dir, preload=True)
-    assert sorted(warm.loaded) == sorted(warm.manifest.pieces) and len(warm.loaded) == 6
+    assert sorted(warm.loaded) == sorted(warm.manifest.pieces) and len(warm.loaded) == 8
     names = sorted(warm.manifest.pieces[k].name for k in warm.loaded)
     assert names == sorted(
-        ["embed", "head", "layer_t16_b2_c128_packed", "layer_t32_b2_c128_packed", "layer_t1_b1_c128",
-             "layer_t2_b2_c128"]
+        ["embed", "head", "layer_t16_b2_c128_packed", "layer_t32_b2_c128_packed", "layer_t16_b2_c0_packed",
+         "layer_t32_b2_c0_packed", "layer_t1_b1_c128", "layer_t2_b2_c128"]
     )
 
 
@@ -221,15 +225,15 @@ def _flip_a_byte(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (_delete, "graph of piece layer_t16_b2_c128_packed is missing"),
-        (_truncate, "graph .* of piece layer_t16_b2_c128_packed does not match its sha256"),
-        (_flip_a_byte, "graph .* of piece layer_t16_b2_c128_packed does not match its sha256"),
+        (_delete, "graph of piece layer_t16_b2_c0_packed is missing"),
+        (_truncate, "graph .* of piece layer_t16_b2_c0_packed does not match its sha256"),
+        (_flip_a_byte, "graph .* of piece layer_t16_b2_c0_packed does not match its sha256"),
     ],
     ids=["missing", "truncated", "tampered"],
 )
 def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, damage, message):
     manifest = read_manifest(artifact_copy)
-    rec = next(p for p in manifest.pieces.values() if p.name == "layer_t16_b2_c128_packed")  # prefill_s16
+    rec = next(p for p in manifest.pieces.values() if p.name == "layer_t16_b2_c0_packed")
     damage(artifact_copy / rec.file)
 
     runtime = BucketRuntime.open(artifact_copy)  # lazy: opening does not read the graph

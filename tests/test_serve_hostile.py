@@ -106,7 +106,7 @@ def test_a_bucket_with_a_tampered_graph_fails_its_requests_and_the_others_are_se
     shutil.copytree(compiled_dir, art, ignore=shutil.ignore_patterns(".nb-lock*"))
     engine = LLMEngine.open(art)
     manifest = engine.runtime.manifest
-    key = next(k for k, p in manifest.pieces.items() if p.name == "layer_t32_b2_c128_packed")
+    key = next(k for k, p in manifest.pieces.items() if p.name == "layer_t32_b2_c0_packed")
     graph = art / manifest.pieces[key].file
     graph.write_bytes(graph.read_bytes()[:-1] + b"!")
     free = engine.pool.num_free

@@ -58,16 +58,16 @@ def test_a_second_machine_with_an_empty_cache_compiles_nothing_and_verifies_clea
     remote store. Machine B, with an empty local cache and a new output directory, pulls them."""
     a = nb("compile", tiny_config_file, "--out", tmp_path / "a", "--cache-dir", remote, cache=graph_cache_dir)
     assert a.exit_code == 0, a.output
-    assert f"sharing {remote}" in said(a) and "compiled 0, reused 6, failed 0" in said(a)
+    assert f"sharing {remote}" in said(a) and "compiled 0, reused 8, failed 0" in said(a)
     store = GraphStore(remote)
     assert {e.key for e in store.entries()} == set(shas(tmp_path / "a"))
 
     machine_b = tmp_path / "machine-b-cache"
     b = nb("compile", tiny_config_file, "--out", tmp_path / "b", "--cache-dir", remote, cache=machine_b)
     assert b.exit_code == 0, b.output
-    assert "compiled 0, reused 6, failed 0" in said(b)
+    assert "compiled 0, reused 8, failed 0" in said(b)
     assert shas(tmp_path / "b") == shas(tmp_path / "a") == {e.key: e.sha256 for e in store.entries()}
-    assert len(GraphStore(machine_b).entries()) == 6  # pulled into B's local cache, then linked
+    assert len(GraphStore(machine_b).entries()) == 8  # pulled into B's local cache, then linked
     verify = nb("verify", tmp_path / "b")
     assert verify.exit_code == 0, verify.output
     assert "FAIL" not in verify.output
@@ -108,9 +108,9 @@ def test_two_concurrent_compiles_of_one_grid_produce_each_graph_once(
     assert [p.returncode for p in procs] == [0, 0], logs
     store = GraphStore(remote)
     entries = {e.key: e for e in store.entries()}
-    assert len(entries) == 6
+    assert len(entries) == 8
     names = store.names()
-    assert len(names) == 12  # one record and one graph per piece: nothing twice, nothing half
+    assert len(names) == 16  # one record and one graph per piece: nothing twice, nothing half
     for entry in entries.values():
         assert store.fetch(entry, tmp_path / "check")
     assert shas(tmp_path / "out0") == shas(tmp_path / "out1") == {k: e.sha256 for k, e in entries.items()}
@@ -131,15 +131,15 @@ def test_a_truncated_or_tampered_remote_entry_is_detected_and_compiled_again(eag
 
     again = nb("compile", eager_config, "--out", tmp_path / "c", "--cache-dir", remote, cache=tmp_path / "cc")
     assert again.exit_code == 0, again.output
-    assert said(again).count("discarded") == 2 and "compiled 2, reused 4, failed 0" in said(again)
+    assert said(again).count("discarded") == 2 and "compiled 2, reused 6, failed 0" in said(again)
     entries = {e.piece: e for e in store.entries()}
-    assert len(entries) == 6
+    assert len(entries) == 8
     for entry in entries.values():  # republished whole
         assert store.fetch(entry, tmp_path / "check")
     assert shas(tmp_path / "c") == shas(tmp_path / "a")  # eager graphs are deterministic
 
     fresh = nb("compile", eager_config, "--out", tmp_path / "d", "--cache-dir", remote, cache=tmp_path / "cd")
-    assert "compiled 0, reused 6" in said(fresh) and "damaged" not in said(fresh)
+    assert "compiled 0, reused 8" in said(fresh) and "damaged" not in said(fresh)
 
 
 def test_a_failed_compile_is_never_cached(eager_config, remote, tmp_path):
@@ -173,7 +173,7 @@ def test_dry_run_says_where_each_bucket_comes_from_and_writes_nothing(
     assert fresh.exit_code == 0, fresh.output
     assert said(fresh).count(
         " to compile "
-    ) == 4 and "6 of 6 pieces to compile, unknown (no history)" in said(fresh)
+    ) == 4 and "8 of 8 pieces to compile, unknown (no history)" in said(fresh)
     assert not (tmp_path / "o").exists() and not (tmp_path / "c1").exists()
 
     assert (
@@ -212,11 +212,11 @@ def test_cache_push_pull_ls_and_prune(eager_config, remote, tmp_path, monkeypatc
     assert nb("compile", eager_config, "--out", tmp_path / "o", "--cache-dir", local).exit_code == 0
     push = nb("cache", "push", remote, "--cache-dir", local)
     assert push.exit_code == 0, push.output
-    assert "copied 6 entries" in said(push)
+    assert "copied 8 entries" in said(push)
     assert "copied 0 entries" in said(nb("cache", "push", remote, "--cache-dir", local))
 
     pull = nb("cache", "pull", remote, "--cache-dir", tmp_path / "other")
-    assert "copied 6 entries" in said(pull) and "0 damaged" in said(pull)
+    assert "copied 8 entries" in said(pull) and "0 damaged" in said(pull)
     assert {e.sha256 for e in GraphStore(tmp_path / "other").entries()} == {
         e.sha256 for e in GraphStore(local).entries()
     }
@@ -224,11 +224,11 @@ def test_cache_push_pull_ls_and_prune(eager_config, remote, tmp_path, monkeypatc
     listing = nb("cache", "ls", "--cache-dir", remote)
     assert listing.exit_code == 0, listing.output
     text = said(listing)
-    assert "6 entries" in text and all(e.key[:10] in text for e in GraphStore(remote).entries())
+    assert "8 entries" in text and all(e.key[:10] in text for e in GraphStore(remote).entries())
     assert "neuron-buckets" in text and "ok" in text and "missing" not in text
 
     prune = nb("cache", "prune", "--cache-dir", remote, "--max-size", "0B")
-    assert prune.exit_code == 0 and "removed 6 entries" in said(prune)
+    assert prune.exit_code == 0 and "removed 8 entries" in said(prune)
     assert GraphStore(remote).names() == {}
     assert "give --older-than-days, --max-size or both" in error_line(
         nb("cache", "prune", "--cache-dir", remote)

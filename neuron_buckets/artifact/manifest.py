@@ -171,7 +171,8 @@ class PieceRecord:
 
 @dataclass
 class BucketRecord:
-    """One bucket: its shape, the keys of its three pieces, and whether all of them work."""
+    """One bucket: its shape, the keys of its pieces (three, and a fresh layer where compiled), and
+    whether all of them work."""
 
     kind: str
     batch: int

@@ -48,6 +48,8 @@ class Backend(Protocol):
         ...
 
     dynamic_shapes: bool  # whether embed and head compile once for every token count
+    # whether packed prefill buckets also get a layer piece over no context (``model/pieces.py``)
+    fresh_prefill: bool
 
     def compile(
         self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None

@@ -23,6 +23,7 @@ class EagerBackend:
     name = "eager"
     graph_ext = "json"
     dynamic_shapes = True
+    fresh_prefill = True
 
     def available(self) -> tuple[bool, str]:
         return True, f"torch {torch.__version__}"

@@ -99,6 +99,7 @@ class InductorBackend:
     name = "inductor"
     graph_ext = "pt2"
     dynamic_shapes = True
+    fresh_prefill = True
 
     def available(self) -> tuple[bool, str]:
         try:

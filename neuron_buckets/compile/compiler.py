@@ -146,7 +146,8 @@ class Compiler:
         check_compile_memory(config, self.model_config, local_jobs)
         decode_seq = 1 + config.buckets.speculation_length
         dynamic = self.backend.dynamic_shapes
-        self.bucket_pieces = {b: bucket_pieces(b, dynamic, decode_seq) for b in self.buckets}
+        fresh = self.backend.fresh_prefill and config.compile.fresh_layers
+        self.bucket_pieces = {b: bucket_pieces(b, dynamic, decode_seq, fresh) for b in self.buckets}
         self.shapes = sorted({s for pieces in self.bucket_pieces.values() for s in pieces.values()})
         backend_info = BackendInfo(
             name=self.backend.name,

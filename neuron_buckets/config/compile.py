@@ -22,6 +22,9 @@ class CompileConfig:
     executor: str = setting("local", graph=False)  # "local" worker processes, or "ray" tasks on a cluster
     task_cpus: int = setting(1, graph=False)  # CPUs each Ray task declares (and torch threads it uses)
     retries: int = setting(2, graph=False)  # times a piece whose worker or node died is compiled again
+    # packed prefill buckets also get a layer piece over no context, for calls with nothing cached
+    # (where the backend has them: inductor, eager); off saves its compile, fresh calls run slower
+    fresh_layers: bool = setting(True, graph=False)
 
     def __post_init__(self) -> None:
         check_types(self)

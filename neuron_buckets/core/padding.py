@@ -13,7 +13,7 @@ allocated by the caller for actual tokens only, so padding never needs a block.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import torch
@@ -72,6 +72,16 @@ class StepInputs:
     @property
     def real_sampling_positions(self) -> Tensor:
         return self.sampling_positions[: self.num_samples]
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing cached before this step: no row reads a context."""
+        return not bool(self.cache_lens.any())
+
+    def without_context(self) -> StepInputs:
+        """The inputs of a fresh step as a layer piece over no context takes them: a block table
+        of no columns (the slots the step writes are already in ``slot_mapping``)."""
+        return replace(self, block_table=self.block_table[:, :0])
 
 
 def pad_prefill(

@@ -7,6 +7,12 @@ Weights are graph inputs, never constants: one compiled layer serves every layer
 runtime's one weights copy feeds them all. ``embed`` and ``head`` depend only on the token and
 sample counts; on backends with dynamic shapes each is compiled once for every bucket (its
 ``PieceShape`` has ``tokens == 0``), elsewhere once per count, shared by buckets of that count.
+
+A packed prefill bucket may have a second layer piece, its ``fresh_layer``: the same layer over
+no context (``ctx`` 0), which the runtime runs when no segment of a call has anything cached.
+The context piece keeps key buffers for every segment's whole block-table row (``max_num_seqs``
+times ``max_model_len`` positions), and building them cost more than the attention itself on a
+fresh 512-token call; the fresh piece has only the step's own keys.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from neuron_buckets.model.weights import LayerWeights, layer_shapes
 
 Role = Literal["embed", "layer", "head"]
 ROLES: tuple[Role, ...] = ("embed", "layer", "head")
+# What a piece is to its bucket: one of the roles, or the fresh layer (a "layer" piece over ctx 0).
+BucketRole = Literal["embed", "layer", "fresh_layer", "head"]
 
 
 @dataclass(frozen=True, order=True)
@@ -52,18 +60,23 @@ class PieceShape:
         return f"{self.role}_" + dims.get(self.role, layer)
 
 
-def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1) -> dict[Role, PieceShape]:
-    """The three pieces of a bucket. Every segment of a step has its own block-table row (a
-    decode row per request, a packed segment per chunk or decode row); ``Bucket.samples`` says
-    how many logits come back, ``decode_seq`` being the decode rows' width. With ``dynamic``,
-    embed and head are the one shape-polymorphic piece every bucket shares."""
-    tokens = bucket.tokens
-    samples = bucket.samples(decode_seq)
-    layer = PieceShape("layer", tokens, rows=bucket.batch, ctx=bucket.ctx, packed=bucket.kind == "prefill")
-    if dynamic:
-        return {"embed": PieceShape("embed", 0), "layer": layer, "head": PieceShape("head", 0)}
-    fixed_head = PieceShape("head", tokens, samples=samples)
-    return {"embed": PieceShape("embed", tokens), "layer": layer, "head": fixed_head}
+def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1, fresh: bool = False
+                  ) -> dict[BucketRole, PieceShape]:
+    """The pieces of a bucket. Every segment of a step has its own block-table row (a decode row
+    per request, a packed segment per chunk or decode row); ``Bucket.samples`` says how many
+    logits come back, ``decode_seq`` being the decode rows' width. With ``dynamic``, embed and
+    head are the one shape-polymorphic piece every bucket shares; with ``fresh``, a packed
+    bucket also has its ``fresh_layer``."""
+    tokens, packed = bucket.tokens, bucket.kind == "prefill"
+    layer = PieceShape("layer", tokens, rows=bucket.batch, ctx=bucket.ctx, packed=packed)
+    pieces: dict[BucketRole, PieceShape] = (
+        {"embed": PieceShape("embed", 0), "layer": layer, "head": PieceShape("head", 0)} if dynamic else
+        {"embed": PieceShape("embed", tokens), "layer": layer,
+         "head": PieceShape("head", tokens, samples=bucket.samples(decode_seq))}
+    )
+    if fresh and packed:
+        pieces["fresh_layer"] = PieceShape("layer", tokens, rows=bucket.batch, ctx=0, packed=True)
+    return pieces
 
 
 class EmbedPiece(nn.Module):
@@ -146,6 +159,7 @@ def dynamic_shapes(shape: PieceShape) -> tuple | None:
 __all__ = [
     "PIECES",
     "ROLES",
+    "BucketRole",
     "PieceShape",
     "bucket_pieces",
     "dynamic_shapes",

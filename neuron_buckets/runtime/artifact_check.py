@@ -74,10 +74,11 @@ def _bucket_piece_problem(manifest: Manifest, dynamic: bool) -> str | None:
     for i, b in enumerate(manifest.buckets):
         if b.status != "ok":
             continue
-        expected = bucket_pieces(Bucket(b.kind, b.batch, b.seq, b.ctx), dynamic, decode_seq)
+        # every optional piece too: a bucket may lack its fresh layer (compiled without one)
+        expected = bucket_pieces(Bucket(b.kind, b.batch, b.seq, b.ctx), dynamic, decode_seq, fresh=True)
         for role, key in b.pieces.items():
             rec = manifest.pieces[key]
-            if role not in expected or (rec.role, rec.name) != (role, expected[role].name):
+            if role not in expected or (rec.role, rec.name) != (expected[role].role, expected[role].name):
                 want = expected[role].name if role in expected else "no such role"
                 return (f"buckets/{i} ({b.kind} batch {b.batch} seq {b.seq} ctx {b.ctx}) names piece "
                         f"{rec.name} as its {role}, compiled for another shape ({want} expected); "

@@ -4,7 +4,8 @@
 one stacked KV cache every graph shares, and loads nothing else: each piece graph is loaded (and
 its sha256 checked) on first use, so opening a directory of many buckets costs about nothing.
 A step runs its bucket's embed piece, then its layer piece once per layer with that layer's
-weights and cache slice (updated in place), then its head piece. A step plan runs as the calls
+weights and cache slice (updated in place), then its head piece; a packed call with nothing cached
+runs the bucket's fresh layer piece instead, where it has one. A step plan runs as the calls
 ``BucketSet.calls`` lists for it, the ones ``nb inspect`` counts. It never imports the compiler:
 artifacts flow one way, from ``nb compile`` to here.
 """
@@ -139,7 +140,10 @@ class BucketRuntime:
     def run(self, bucket: Bucket, step: StepInputs) -> Tensor:
         """Run one padded step through the bucket's pieces; logits of the real samples only."""
         pieces = self.record(bucket).pieces
-        embed, layer, head = (self.graph(pieces[role]) for role in ("embed", "layer", "head"))
+        layer_role = "layer"
+        if "fresh_layer" in pieces and step.fresh:
+            layer_role, step = "fresh_layer", step.without_context()
+        embed, layer, head = (self.graph(pieces[role]) for role in ("embed", layer_role, "head"))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
         h, cos, sin = embed(input_ids, positions, self.embed_weight)
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):

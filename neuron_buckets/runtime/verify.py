@@ -2,7 +2,9 @@
 
 Checks the schema, the weights' and every piece's sha256, then runs each bucket's pieces on random
 padded steps (random rows, lengths, starting positions and shuffled blocks, over a cache full of
-random values) and compares logits and the written cache with the eager model on the same input.
+random values) and compares logits and the written cache with the eager model on the same input;
+a bucket with a fresh layer piece also runs a step with nothing cached, which is what that piece
+serves.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ def file_problems(directory: Path) -> list[str]:
 
 
 def random_step(
-    bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator, samples: int
+    bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator, samples: int,
+    fresh: bool = False,
 ) -> StepInputs:
-    """A padded step with 1..batch real requests of random tokens, length, context and shuffled
-    blocks (prefill: packed, each segment over a context of its own; ``samples`` logits back).
+    """A padded step with 1..batch real requests of random tokens, length, context (none with
+    ``fresh``) and shuffled blocks (prefill: packed, each segment over a context of its own;
+    ``samples`` logits back).
 
     The config guarantees the pool holds one full-context row; rows are capped to what it holds.
     """
@@ -75,7 +79,7 @@ def random_step(
     free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     chunks = []
     for n in lengths:
-        start = int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
+        start = 0 if fresh else int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
         need = -(-(start + n) // block_size)
         blocks, free = free[:need], free[need:]
         chunks.append(PrefillChunk(torch.randint(0, vocab, (n,), generator=gen), start, blocks))
@@ -96,9 +100,10 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
     for bucket in sorted(runtime.records):
         try:
             diff = 0.0
-            for _ in range(trials):
+            fresh_too = "fresh_layer" in runtime.records[bucket].pieces
+            for fresh in [False] * trials + [True] * fresh_too:
                 samples = runtime.buckets.samples(bucket)
-                step = random_step(bucket, runtime.block_size, runtime.num_blocks, vocab, gen, samples)
+                step = random_step(bucket, runtime.block_size, runtime.num_blocks, vocab, gen, samples, fresh)
                 start = torch.randn(runtime.k_cache.shape, generator=gen).to(runtime.k_cache)
                 runtime.k_cache.copy_(start)
                 runtime.v_cache.copy_(start.flip(0))
