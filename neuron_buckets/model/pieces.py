@@ -17,7 +17,7 @@ fresh 512-token call; the fresh piece has only the step's own keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -75,7 +75,7 @@ def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1, fresh: boo
          "head": PieceShape("head", tokens, samples=bucket.samples(decode_seq))}
     )
     if fresh and packed:
-        pieces["fresh_layer"] = PieceShape("layer", tokens, rows=bucket.batch, ctx=0, packed=True)
+        pieces["fresh_layer"] = replace(layer, ctx=0)
     return pieces
 
 
