@@ -32,6 +32,7 @@ class Request:
     cached: int = 0  # tokens whose K/V the cache holds
     draft_cached: int = 0  # tokens a draft model computed into its own cache (may pass the valid ones)
     block_hashes: list[bytes] = field(default_factory=list)  # names of its published full blocks
+    prompt_hashes: list[bytes] | None = None  # names of its full prompt blocks, once looked at
     finish_reason: str | None = None  # "stop", "length" or "abort" once it needs no more steps
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string
     sent_tokens: int = 0  # generated tokens already reported

@@ -26,6 +26,11 @@ lacks, ``blocks_for(final_cached) - len(blocks)``, and admitting it costs its un
 plus the cached blocks nobody held, since sharing those takes them out of ``num_free``. Blocks
 cached but unreferenced count as free, so eviction is only ever of blocks no running request or
 reservation needs. ``commit`` names each request's newly full blocks once their K/V is written.
+A waiting request whose leading blocks a running request is still prefilling waits for them
+instead of computing them again (requests sharing a system prompt that arrive together): it is
+passed over, the requests behind it may enter, and it enters the step after those blocks are
+written, as a hit. The running request is always scheduled first, so no request waits longer than
+it would take to compute those blocks itself.
 
 The engine drives this with a runtime and a sampler; ``nb inspect`` drives the same code with
 lengths alone, to predict the runtime's calls.
@@ -158,6 +163,32 @@ class Scheduler:
             self.running.remove(req)
         return touched
 
+    def _in_flight(self, req: Request) -> int:
+        """How many of ``req``'s leading prompt blocks (those a lookup may find) a running request
+        that is still prefilling will write: a lookup after it has written them hits that many.
+        0 without prefix caching, which looks nothing up."""
+        if not self.pool.enable_prefix_caching:
+            return 0
+        mine = self._prompt_blocks(req)[: (req.prompt_len - 1) // self.pool.block_size]
+        longest = 0
+        for other in self.running:
+            if other.prefilled:
+                continue
+            shared = 0
+            for a, b in zip(mine, self._prompt_blocks(other), strict=False):
+                if a != b:
+                    break
+                shared += 1
+            longest = max(longest, shared)
+        return longest
+
+    def _prompt_blocks(self, req: Request) -> list[bytes]:
+        """The names of ``req``'s full prompt blocks, hashed once per request."""
+        if req.prompt_hashes is None:
+            prompt = req.token_ids[: req.prompt_len]
+            req.prompt_hashes = self.pool.chain(prompt, req.prompt_len // self.pool.block_size)
+        return req.prompt_hashes
+
     def _prefill_chunks(self, budget: int, max_rows: int) -> list[tuple[Request, int]]:
         """(request, tokens to prefill) pairs within ``budget`` tokens and ``max_rows`` chunks,
         admitting waiting requests."""
@@ -168,21 +199,25 @@ class Scheduler:
                 budget -= step[-1][1]
         reserved = sum(self.pool.blocks_for(r.final_cached) - len(r.blocks) for r in self.running)
         free = self.pool.num_free - reserved
-        while self.waiting and budget > 0 and len(step) < max_rows:
-            head = self.waiting[0]
+        passed = 0  # waiting requests passed over this step: their prefix is being computed
+        while passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
+            head = self.waiting[passed]
             prefix = self.pool.cached_prefix(head.token_ids[: head.prompt_len], count=False)
+            if self._in_flight(head) > len(prefix):
+                passed += 1
+                continue
             # its own blocks, plus the cached ones nobody holds: sharing those takes them off num_free
             need = self.pool.blocks_for(head.final_cached) - len(prefix)
             need += sum(self.pool.refcount(b) == 0 for b in prefix)
             if need > free:
                 break
-            req = self.waiting.popleft()
-            self.pool.count(req.prompt_len, len(prefix))
-            req.blocks = self.pool.share(prefix)
-            req.cached = len(prefix) * self.pool.block_size
+            del self.waiting[passed]
+            self.pool.count(head.prompt_len, len(prefix))
+            head.blocks = self.pool.share(prefix)
+            head.cached = len(prefix) * self.pool.block_size
             free -= need
-            self.running.append(req)
-            step.append((req, min(req.prompt_len - req.cached, budget)))
+            self.running.append(head)
+            step.append((head, min(head.prompt_len - head.cached, budget)))
             budget -= step[-1][1]
         if not step and not self.running and self.waiting:  # a caller's pool already in use
             head = self.waiting[0]
