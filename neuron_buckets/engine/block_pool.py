@@ -84,14 +84,18 @@ class BlockPool:
             hashes.append(parent)
         return hashes
 
-    def cached_prefix(self, token_ids: Sequence[int], count: bool = True) -> list[int]:
+    def cached_prefix(
+        self, token_ids: Sequence[int], count: bool = True, hashes: Sequence[bytes] | None = None
+    ) -> list[int]:
         """The cached blocks that hold the longest run of whole leading blocks of ``token_ids``,
         leaving at least the last token to compute (its logits are needed). Takes no reference;
-        ``count`` adds the lookup to the hit counters."""
+        ``count`` adds the lookup to the hit counters. ``hashes``, the names of ``token_ids``'
+        full blocks where the caller keeps them, spares hashing them again at every lookup."""
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        for h in self.chain(token_ids, (len(token_ids) - 1) // self.block_size):
+        lookup = (len(token_ids) - 1) // self.block_size
+        for h in self.chain(token_ids, lookup) if hashes is None else hashes[:lookup]:
             if (block := self._by_hash.get(h)) is None:
                 break
             found.append(block)

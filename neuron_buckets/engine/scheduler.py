@@ -165,10 +165,8 @@ class Scheduler:
 
     def _in_flight(self, req: Request) -> int:
         """How many of ``req``'s leading prompt blocks (those a lookup may find) a running request
-        that is still prefilling will write: a lookup after it has written them hits that many.
-        0 without prefix caching, which looks nothing up."""
-        if not self.pool.enable_prefix_caching:
-            return 0
+        that is still prefilling will write: a lookup after it has written them hits that many
+        (none without prefix caching, which names no block)."""
         mine = self._prompt_blocks(req)[: (req.prompt_len - 1) // self.pool.block_size]
         longest = 0
         for other in self.running:
@@ -183,7 +181,10 @@ class Scheduler:
         return longest
 
     def _prompt_blocks(self, req: Request) -> list[bytes]:
-        """The names of ``req``'s full prompt blocks, hashed once per request."""
+        """The names of ``req``'s full prompt blocks, hashed once per request (empty without prefix
+        caching, which names no block)."""
+        if not self.pool.enable_prefix_caching:
+            return []
         if req.prompt_hashes is None:
             prompt = req.token_ids[: req.prompt_len]
             req.prompt_hashes = self.pool.chain(prompt, req.prompt_len // self.pool.block_size)
@@ -202,7 +203,8 @@ class Scheduler:
         passed = 0  # waiting requests passed over this step: their prefix is being computed
         while passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
             head = self.waiting[passed]
-            prefix = self.pool.cached_prefix(head.token_ids[: head.prompt_len], count=False)
+            prompt = head.token_ids[: head.prompt_len]
+            prefix = self.pool.cached_prefix(prompt, count=False, hashes=self._prompt_blocks(head))
             if self._in_flight(head) > len(prefix):
                 passed += 1
                 continue
