@@ -1,17 +1,17 @@
 """Continuous batching as plain data: ``schedule`` plans a step, ``commit`` applies its result.
 
-``schedule`` returns a ``StepPlan``: one decode row for every request whose prompt is complete,
-its last token fed back, then a token budget filled the way vLLM does: the decode rows' tokens
-and rows count first (so they fit the prefill call when ``BucketSet.mix_decode`` lets them ride
-in it, and the step stays within ``max_num_seqs`` rows either way), then the request whose prompt was cut last
-step continues, then waiting requests are admitted in order while the budget
-``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the block pool allow; the last one
-admitted may be cut, to continue next step. Blocks for every token the plan writes are
-allocated before it is returned. The caller runs the plan and hands ``commit`` the tokens it
-sampled; ``commit`` appends them, retires the requests that ended and frees their blocks. A
-request whose prompt completes in a step decodes from the next one, because a plan is decided
-before anything of it runs. Every segment carries its own context, so the plan does not depend
-on how the runtime fits it onto graphs.
+``schedule`` returns a ``StepPlan``: one decode row for every request whose prompt is complete, its
+last token fed back, then a token budget filled the way vLLM does: the decode rows' tokens and rows
+count first (so they fit the prefill call when ``BucketSet.mix_decode`` lets them ride in it, and
+the step stays within ``max_num_seqs`` rows either way), then the request whose prompt was cut last
+step continues, then waiting requests are admitted in order (but for one waiting for its prefix,
+below) while the budget ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the block
+pool allow; the last one admitted may be cut, to continue next step. Blocks for every token the
+plan writes are allocated before it is returned. The caller runs the plan and hands ``commit`` the
+tokens it sampled; ``commit`` appends them, retires the requests that ended and frees their blocks.
+A request whose prompt completes in a step decodes from the next one, because a plan is decided
+before anything of it runs. Every segment carries its own context, so the plan does not depend on
+how the runtime fits it onto graphs.
 
 Admission is conservative: a request enters only if the pool can cover its whole final length on
 top of what the running requests may still need, so nothing is ever preempted and each
