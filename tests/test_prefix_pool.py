@@ -171,7 +171,6 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     assert all(pool.refcount(b) == 0 for b in range(num_blocks))
 
 
-
 @pytest.mark.parametrize("enable", [True, False], ids=["on", "off"])
 def test_a_request_whose_prefix_is_being_computed_waits_for_it(enable: bool) -> None:
     """A and B share three blocks and arrive together, C (another prompt) behind them; a 9-token
@@ -189,11 +188,11 @@ def test_a_request_whose_prefix_is_being_computed_waits_for_it(enable: bool) -> 
         plan = sched.schedule()
         plans.append([(s.request_id, s.context_len, len(s.token_ids)) for s in plan])
         sched.commit(plan, [[1] if s.num_samples else [] for s in plan])
-    b = [seg for plan in plans for seg in plan if seg[0] == 1]
     if enable:  # then: A's last 5 tokens and C; B's token over the 12 A wrote, beside A's and C's rows
         assert plans[:3] == [[(0, 0, 9)], [(0, 9, 5), (2, 0, 2)], [(1, 12, 1), (0, 14, 1), (2, 2, 1)]]
         assert pool.hits == len(shared)
     else:  # B's first chunk rides beside A's second, over nothing cached
         assert plans[:2] == [[(0, 0, 9)], [(0, 9, 5), (1, 0, 4)]]
-        assert sum(n for _, ctx, n in b if ctx < len(prompts[1])) == len(prompts[1])
+        b_chunks = [n for plan in plans for rid, ctx, n in plan if rid == 1 and ctx < len(prompts[1])]
+        assert sum(b_chunks) == len(prompts[1])
         assert pool.hits == 0

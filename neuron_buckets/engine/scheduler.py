@@ -202,24 +202,24 @@ class Scheduler:
         free = self.pool.num_free - reserved
         passed = 0  # waiting requests passed over this step: their prefix is being computed
         while passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
-            head = self.waiting[passed]
-            prompt = head.token_ids[: head.prompt_len]
-            prefix = self.pool.cached_prefix(prompt, count=False, hashes=self._prompt_blocks(head))
-            if self._in_flight(head) > len(prefix):
+            req = self.waiting[passed]
+            prompt = req.token_ids[: req.prompt_len]
+            prefix = self.pool.cached_prefix(prompt, count=False, hashes=self._prompt_blocks(req))
+            if self._in_flight(req) > len(prefix):
                 passed += 1
                 continue
             # its own blocks, plus the cached ones nobody holds: sharing those takes them off num_free
-            need = self.pool.blocks_for(head.final_cached) - len(prefix)
+            need = self.pool.blocks_for(req.final_cached) - len(prefix)
             need += sum(self.pool.refcount(b) == 0 for b in prefix)
             if need > free:
                 break
             del self.waiting[passed]
-            self.pool.count(head.prompt_len, len(prefix))
-            head.blocks = self.pool.share(prefix)
-            head.cached = len(prefix) * self.pool.block_size
+            self.pool.count(req.prompt_len, len(prefix))
+            req.blocks = self.pool.share(prefix)
+            req.cached = len(prefix) * self.pool.block_size
             free -= need
-            self.running.append(head)
-            step.append((head, min(head.prompt_len - head.cached, budget)))
+            self.running.append(req)
+            step.append((req, min(req.prompt_len - req.cached, budget)))
             budget -= step[-1][1]
         if not step and not self.running and self.waiting:  # a caller's pool already in use
             head = self.waiting[0]
