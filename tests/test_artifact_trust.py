@@ -108,7 +108,7 @@ def test_the_untouched_artifact_still_opens(compiled_dir: Path, tmp_path: Path) 
     assert runtime.num_blocks == 64
 
 
-@pytest.mark.parametrize("where", [".", "manifest.json", "graphs", "tokenizer"])
+@pytest.mark.parametrize("where", [".", "manifest.json", "graphs", "kernels", "tokenizer"])
 @pytest.mark.parametrize("bits", [0o020, 0o002])
 def test_an_artifact_others_can_write_is_refused_with_the_chmod_that_fixes_it(
     compiled_dir: Path, tmp_path: Path, where: str, bits: int
@@ -121,6 +121,23 @@ def test_an_artifact_others_can_write_is_refused_with_the_chmod_that_fixes_it(
     assert str(path) in str(e.value)
     line = error_line(CliRunner().invoke(app, ["generate", str(directory), "--prompt-ids", "1,2,3"]))
     assert f"chmod go-w {path}" in line
+
+
+@pytest.mark.parametrize("damage", ["changed", "missing"])
+def test_a_kernel_library_not_as_its_manifest_says_is_refused_at_open(
+    compiled_dir: Path, tmp_path: Path, damage: str
+) -> None:
+    """The C++ decode kernel is code the runtime loads into the process, checked as a graph is,
+    and before any graph."""
+    directory = copy_artifact(compiled_dir, tmp_path)
+    library = directory / "kernels" / "block_kv_cpu.so"
+    if damage == "changed":
+        library.write_bytes(library.read_bytes() + b"\0")
+    else:
+        library.unlink()
+    message = "does not match its sha256" if damage == "changed" else "kernel library block_kv_cpu is missing"
+    with pytest.raises(ArtifactError, match=message):
+        BucketRuntime.open(directory)
 
 
 def test_a_graph_others_can_write_is_refused_when_it_is_loaded(compiled_dir: Path, tmp_path: Path) -> None:

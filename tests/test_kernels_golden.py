@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.block_table import compute_slot_mapping, remap_null_block_to_sentinel
-from neuron_buckets.kernels import block_kv_flex, block_kv_paged, block_kv_sdpa, block_kv_torch
+from neuron_buckets.kernels import block_kv_cpu, block_kv_flex, block_kv_paged, block_kv_sdpa, block_kv_torch
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import block_kv_attention, write_kv_cache
 
@@ -223,12 +223,15 @@ def test_layer_write_through_a_view_touches_only_that_layer():
         assert torch.equal(bits(stacked_v[other]), bits(before_v[other]))
 
 
+# The fast paths: the C++ decode kernel, inductor's in-place decode loops, dense SDPA, flex.
+FAST_PATHS = [block_kv_cpu, block_kv_paged, block_kv_sdpa, block_kv_flex]
+FAST_IDS = ["cpu", "paged", "sdpa", "flex"]
+
+
 # Eager flex attention (a reference implementation) warns that it is not the compiled kernel;
 # the compiled one runs in every artifact test.
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize(
-    "kernel", [block_kv_paged, block_kv_sdpa, block_kv_flex], ids=["paged", "sdpa", "flex"]
-)
+@pytest.mark.parametrize("kernel", FAST_PATHS, ids=FAST_IDS)
 @settings(max_examples=30, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
@@ -308,9 +311,7 @@ def test_each_packed_segment_attends_to_its_own_context_like_a_request_alone(
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize(
-    "kernel", [block_kv_paged, block_kv_sdpa, block_kv_flex], ids=["paged", "sdpa", "flex"]
-)
+@pytest.mark.parametrize("kernel", FAST_PATHS, ids=FAST_IDS)
 @settings(max_examples=20, deadline=None)
 @given(long=st.booleans(), **PACKED)
 def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from neuron_buckets.artifact.manifest import PieceRecord, read_manifest
+from neuron_buckets.artifact.manifest import LibraryInfo, PieceRecord, read_manifest
 from neuron_buckets.cli import app
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.compile.output_dir import OutputDirError, prune
@@ -149,7 +149,8 @@ def test_pruning_removes_only_graphs_its_previous_manifest_listed(hf_model_dir, 
 
 
 def test_an_edited_manifest_cannot_point_pruning_at_other_files(tmp_path):
-    kept = ("weights.safetensors", "graphs/failed.json", "graphs/sub/x.json", "tokenizer/sub/y.json")
+    kept = ("weights.safetensors", "graphs/failed.json", "graphs/sub/x.json", "tokenizer/sub/y.json",
+            "kernels/sub/z.so")
     for name in kept:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("keep\n")
@@ -160,9 +161,22 @@ def test_an_edited_manifest_cannot_point_pruning_at_other_files(tmp_path):
             ("graphs/failed.json", "failed"),  # never written by a run
             ("graphs/sub/x.json", "ok"),
         ])
-    }, text=SimpleNamespace(files={"weights.safetensors": "0" * 64, "tokenizer/sub/y.json": "0" * 64}))
+    }, text=SimpleNamespace(files={"weights.safetensors": "0" * 64, "tokenizer/sub/y.json": "0" * 64}),
+       libraries={name: LibraryInfo(file, "0" * 64)
+                  for name, file in [("a", "weights.safetensors"), ("b", "kernels/sub/z.so")]})
     prune(tmp_path, claims, keep=set())
     assert all((tmp_path / n).read_text() == "keep\n" for n in kept)
+
+
+def test_a_kernel_library_this_run_no_longer_builds_is_pruned(tmp_path):
+    """A float32 artifact recompiled in bfloat16 calls no C++ kernel: its old library goes."""
+    library = tmp_path / "kernels" / "block_kv_cpu.so"
+    library.parent.mkdir()
+    library.write_bytes(b"old build")
+    claims = SimpleNamespace(pieces={}, text=None,
+                             libraries={"block_kv_cpu": LibraryInfo("kernels/block_kv_cpu.so", "0" * 64)})
+    prune(tmp_path, claims, keep=set())
+    assert not library.exists()
 
 
 KILLED_WHILE_WRITING_WEIGHTS = """

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
 from neuron_buckets.core.step_plan import Segment
@@ -303,6 +303,42 @@ def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit,
     path.write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match=message):
         BucketRuntime.open(artifact_copy)
+
+
+def test_a_float32_cpu_artifact_carries_the_decode_kernel_that_its_decode_graphs_call(compiled_dir):
+    """Decode rows read the cache through the C++ kernel (``kernels/block_kv_cpu.py``), which the
+    artifact carries, hashed like its graphs; packed prefill rows longer than a decode row do not."""
+    from neuron_buckets.backends.inductor import _calls_op
+    from neuron_buckets.kernels import block_kv_cpu
+
+    manifest = read_manifest(compiled_dir)
+    library = manifest.libraries["block_kv_cpu"]
+    assert library.file == "kernels/block_kv_cpu.so"
+    assert sha256_file(compiled_dir / library.file) == library.sha256
+    for record in BucketRuntime.open(compiled_dir).records.values():
+        graph = compiled_dir / manifest.pieces[record.pieces["layer"]].file
+        assert _calls_op(graph, block_kv_cpu.OP) == (record.bucket.kind == "decode"), record.bucket.name
+
+
+DECODER = """
+import sys
+from neuron_buckets.core.padding import DecodeRow
+from neuron_buckets.kernels import block_kv_cpu
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+assert not block_kv_cpu.registered()
+logits = BucketRuntime.open(sys.argv[1]).decode([DecodeRow([7], 9, [1, 2])])
+print(block_kv_cpu.registered(), logits.isfinite().all().item())
+"""
+
+
+def test_a_host_without_a_compiler_decodes_with_the_artifacts_kernel_library(compiled_dir, tmp_path):
+    """A fresh process with no C++ compiler and no kernel build of its own registers the artifact's
+    copy of the library and decodes through it."""
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", DECODER, str(compiled_dir)], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
+    assert not any(tmp_path.iterdir())  # nothing was built
 
 
 def test_open_does_not_probe_the_build_compiler(compiled_dir, monkeypatch):

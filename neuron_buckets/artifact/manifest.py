@@ -26,6 +26,7 @@ SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPHS = "graphs"
+KERNELS = "kernels"  # native kernel libraries the graphs call
 TOKENIZER = "tokenizer"
 # Files that make a tokenizer (as opposed to generation_config.json, copied beside them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -113,6 +114,14 @@ class WeightsInfo:
 
 
 @dataclass(frozen=True)
+class LibraryInfo:
+    """A native kernel library the graphs call (``kernels/``), loaded before any graph."""
+
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class CacheGeometry:
     block_size: int
     num_blocks: int
@@ -196,6 +205,7 @@ class Manifest:
     decode: DecodeInfo
     weights: WeightsInfo | None = None
     text: TextInfo | None = None  # None in manifests written before nb copied tokenizers
+    libraries: dict[str, LibraryInfo] = field(default_factory=dict)
     pieces: dict[str, PieceRecord] = field(default_factory=dict)
     buckets: list[BucketRecord] = field(default_factory=list)
     created: str = ""
@@ -216,6 +226,7 @@ class Manifest:
             decode=DecodeInfo(**d["decode"]),
             weights=WeightsInfo(**d["weights"]),
             text=TextInfo(**d["text"]) if "text" in d else None,
+            libraries={k: LibraryInfo(**v) for k, v in d.get("libraries", {}).items()},
             pieces={k: PieceRecord(**v) for k, v in d["pieces"].items()},
             buckets=[BucketRecord(**b) for b in d["buckets"]],
             created=d["created"],
@@ -226,6 +237,8 @@ class Manifest:
         d = asdict(self)
         if d["text"] is None:
             del d["text"]
+        if not d["libraries"]:
+            del d["libraries"]
         for piece in d["pieces"].values():
             if piece["compiled_for"] is None:
                 del piece["compiled_for"]
@@ -252,6 +265,7 @@ class Manifest:
         entries = [(self.weights.file, self.weights.sha256, "weights")]
         if self.text:
             entries += [(rel, digest, "tokenizer") for rel, digest in self.text.files.items()]
+        entries += [(lib.file, lib.sha256, f"kernel library {name}") for name, lib in self.libraries.items()]
         ok = [p for p in self.pieces.values() if p.status == "ok" and p.sha256]
         return entries + [(p.file, p.sha256, p.name) for p in ok]
 

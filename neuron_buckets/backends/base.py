@@ -50,6 +50,9 @@ class Backend(Protocol):
     dynamic_shapes: bool  # whether embed and head compile once for every token count
     # whether packed prefill buckets also get a layer piece over no context (``model/pieces.py``)
     fresh_prefill: bool
+    # whether its graphs run the model's default torch kernels, whose float32 CPU decode attention
+    # is the C++ op of ``kernels/block_kv_cpu.py`` (the artifact then carries its library)
+    cpu_kernels: bool
 
     def compile(
         self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None

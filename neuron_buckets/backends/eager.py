@@ -24,6 +24,7 @@ class EagerBackend:
     graph_ext = "json"
     dynamic_shapes = True
     fresh_prefill = True
+    cpu_kernels = True
 
     def available(self) -> tuple[bool, str]:
         return True, f"torch {torch.__version__}"

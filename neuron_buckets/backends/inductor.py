@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from neuron_buckets.backends.base import GraphFn
+from neuron_buckets.backends.base import BackendUnavailable, GraphFn
+from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model import linear
 from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
@@ -100,6 +102,7 @@ class InductorBackend:
     graph_ext = "pt2"
     dynamic_shapes = True
     fresh_prefill = True
+    cpu_kernels = True
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -154,8 +157,18 @@ class InductorBackend:
         if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
             torch.set_num_threads(MAX_THREADS)
         index = torch.device(device).index
+        if not block_kv_cpu.registered() and _calls_op(path, block_kv_cpu.OP):
+            raise BackendUnavailable(f"graph {path.name} calls {block_kv_cpu.OP}, whose kernel library the "
+                                     "artifact does not carry; recompile it with nb compile")
         compiled = torch._inductor.aoti_load_package(str(path), device_index=-1 if index is None else index)
         return PackageCall(compiled.loader)
+
+
+def _calls_op(package: Path, op: str) -> bool:
+    """Whether a package calls ``op`` through its proxy executor: AOTInductor lists such calls in
+    the package's ``*.wrapper.json``."""
+    with zipfile.ZipFile(package) as z:
+        return any(op in z.read(name).decode() for name in z.namelist() if name.endswith("wrapper.json"))
 
 
 class PackageCall:

@@ -34,11 +34,13 @@ import torch
 from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import (
     GRAPHS,
+    KERNELS,
     WEIGHTS,
     BackendInfo,
     BucketRecord,
     CacheGeometry,
     DecodeInfo,
+    LibraryInfo,
     Manifest,
     ModelInfo,
     PieceRecord,
@@ -58,6 +60,7 @@ from neuron_buckets.compile.worker import CompileTask, Toolchain
 from neuron_buckets.config import Config, ConfigError, enumerate_grid
 from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.config.memory import check_compile_memory, compile_job_bytes
+from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import build_model, model_config_of, save_weights, weights_fingerprint
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
@@ -235,6 +238,19 @@ class Compiler:
         atomic_write(path, lambda p: save_weights(model, p))
         self.manifest.weights = WeightsInfo(WEIGHTS, sha256_file(path), path.stat().st_size, fingerprint)
 
+    def _write_libraries(self) -> None:
+        """Build the C++ kernel the float32 CPU graphs call and copy it into ``kernels/``, so that a
+        serving host needs no compiler; a copy whose bytes already match is kept."""
+        c = self.config
+        if not (self.backend.cpu_kernels and block_kv_cpu.applies(c.compile.device, c.cache.dtype)):
+            return
+        built = block_kv_cpu.build()
+        rel = f"{KERNELS}/{block_kv_cpu.LIBRARY}"
+        path, digest = self.out / rel, sha256_file(built)
+        if not (path.is_file() and sha256_file(path) == digest):
+            atomic_write(path, lambda p: shutil.copyfile(built, p))
+        self.manifest.libraries = {"block_kv_cpu": LibraryInfo(rel, digest)}
+
     def _record(self, o: Outcome) -> PieceRecord:
         path = self.graph_file(o.key)
         ok = o.status == "ok"
@@ -337,6 +353,7 @@ class Compiler:
             self.cache.local.remove_stale_temps()
             previous = self.intact(old)
             self._write_weights(old)
+            self._write_libraries()
             self.manifest.text = write_text_files(self.text_sources, self.out, self.eos_token_ids)
             done: dict[PieceShape, Outcome] = {}
             todo: list[Outcome] = []
@@ -360,6 +377,7 @@ class Compiler:
                     self._compile_all(executor, todo, done, notify)
             ok = [self.graph_file(o.key) for o in done.values() if o.status == "ok"]
             keep = {f.relative_to(self.out).as_posix() for f in ok} | set(self.manifest.text.files)
+            keep |= {lib.file for lib in self.manifest.libraries.values()}
             prune(self.out, old, keep)
             outcomes = [done[s] for s in self.shapes if s in done]
             report = CompileReport(self.out, outcomes, self.manifest.buckets)

@@ -4,9 +4,10 @@
 holds a manifest of its own (valid against the schema, toolchain ``neuron-buckets``), or that an
 earlier run locked before it was killed (the lock files are nb's). Anything else is refused
 before a single byte is written, naming what is in the way. It never writes or deletes through a
-symlink: the names it writes must not be links. Pruning removes only graphs that its own previous
-manifest listed, and temp files matching its own name patterns: in the artifact directory every
-such file is stale once we hold the lock (only the lock holder writes there).
+symlink: the names it writes must not be links. Pruning removes only graphs, tokenizer files and
+kernel libraries that its own previous manifest listed, and temp files matching its own name
+patterns: in the artifact directory every such file is stale once we hold the lock (only the lock
+holder writes there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from neuron_buckets.artifact.manifest import (
     GRAPHS,
+    KERNELS,
     MANIFEST,
     TOKENIZER,
     WEIGHTS,
@@ -31,8 +33,8 @@ from neuron_buckets.compile.text_files import TEXT_FILES
 from neuron_buckets.config.draft import DRAFT
 
 LOGS = "logs"
-OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, LOGS, TOKENIZER, DRAFT, LOCK_FILE, HOLDER_FILE)
-OWN_FOLDERS = (GRAPHS, LOGS, TOKENIZER, DRAFT)
+OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, KERNELS, LOGS, TOKENIZER, DRAFT, LOCK_FILE, HOLDER_FILE)
+OWN_FOLDERS = (GRAPHS, KERNELS, LOGS, TOKENIZER, DRAFT)
 # Temp files of atomic_write (".<name>.<mkstemp random>.tmp") and compiler.place
 # (".<key>.<ext>.<pid>.tmp"), by the directory they are written in.
 TEMP_PATTERNS = {
@@ -40,6 +42,7 @@ TEMP_PATTERNS = {
     GRAPHS: re.compile(r"\.[0-9a-f]{64}\.\w+\.\d+\.tmp"),
     LOGS: re.compile(r"\.[\w.-]+\.log\.\w+\.tmp"),
     TOKENIZER: re.compile(rf"\.({'|'.join(map(re.escape, TEXT_FILES))})\.\w+\.tmp"),
+    KERNELS: re.compile(r"\.[\w-]+\.so\.\w+\.tmp"),
 }
 REFUSAL_HINT = (
     "nb compile writes only into an empty directory or one it compiled before; "
@@ -110,14 +113,15 @@ def owned_directory(out: Path) -> Iterator[Manifest | None]:
 
 
 def prune(out: Path, previous: Manifest | None, keep: set[str]) -> None:
-    """Remove the graphs and tokenizer files the previous manifest listed as written and this run
-    no longer lists.
+    """Remove the graphs, tokenizer files and kernel libraries the previous manifest listed as
+    written and this run no longer lists.
 
-    Only files directly in ``graphs/`` or ``tokenizer/`` count, whatever an edited manifest
+    Only files directly in ``graphs/``, ``tokenizer/`` or ``kernels/`` count, whatever an edited manifest
     claims, and a listed name that is now a symlink loses the link, never its target.
     """
     listed = [rec.file for rec in previous.pieces.values() if rec.status == "ok"] if previous else []
     listed += list(previous.text.files) if previous and previous.text else []
+    listed += [lib.file for lib in previous.libraries.values()] if previous else []
     for rel in listed:
-        if Path(rel).parent in (Path(GRAPHS), Path(TOKENIZER)) and rel not in keep:
+        if Path(rel).parent in (Path(GRAPHS), Path(TOKENIZER), Path(KERNELS)) and rel not in keep:
             (out / rel).unlink(missing_ok=True)

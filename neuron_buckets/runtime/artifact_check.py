@@ -25,6 +25,7 @@ import torch
 
 from neuron_buckets.artifact.manifest import (
     GRAPHS,
+    KERNELS,
     MANIFEST,
     TOKENIZER,
     CacheGeometry,
@@ -47,7 +48,7 @@ class DigestMismatch(ValueError):
 
 def check_artifact_files(directory: Path) -> None:
     """The directory, its manifest and the folders nb loads code and data from: owner-writable only."""
-    for rel in (".", MANIFEST, GRAPHS, TOKENIZER):
+    for rel in (".", MANIFEST, GRAPHS, KERNELS, TOKENIZER):
         check_owner_only(directory / rel, "artifact directory" if rel == "." else "artifact file")
 
 

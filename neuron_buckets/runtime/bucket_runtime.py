@@ -25,6 +25,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment, StepPlan
+from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import DigestMismatch, check_servable, verified_copy
@@ -33,6 +34,9 @@ from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.passing_thread import on_passing_thread
+
+# The native kernel libraries an artifact may carry, by their manifest name: how each is registered.
+LIBRARIES = {"block_kv_cpu": block_kv_cpu.register}
 
 
 class ArtifactError(UserError, RuntimeError):
@@ -45,6 +49,7 @@ class BucketRuntime:
         self.backend = get_backend(manifest.backend.name)
         self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
         self._check_versions()
+        self._load_libraries()
         weights = self._load_weights()
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
@@ -91,6 +96,23 @@ class BucketRuntime:
             raise ManifestError(
                 f"{self.directory}: graphs were compiled for other versions ({detail}); recompile"
             )
+
+    def _load_libraries(self) -> None:
+        """Register the native kernels the graphs call, each from a copy checked against the
+        manifest's sha256 (a library is code this process runs, as a graph is)."""
+        for name, lib in self.manifest.libraries.items():
+            path = self.directory / lib.file
+            if name not in LIBRARIES:
+                raise ArtifactError(f"{self.directory}: unknown kernel library {name!r}; recompile")
+            if not path.is_file():
+                raise ArtifactError(f"kernel library {name} is missing: {path}")
+            try:
+                with verified_copy(path, lib.sha256, f"kernel library {name}") as copy:
+                    LIBRARIES[name](copy)
+            except DigestMismatch:
+                raise ArtifactError(
+                    f"kernel library {path} does not match its sha256 (corrupt or tampered)"
+                ) from None
 
     def _load_weights(self) -> ModelWeights:
         """The artifact's weights, fused once as the layer pieces take them, in the backend's

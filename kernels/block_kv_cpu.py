@@ -1,0 +1,112 @@
+"""The decode path of block-KV attention in float32 on the CPU: a C++ kernel, ``nb::block_kv_attention``.
+
+A decode step reads every cached K and V vector of its rows once, so its attention is bound by
+memory. Inductor's loops over ``block_kv_paged`` compute one 64-wide dot product per score,
+reduced across the vector register each time, with the query's rotation recomputed inside it.
+``block_kv_cpu.cpp`` walks each row's blocks in order (all kv heads of a slot at once, the next
+block prefetched), transposes each block's keys so that a query's scores are broadcast
+multiply-adds with no reduction across the register, and keeps an online softmax per query: the
+golden's contract, masking and NaN safety (``block_kv_torch``), tested against it. Measured on the
+bench model (30 layers, 8 rows at context 400, 2-core AMD EPYC with AVX-512, 2026-12-02, old and
+new artifacts interleaved in one process): the attention took 0.54 ms a layer in the step, against
+0.72 ms for the inductor kernel it replaces, and the decode step 0.91-0.96x the time.
+
+The op is declared here (schema and shape function), so any process can trace and compile graphs
+that call it. Its CPU kernel is C++, vectorised with ATen's ``Vectorized`` for the instruction set
+inductor picks on this machine (AVX-512, AVX2, or none), and built with ``torch.utils.cpp_extension``
+into torch's extension directory (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``;
+the name hashes the source, torch and those flags). ``nb compile`` builds it and copies the library
+into the artifact (``kernels/block_kv_cpu.so``, in the manifest with its sha256, as the graphs
+are), so a serving host needs no compiler: the runtime registers the artifact's copy before any
+graph loads, and AOTInductor calls the op through the package's proxy executor, by name. An eager
+call outside an artifact (tests, references) builds it on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from neuron_buckets.kernels.attention_step import AttentionStep
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+
+torch.library.define(
+    "nb::block_kv_attention",
+    "(Tensor q, Tensor k_active, Tensor v_active, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+    "Tensor cache_lens, Tensor segment_ids, float scale, int? window) -> Tensor",
+)
+
+
+@torch.library.register_fake("nb::block_kv_attention")
+def _block_kv_attention_fake(q: Tensor, *_: object) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def applies(device: torch.device | str, *dtypes: torch.dtype | str) -> bool:
+    """Whether attention on ``device`` over tensors of ``dtypes`` runs in this kernel: float32 on a
+    CPU (dtypes as torch dtypes, or their names as a config writes them)."""
+    names = {str(d).removeprefix("torch.") for d in dtypes}
+    return torch.device(device).type == "cpu" and names == {"float32"}
+
+
+OP = "nb::block_kv_attention"
+LIBRARY = "block_kv_cpu.so"  # its file name in an artifact directory's kernels/
+
+
+def registered() -> bool:
+    """Whether this process has the op's CPU kernel (from a build, or an artifact's library)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU")
+
+
+@functools.cache
+def build() -> Path:
+    """Build the kernel (once per machine, source and torch) into torch's extension directory,
+    register it in this process, and return the shared library's path."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch.utils import cpp_extension
+
+    isa = pick_vec_isa()  # what inductor vectorises its own CPU kernels for, on this machine
+    # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
+    flags = ["-O3", "-fopenmp", *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split()]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *flags]).encode())
+    name = f"nb_block_kv_cpu_{digest.hexdigest()[:12]}"
+    directory = Path(cpp_extension.get_default_build_root()) / name
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False)
+    except (RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"cannot build nb's CPU attention kernel {SOURCE.name} (needs a C++ compiler "
+                           f"and torch's headers): {first}") from e
+    return directory / f"{name}.so"
+
+
+def register(library: Path) -> None:
+    """Load an artifact's copy of the built kernel, unless this process already has the op's kernel
+    (a second registration of the same op is an error)."""
+    if not registered():
+        torch.ops.load_library(str(library))
+
+
+def block_kv_attention(
+    q: Tensor,
+    k_active: Tensor,
+    v_active: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    step: AttentionStep,
+    scale: float,
+    window: int | None = None,
+) -> Tensor:
+    """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``."""
+    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or registered()):
+        build()  # eager calls outside an artifact (tests, references)
+    return torch.ops.nb.block_kv_attention(
+        q, k_active, v_active, k_cache, v_cache, *step, scale, window
+    )
