@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -131,15 +132,21 @@ def decode_step_ms(artifact: Path, context: int, repeats: int) -> float:
     return median_ms(lambda: runtime.decode(rows), repeats)
 
 
-def prefill_call_ms(artifact: Path, wl: Workload, repeats: int) -> tuple[float, str]:
-    """One packed prefill call of all the workload's prompts, and the bucket it ran in."""
+def prefill_call(artifact: Path, wl: Workload) -> tuple[Callable[[], object], str]:
+    """One packed prefill call of all the workload's prompts, and the bucket it runs in."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-max(len(p) for p in wl.prompts) // runtime.block_size)
     blocks = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(wl.prompts))]
     chunks = [PrefillChunk(p, 0, b) for p, b in zip(wl.prompts, blocks, strict=True)]
-    ms = median_ms(lambda: runtime.prefill(chunks), repeats)
+    runtime.prefill(chunks)
     (bucket,) = [name for name, stats in runtime.stats.items() if stats.calls]
-    return ms, bucket
+    return lambda: runtime.prefill(chunks), bucket
+
+
+def prefill_call_ms(artifact: Path, wl: Workload, repeats: int) -> tuple[float, str]:
+    """``prefill_call``'s median time, and its bucket."""
+    call, bucket = prefill_call(artifact, wl)
+    return median_ms(call, repeats), bucket
 
 
 def main() -> None:
