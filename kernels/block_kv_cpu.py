@@ -13,19 +13,21 @@ new artifacts interleaved in one process): the attention took 0.54 ms a layer in
 
 The op is declared here (schema and shape function), so any process can trace and compile graphs
 that call it. Its CPU kernel is C++, vectorised with ATen's ``Vectorized`` for the instruction set
-inductor picks on this machine (AVX-512, AVX2, or none), and built with ``torch.utils.cpp_extension``
-into torch's extension directory (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``;
-the name hashes the source, torch and those flags). ``nb compile`` builds it and copies the library
-into the artifact (``kernels/block_kv_cpu.so``, in the manifest with its sha256, as the graphs
-are), so a serving host needs no compiler: the runtime registers the artifact's copy before any
-graph loads, and AOTInductor calls the op through the package's proxy executor, by name. An eager
-call outside an artifact (tests, references) builds it on first use.
+inductor picks on this machine (AVX-512, AVX2, or none), and built with
+``torch.utils.cpp_extension`` into torch's extension directory (``TORCH_EXTENSIONS_DIR``, else
+``~/.cache/torch_extensions``; the name hashes the source, torch and the CPU's feature flags).
+``nb compile`` builds it and copies the library into the artifact (``kernels/block_kv_cpu.so``, in the
+manifest with its sha256, as the graphs are), so a serving host needs no compiler: the runtime
+registers the artifact's copy before any graph loads, and AOTInductor calls the op through the
+package's proxy executor, by name. An eager call outside an artifact (tests, references) builds it
+on first use.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -63,19 +65,33 @@ def registered() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU")
 
 
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), or nothing where /proc/cpuinfo does not list them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
+
+
 @functools.cache
 def build() -> Path:
-    """Build the kernel (once per machine, source and torch) into torch's extension directory,
-    register it in this process, and return the shared library's path."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    """The shared library's path, built first if this machine has no build of this source for
+    this torch and CPU (in torch's extension directory). A built one is found by name alone:
+    ``nb compile`` calls this every run, and probing the vector ISA costs seconds."""
     from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {_cpu_flags()}".encode())
+    name = f"nb_block_kv_cpu_{digest.hexdigest()[:12]}"
+    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    library = directory / f"{name}.so"
+    if library.is_file():
+        return library
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()  # what inductor vectorises its own CPU kernels for, on this machine
     # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
     flags = ["-O3", "-fopenmp", *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split()]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *flags]).encode())
-    name = f"nb_block_kv_cpu_{digest.hexdigest()[:12]}"
-    directory = Path(cpp_extension.get_default_build_root()) / name
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
@@ -84,7 +100,7 @@ def build() -> Path:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"cannot build nb's CPU attention kernel {SOURCE.name} (needs a C++ compiler "
                            f"and torch's headers): {first}") from e
-    return directory / f"{name}.so"
+    return library
 
 
 def register(library: Path) -> None:
@@ -106,7 +122,7 @@ def block_kv_attention(
 ) -> Tensor:
     """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``."""
     if not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or registered()):
-        build()  # eager calls outside an artifact (tests, references)
+        register(build())  # eager calls outside an artifact (tests, references)
     return torch.ops.nb.block_kv_attention(
         q, k_active, v_active, k_cache, v_cache, *step, scale, window
     )
