@@ -36,15 +36,17 @@ from torch import Tensor
 from neuron_buckets.kernels.attention_step import AttentionStep
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+OP = "nb::block_kv_attention"
+LIBRARY = "block_kv_cpu.so"  # its file name in an artifact directory's kernels/
 
 torch.library.define(
-    "nb::block_kv_attention",
+    OP,
     "(Tensor q, Tensor k_active, Tensor v_active, Tensor k_cache, Tensor v_cache, Tensor block_table, "
     "Tensor cache_lens, Tensor segment_ids, float scale, int? window) -> Tensor",
 )
 
 
-@torch.library.register_fake("nb::block_kv_attention")
+@torch.library.register_fake(OP)
 def _block_kv_attention_fake(q: Tensor, *_: object) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -54,10 +56,6 @@ def applies(device: torch.device | str, *dtypes: torch.dtype | str) -> bool:
     CPU (dtypes as torch dtypes, or their names as a config writes them)."""
     names = {str(d).removeprefix("torch.") for d in dtypes}
     return torch.device(device).type == "cpu" and names == {"float32"}
-
-
-OP = "nb::block_kv_attention"
-LIBRARY = "block_kv_cpu.so"  # its file name in an artifact directory's kernels/
 
 
 def registered() -> bool:

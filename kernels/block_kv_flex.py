@@ -50,10 +50,10 @@ def block_kv_attention(
     Rows of at most ``PAGED_ROWS`` tokens (decode, speculative drafts) read the context in place
     instead of copying it: in float32 on a CPU through the C++ kernel of ``block_kv_cpu``, else
     through ``block_kv_paged`` (inductor's CPU flex template also fails to compile one-token query
-    rows). Decode rows of at most ``DENSE_ROWS`` tokens have
-    few tiles to skip, so they take the dense fused path, which is faster there (measured). A
-    packed row of any other length takes flex: the dense path would attend every token to every
-    segment's context, R times the keys it needs. The choices on shapes are made at trace time.
+    rows). Decode rows of at most ``DENSE_ROWS`` tokens have few tiles to skip, so they take the
+    dense fused path, which is faster there (measured). A packed row of any other length takes
+    flex: the dense path would attend every token to every segment's context, R times the keys it
+    needs. The choices on shapes are made at trace time.
 
     A step with nothing cached (fresh prompts, the common case) neither gathers nor copies a
     context: ``torch.cond`` picks at run time between gathering it and leaving the context part

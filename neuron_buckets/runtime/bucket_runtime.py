@@ -12,7 +12,8 @@ artifacts flow one way, from ``nb compile`` to here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +42,19 @@ LIBRARIES = {"block_kv_cpu": block_kv_cpu.register}
 
 class ArtifactError(UserError, RuntimeError):
     """A graph or weights file that is missing or does not match its manifest entry."""
+
+
+@contextmanager
+def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Path]:
+    """``verified_copy`` of an artifact file that nb loads as code (a graph, a kernel library),
+    refused as an ``ArtifactError`` when missing (``what``) or changed (``named``)."""
+    if not path.is_file():
+        raise ArtifactError(f"{what} is missing: {path}")
+    try:
+        with verified_copy(path, sha256, what) as copy:
+            yield copy
+    except DigestMismatch:
+        raise ArtifactError(f"{named} does not match its sha256 (corrupt or tampered)") from None
 
 
 class BucketRuntime:
@@ -104,15 +118,8 @@ class BucketRuntime:
             path = self.directory / lib.file
             if name not in LIBRARIES:
                 raise ArtifactError(f"{self.directory}: unknown kernel library {name!r}; recompile")
-            if not path.is_file():
-                raise ArtifactError(f"kernel library {name} is missing: {path}")
-            try:
-                with verified_copy(path, lib.sha256, f"kernel library {name}") as copy:
-                    LIBRARIES[name](copy)
-            except DigestMismatch:
-                raise ArtifactError(
-                    f"kernel library {path} does not match its sha256 (corrupt or tampered)"
-                ) from None
+            with _checked_copy(path, lib.sha256, f"kernel library {name}", f"kernel library {path}") as copy:
+                LIBRARIES[name](copy)
 
     def _load_weights(self) -> ModelWeights:
         """The artifact's weights, fused once as the layer pieces take them, in the backend's
@@ -131,15 +138,9 @@ class BucketRuntime:
             return self._graphs[key]
         rec = self.manifest.pieces[key]
         path = self.directory / rec.file
-        if not path.is_file():
-            raise ArtifactError(f"graph of piece {rec.name} is missing: {path}")
-        try:
-            with verified_copy(path, rec.sha256, f"graph of piece {rec.name}") as copy:
-                fn = self.backend.load(copy, self.manifest.model.config, self.device)
-        except DigestMismatch:
-            raise ArtifactError(
-                f"graph {path} of piece {rec.name} does not match its sha256 (corrupt or tampered)"
-            ) from None
+        what = f"graph of piece {rec.name}"
+        with _checked_copy(path, rec.sha256, what, f"graph {path} of piece {rec.name}") as copy:
+            fn = self.backend.load(copy, self.manifest.model.config, self.device)
         self._graphs[key] = fn
         return fn
 
