@@ -1,14 +1,21 @@
-// Block-KV attention for short rows (decode, speculative drafts) on the CPU, in float32: the
-// contract of block_kv_torch.block_kv_attention, with each cached K and V vector read once, in
-// place, through the block table. block_kv_cpu.py defines the op's schema, builds this file and
-// documents why it exists.
+// Block-KV attention on the CPU in float32: the contract of block_kv_torch.block_kv_attention for
+// every step nb runs (decode rows, speculative rows, packed prefill chunks), reading each cached K
+// and V vector in place through the block table. block_kv_cpu.py defines the op's schema, builds
+// this file and documents why it exists.
 //
-// One task per step row (per row and kv head when rows are fewer than threads). Within a task the
-// row's tokens go segment by segment; every query of a segment (its tokens times the task's heads)
-// meets each key as it is loaded, and an online softmax runs block by block over the segment's
-// context, then over the segment's own tokens. Positions at or past a context's length are never
-// read, so whatever the cache holds there (the null block, stale or NaN data) cannot reach an
-// output. A query that sees no key at all (a pad) gets zeros.
+// The step's segments become tasks, shared out among the threads by their cost (longest first, each
+// to the least loaded thread):
+// - A short segment (decode, drafts: at most kShortTokens) is one task per step row's kv heads, or
+//   per kv head when there are fewer segments than threads. Every query of the segment (its tokens
+//   times the task's heads) meets each key as it is loaded; an online softmax runs block by block
+//   over the context, then over the segment's own tokens. This is bound by memory.
+// - A long segment (a prompt chunk) is one task per kv head and tile of its queries. The tile's
+//   queries of that kv head's query heads are stacked into one matrix, and an online softmax runs
+//   over chunks of keys: the context's (gathered from the blocks) and the segment's own (in place),
+//   each chunk's scores and weighted values one BLAS GEMM, so the work runs near the GEMM rate.
+//   Keys past the tile's last token, or outside a sliding window, are never computed.
+// Positions at or past a context's length are never read, so whatever the cache holds there (the
+// null block, stale or NaN data) cannot reach an output. A query that sees no key gets zeros.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,14 +25,38 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
+
+// The BLAS torch links (MKL in its x86 wheels), through its Fortran interface.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kShortTokens = 16;  // segments up to this long take the per-key path
+constexpr int64_t kTileRows = 192;    // stacked query rows of a long segment's tile (tokens x group)
+constexpr int64_t kChunk = 256;       // keys per GEMM chunk of a long segment
+
+// Row-major c (m x n, ldc) = a (m x k) . b^T for b (n x k): BLAS is column-major, so this is
+// c^T = b . a^T there.
+inline void gemm_nt(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
+  const char ta = 'T', tb = 'N';
+  const float one = 1.f, zero = 0.f;
+  sgemm_(&ta, &tb, &n, &m, &k, &one, b, &ldb, a, &lda, &zero, c, &ldc);
+}
+
+// Row-major c (m x n, ldc) += a (m x k) . b for b (k x n).
+inline void gemm_nn_add(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
+  const char t = 'N';
+  const float one = 1.f;
+  sgemm_(&t, &t, &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -48,6 +79,27 @@ inline void scale_by(float* y, float a, int64_t n) {  // y *= a
   int64_t d = 0;
   for (; d + Vec::size() <= n; d += Vec::size()) (Vec::loadu(y + d) * Vec(a)).store(y + d);
   for (; d < n; ++d) y[d] *= a;
+}
+
+inline float max_of(const float* s, int64_t n) {
+  Vec top(kNegInf);
+  for (int64_t t = 0; t < n; t += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - t);
+    top = at::vec::maximum(top, Vec::set(Vec(kNegInf), Vec::loadu(s + t, count), count));
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, top);
+}
+
+// s = exp(s - top) in place; returns the sum. exp(-inf) is 0: invisible keys weigh nothing.
+inline float exp_sum(float* s, float top, int64_t n) {
+  Vec total(0.f);
+  for (int64_t t = 0; t < n; t += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - t);
+    Vec p = (Vec::loadu(s + t, count) - Vec(top)).exp_u20();
+    p.store(s + t, count);
+    total = total + Vec::set(Vec(0.f), p, count);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total);
 }
 
 // dst (n x m, leading dimension ld_dst) = the transpose of src (m x n), m, n <= Vec::size().
@@ -92,161 +144,284 @@ inline void accumulate(float* a, const float* p, const std::vector<const float*>
   }
 }
 
-// s = exp(s - top) in place; returns the sum. exp(-inf) is 0: invisible keys weigh nothing.
-inline float exp_sum(float* s, float top, int64_t n) {
-  Vec total(0.f);
-  for (int64_t t = 0; t < n; t += Vec::size()) {
-    const int64_t count = std::min<int64_t>(Vec::size(), n - t);
-    Vec p = (Vec::loadu(s + t, count) - Vec(top)).exp();
-    p.store(s + t, count);
-    total = total + Vec::set(Vec(0.f), p, count);
-  }
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total);
-}
-
-// The running softmax of one segment's queries (its tokens times the task's heads).
+// The running softmax of a set of queries: top score, total weight and weighted values of each.
 struct Softmax {
-  int64_t queries, dim;
-  std::vector<float> top, total, acc, scores;  // (Q), (Q), (Q, D), (Q, keys of one block)
+  int64_t queries = 0, dim = 0;
+  std::vector<float> top, total, acc;  // (Q), (Q), (Q, D)
 
-  Softmax(int64_t q, int64_t d, int64_t block) :
-      queries(q), dim(d), top(q, kNegInf), total(q, 0.f), acc(q * d, 0.f), scores(q * block) {}
+  void reset(int64_t q, int64_t d) {
+    queries = q, dim = d;
+    top.assign(q, kNegInf), total.assign(q, 0.f), acc.assign(q * d, 0.f);
+  }
 
-  // Fold in ``n`` keys whose scores are in ``scores`` (query-major, ``stride`` apart); query i's
-  // value vectors are ``values[t] + offsets[i]``.
-  void update(int64_t n, int64_t stride, const std::vector<const float*>& values,
-              const std::vector<int64_t>& offsets) {
-    for (int64_t i = 0; i < queries; ++i) {
-      float* s = scores.data() + i * stride;
-      const float block_top = *std::max_element(s, s + n);
-      if (block_top == kNegInf) continue;  // nothing of this block is visible to query i
-      const float new_top = std::max(top[i], block_top);
-      const float rescale = std::exp(top[i] - new_top);  // exp(-inf) = 0 on the first visible block
-      float* a = acc.data() + i * dim;
-      scale_by(a, rescale, dim);
-      total[i] = total[i] * rescale + exp_sum(s, new_top, n);
-      accumulate(a, s, values, offsets[i], n, dim);  // invisible keys weigh exp(-inf) = 0
-      top[i] = new_top;
-    }
+  // Turn query i's scores s[0:n] into weights against its new top score and rescale what it has
+  // so far; returns false (weights untouched) when none of them is visible (all -inf).
+  bool fold(int64_t i, float* s, int64_t n) {
+    const float block_top = n > 0 ? max_of(s, n) : kNegInf;
+    if (block_top == kNegInf) return false;
+    const float new_top = std::max(top[i], block_top);
+    const float rescale = std::exp(top[i] - new_top);  // exp(-inf) = 0 on the first visible block
+    if (rescale != 1.f) scale_by(acc.data() + i * dim, rescale, dim);
+    total[i] = total[i] * rescale + exp_sum(s, new_top, n);
+    top[i] = new_top;
+    return true;
+  }
+
+  // Query i's output: its weighted values over its total weight (zeros when it saw no key).
+  void write(int64_t i, float* out) const {
+    const float* a = acc.data() + i * dim;
+    const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) out[d] = a[d] * inv;
   }
 };
+
+// A run of one segment's tokens, for some kv heads and a range of its tokens.
+struct Task {
+  int64_t b, s0, tokens;  // step row, first token of the segment, its length
+  int64_t row, context;   // block-table row it continues (-1: none) and its cached length
+  int64_t h0, h1;         // kv heads
+  int64_t a, e;           // the segment's tokens a .. e - 1 (long segments: one query tile)
+  double cost;
+};
+
+struct Scratch {  // one thread's buffers
+  Softmax sm;
+  std::vector<float> scores, queries, keys, values, kt;
+  std::vector<const float*> rows;
+};
+
+struct Attention {
+  const float *q, *k_own, *v_own, *k_cache, *v_cache;
+  const int64_t *table, *lens, *segments;
+  float* out;
+  int64_t batch, seq, heads, dim, kv_heads, group, block, rows, cols;
+  int64_t q_row, q_tok, k_row, k_tok, v_row, v_tok;  // strides of the step rows and tokens
+  float scale;
+  std::optional<int64_t> window;
+  bool packed;
+
+  const float* q_at(int64_t b, int64_t s) const { return q + b * q_row + s * q_tok; }
+  const float* k_at(int64_t b, int64_t s) const { return k_own + b * k_row + s * k_tok; }
+  const float* v_at(int64_t b, int64_t s) const { return v_own + b * v_row + s * v_tok; }
+  float* out_at(int64_t b, int64_t s) const { return out + (b * seq + s) * heads * dim; }
+  int64_t slot(int64_t row, int64_t position) const {  // a context position's slot in the caches
+    return std::max<int64_t>(table[row * cols + position / block], 0) * block + position % block;
+  }
+  // The lowest position token u of a segment over ``context`` sees.
+  int64_t first_seen(int64_t context, int64_t u) const {
+    return window ? std::max<int64_t>(0, context + u - *window + 1) : 0;
+  }
+
+  std::vector<Task> tasks(int threads) const;
+  void run_short(const Task& t, Scratch& w) const;
+  void run_long(const Task& t, Scratch& w) const;
+};
+
+std::vector<Task> Attention::tasks(int threads) const {
+  std::vector<Task> runs;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* seg = segments + b * seq;
+    for (int64_t s0 = 0; s0 < seq;) {
+      int64_t s1 = s0 + 1;
+      while (s1 < seq && seg[s1] == seg[s0]) ++s1;
+      const int64_t g = seg[s0];
+      const int64_t row = packed ? (g >= 0 && g < rows ? g : -1) : (g == 0 ? b : -1);
+      const int64_t context = row < 0 ? 0 : std::clamp<int64_t>(lens[row], 0, cols * block);
+      runs.push_back({b, s0, s1 - s0, row, context, 0, kv_heads, 0, s1 - s0, 0.});
+      s0 = s1;
+    }
+  }
+  std::vector<Task> out;
+  int64_t short_count = 0;
+  for (const Task& t : runs) short_count += t.tokens <= kShortTokens;
+  // Short segments split by kv head only when they are too few to keep every thread busy: a task
+  // with all heads reads each slot's K/V row whole and in order.
+  const int64_t splits = short_count >= threads ? 1 : kv_heads;
+  const int64_t tile = std::max<int64_t>(8, kTileRows / group);
+  for (const Task& t : runs) {
+    if (t.tokens <= kShortTokens) {
+      for (int64_t part = 0; part < splits; ++part) {
+        Task s = t;
+        s.h0 = part * kv_heads / splits, s.h1 = (part + 1) * kv_heads / splits;
+        s.cost = double(s.h1 - s.h0) * (t.context + t.tokens) * (64 + t.tokens * group);
+        out.push_back(s);
+      }
+      continue;
+    }
+    for (int64_t kh = 0; kh < kv_heads; ++kh)
+      for (int64_t a = 0; a < t.tokens; a += tile) {
+        Task s = t;
+        s.h0 = kh, s.h1 = kh + 1, s.a = a, s.e = std::min(t.tokens, a + tile);
+        const int64_t first = first_seen(t.context, a);  // keys from here to the tile's last token
+        s.cost = double(s.e - a) * group * (t.context + s.e - first + 64);
+        out.push_back(s);
+      }
+  }
+  return out;
+}
+
+void Attention::run_short(const Task& t, Scratch& w) const {
+  const int64_t span = (t.h1 - t.h0) * group, queries = t.tokens * span;  // query heads, queries
+  const int64_t key_stride = kv_heads * dim;  // between slots of a block
+  // query i = (token s0 + i / span, head h0 * group + i % span), reading kv head offsets[i] / dim;
+  // token s sits at position context + (s - s0), so with a window W it sees the positions above
+  // that minus W.
+  std::vector<int64_t> offsets(queries);
+  std::vector<const float*> query(queries);
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t head = t.h0 * group + i % span;
+    offsets[i] = head / group * dim;
+    query[i] = q_at(t.b, t.s0 + i / span) + head * dim;
+  }
+  auto sees = [&](int64_t i, int64_t position) { return !window || t.context + i / span - position < *window; };
+  const int64_t stride = std::max(block, t.tokens);
+  w.scores.resize(queries * stride);
+  w.rows.resize(stride);
+  w.kt.resize(((dim + Vec::size() - 1) / Vec::size()) * Vec::size() * Vec::size());
+  w.sm.reset(queries, dim);
+  auto update = [&](int64_t n) {  // fold n keys whose values are w.rows into every query
+    for (int64_t i = 0; i < queries; ++i) {
+      float* s = w.scores.data() + i * stride;
+      if (w.sm.fold(i, s, n)) accumulate(w.sm.acc.data() + i * dim, s, w.rows, offsets[i], n, dim);
+    }
+  };
+  const int64_t first = first_seen(t.context, 0);
+  for (int64_t j = first / block; j * block < t.context; ++j) {
+    const int64_t n = std::min(block, t.context - j * block);
+    const int64_t base = slot(t.row, j * block) * key_stride;
+    if ((j + 1) * block < t.context) {  // the next block's K and V, while this one is computed
+      const int64_t next = slot(t.row, (j + 1) * block) * key_stride;
+      for (int64_t x = 0; x < block * key_stride; x += 64 / sizeof(float)) {
+        __builtin_prefetch(k_cache + next + x);
+        __builtin_prefetch(v_cache + next + x);
+      }
+    }
+    for (int64_t u = 0; u < n; ++u) w.rows[u] = v_cache + base + u * key_stride;
+    for (int64_t t0 = 0; t0 < n; t0 += Vec::size()) {  // Vec::size() slots at a time
+      const int m = static_cast<int>(std::min<int64_t>(Vec::size(), n - t0));
+      for (int64_t kh = t.h0; kh < t.h1; ++kh) {
+        const float* keys = k_cache + base + t0 * key_stride + kh * dim;
+        for (int64_t d = 0; d < dim; d += Vec::size())
+          transpose(keys + d, key_stride, w.kt.data() + d * Vec::size(), Vec::size(), m,
+                    static_cast<int>(std::min<int64_t>(Vec::size(), dim - d)));
+        for (int64_t tok = 0; tok < t.tokens; ++tok)
+          for (int64_t gi = 0; gi < group; ++gi) {
+            const int64_t i = tok * span + (kh - t.h0) * group + gi;
+            scores_of(query[i], w.kt.data(), dim, scale, w.scores.data() + i * stride + t0, m);
+          }
+      }
+    }
+    if (window || j * block < first)  // the few keys a window hides
+      for (int64_t i = 0; i < queries; ++i)
+        for (int64_t u = 0; u < n; ++u)
+          if (j * block + u < first || !sees(i, j * block + u)) w.scores[i * stride + u] = kNegInf;
+    update(n);
+  }
+  for (int64_t u = 0; u < t.tokens; ++u) {  // the segment's own tokens, causal
+    const float* key = k_at(t.b, t.s0 + u);
+    w.rows[u] = v_at(t.b, t.s0 + u);
+    for (int64_t i = 0; i < queries; ++i)
+      w.scores[i * stride + u] =
+          u <= i / span && sees(i, t.context + u) ? dot(query[i], key + offsets[i], dim) * scale : kNegInf;
+  }
+  update(t.tokens);
+  for (int64_t i = 0; i < queries; ++i) w.sm.write(i, out_at(t.b, t.s0 + i / span) + (t.h0 * group + i % span) * dim);
+}
+
+void Attention::run_long(const Task& t, Scratch& w) const {
+  const int64_t kh = t.h0, m = (t.e - t.a) * group;  // query row i: token a + i / group, head kh * group + i % group
+  w.queries.resize(m * dim);
+  w.scores.resize(m * kChunk);
+  w.keys.resize(kChunk * dim);
+  w.values.resize(kChunk * dim);
+  w.sm.reset(m, dim);
+  for (int64_t u = t.a; u < t.e; ++u) {  // the tile's queries of kv head kh, stacked and scaled
+    const float* src = q_at(t.b, t.s0 + u) + kh * group * dim;
+    float* dst = w.queries.data() + (u - t.a) * group * dim;
+    for (int64_t x = 0; x < group * dim; ++x) dst[x] = src[x] * scale;
+  }
+  // One chunk of n keys (k, v: rows ldk, ldv apart) starting at position x0 of the segment's
+  // positions (the context's, then its own tokens' at context + u); query row i sees [lo_i, hi_i).
+  auto chunk = [&](const float* k, int ldk, const float* v, int ldv, int64_t x0, int64_t n) {
+    gemm_nt(m, n, dim, w.queries.data(), dim, k, ldk, w.scores.data(), kChunk);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t token = t.a + i / group;  // its position is context + token
+      const int64_t lo = std::clamp<int64_t>(first_seen(t.context, token) - x0, 0, n);
+      const int64_t hi = std::clamp<int64_t>(t.context + token + 1 - x0, 0, n);
+      float* s = w.scores.data() + i * kChunk;
+      const bool seen = hi > lo && w.sm.fold(i, s + lo, hi - lo);
+      std::fill(s, s + (seen ? lo : n), 0.f);
+      if (seen) std::fill(s + hi, s + n, 0.f);
+    }
+    gemm_nn_add(m, dim, n, w.scores.data(), kChunk, v, ldv, w.sm.acc.data(), dim);
+  };
+  const int64_t key_stride = kv_heads * dim;
+  for (int64_t x0 = first_seen(t.context, t.a); x0 < t.context; x0 += kChunk) {  // the context
+    const int64_t n = std::min(kChunk, t.context - x0);
+    for (int64_t x = x0; x < x0 + n;) {  // gathered block by block: the run of slots in one block
+      const int64_t run = std::min(block - x % block, x0 + n - x), base = slot(t.row, x) * key_stride + kh * dim;
+      for (int64_t r = 0; r < run; ++r) {
+        std::memcpy(w.keys.data() + (x - x0 + r) * dim, k_cache + base + r * key_stride, dim * sizeof(float));
+        std::memcpy(w.values.data() + (x - x0 + r) * dim, v_cache + base + r * key_stride, dim * sizeof(float));
+      }
+      x += run;
+    }
+    chunk(w.keys.data(), dim, w.values.data(), dim, x0, n);
+  }
+  const int64_t own_first = std::max<int64_t>(0, first_seen(t.context, t.a) - t.context);
+  for (int64_t u0 = own_first; u0 < t.e; u0 += kChunk) {  // the segment's own tokens, in place
+    const int64_t n = std::min(kChunk, t.e - u0);
+    chunk(k_at(t.b, t.s0 + u0) + kh * dim, static_cast<int>(k_tok), v_at(t.b, t.s0 + u0) + kh * dim,
+          static_cast<int>(v_tok), t.context + u0, n);
+  }
+  for (int64_t i = 0; i < m; ++i)
+    w.sm.write(i, out_at(t.b, t.s0 + t.a + i / group) + (kh * group + i % group) * dim);
+}
+
+// t itself when each token's heads are contiguous rows of D floats, else a contiguous copy.
+at::Tensor token_rows(const at::Tensor& t) {
+  return t.stride(3) == 1 && t.stride(2) == t.size(3) ? t : t.contiguous();
+}
 
 at::Tensor block_kv_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                               const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& table_in, const at::Tensor& lens_in,
-                              const at::Tensor& segments_in, double scale_in,
+                              const at::Tensor& segments_in, double scale,
                               std::optional<int64_t> window) {
   for (const at::Tensor* t : {&q_in, &k_in, &v_in, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
                 "nb::block_kv_attention takes float32 CPU tensors");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  const at::Tensor q = q_in.contiguous(), k_own = k_in.contiguous(), v_own = v_in.contiguous();
+  const at::Tensor q = token_rows(q_in), k_own = token_rows(k_in), v_own = token_rows(v_in);
   const at::Tensor table = table_in.to(at::kLong).contiguous(), lens = lens_in.to(at::kLong).contiguous();
   const at::Tensor segments = segments_in.to(at::kLong).contiguous();
-  const int64_t batch = q.size(0), seq = q.size(1), heads = q.size(2), dim = q.size(3);
-  const int64_t kv_heads = k_own.size(2), group = heads / kv_heads;
-  const int64_t block = k_cache.size(1), rows = table.size(0), cols = table.size(1);
+  const int64_t batch = q.size(0), rows = table.size(0);
   TORCH_CHECK(rows == batch || batch == 1, batch, " step rows over ", rows,
               " block-table rows: need one each, or one packed row");
-  const bool packed = rows != batch;  // one row whose segment g reads block-table row g
-  const float scale = static_cast<float>(scale_in);
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  Attention att{q.data_ptr<float>(), k_own.data_ptr<float>(), v_own.data_ptr<float>(),
+                k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
+                lens.data_ptr<int64_t>(), segments.data_ptr<int64_t>(), out.data_ptr<float>(),
+                batch, q.size(1), q.size(2), q.size(3), k_own.size(2), q.size(2) / k_own.size(2),
+                k_cache.size(1), rows, table.size(1),
+                q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
+                static_cast<float>(scale), window, rows != batch};
 
-  const float* qp = q.data_ptr<float>();
-  const float* kop = k_own.data_ptr<float>();
-  const float* vop = v_own.data_ptr<float>();
-  const float* kcp = k_cache.data_ptr<float>();
-  const float* vcp = v_cache.data_ptr<float>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* sp = segments.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t key_stride = kv_heads * dim;  // between slots of a block, and tokens of the step
-
-  // A task is one step row and a range of its kv heads: every head when there are rows enough to
-  // share out, so that each slot's K/V row is read whole and in order; one head each otherwise.
-  const int64_t splits = batch >= at::get_num_threads() ? 1 : kv_heads;
-  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> values(std::max(block, seq));
-    std::vector<float> kt(((dim + Vec::size() - 1) / Vec::size()) * Vec::size() * Vec::size());
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / splits, part = task % splits;
-      const int64_t h0 = part * kv_heads / splits, h1 = (part + 1) * kv_heads / splits;
-      const int64_t span = (h1 - h0) * group;  // query heads of the task
-      const int64_t* seg = sp + b * seq;
-      for (int64_t s0 = 0; s0 < seq;) {  // one segment: the run of tokens s0 .. s1 - 1
-        int64_t s1 = s0 + 1;
-        while (s1 < seq && seg[s1] == seg[s0]) ++s1;
-        const int64_t g = seg[s0];
-        const int64_t row = packed ? (g >= 0 && g < rows ? g : -1) : (g == 0 ? b : -1);
-        const int64_t context = row < 0 ? 0 : std::clamp<int64_t>(lp[row], 0, cols * block);
-        const int64_t tokens = s1 - s0, queries = tokens * span;
-        // query i = (token s0 + i / span, head h0 * group + i % span), reading kv head
-        // offsets[i] / dim; token s sits at position context + (s - s0), so with a window W it
-        // sees the context positions above that minus W.
-        std::vector<int64_t> offsets(queries);
-        std::vector<const float*> query(queries);
-        for (int64_t i = 0; i < queries; ++i) {
-          const int64_t head = h0 * group + i % span;
-          offsets[i] = head / group * dim;
-          query[i] = qp + ((b * seq + s0 + i / span) * heads + head) * dim;
-        }
-        auto sees = [&](int64_t i, int64_t position) {
-          return !window || context + i / span - position < *window;
-        };
-        const int64_t stride = std::max(block, tokens);
-        Softmax sm(queries, dim, stride);
-        const int64_t first = window ? std::max<int64_t>(0, context - *window + 1) : 0;
-        for (int64_t j = first / block; j * block < context; ++j) {
-          const int64_t physical = std::max<int64_t>(tp[row * cols + j], 0);
-          const int64_t n = std::min(block, context - j * block);
-          const int64_t base = physical * block * key_stride;
-          if ((j + 1) * block < context) {  // the next block's K and V, while this one is computed
-            const int64_t next = std::max<int64_t>(tp[row * cols + j + 1], 0) * block * key_stride;
-            for (int64_t x = 0; x < block * key_stride; x += 64 / sizeof(float)) {
-              __builtin_prefetch(kcp + next + x);
-              __builtin_prefetch(vcp + next + x);
-            }
-          }
-          for (int64_t t = 0; t < n; ++t) values[t] = vcp + base + t * key_stride;
-          for (int64_t t0 = 0; t0 < n; t0 += Vec::size()) {  // Vec::size() slots at a time
-            const int m = static_cast<int>(std::min<int64_t>(Vec::size(), n - t0));
-            for (int64_t kh = h0; kh < h1; ++kh) {
-              const float* keys = kcp + base + t0 * key_stride + kh * dim;
-              for (int64_t d = 0; d < dim; d += Vec::size())
-                transpose(keys + d, key_stride, kt.data() + d * Vec::size(), Vec::size(), m,
-                          static_cast<int>(std::min<int64_t>(Vec::size(), dim - d)));
-              for (int64_t tok = 0; tok < tokens; ++tok)
-                for (int64_t gi = 0; gi < group; ++gi) {
-                  const int64_t i = tok * span + (kh - h0) * group + gi;
-                  scores_of(query[i], kt.data(), dim, scale, sm.scores.data() + i * stride + t0, m);
-                }
-            }
-          }
-          if (window || j * block < first)  // the few keys a window hides
-            for (int64_t i = 0; i < queries; ++i)
-              for (int64_t t = 0; t < n; ++t)
-                if (j * block + t < first || !sees(i, j * block + t)) sm.scores[i * stride + t] = kNegInf;
-          sm.update(n, stride, values, offsets);
-        }
-        for (int64_t u = 0; u < tokens; ++u) {  // the segment's own tokens, causal
-          const int64_t token = (b * seq + s0 + u) * key_stride;
-          values[u] = vop + token;
-          for (int64_t i = 0; i < queries; ++i)
-            sm.scores[i * stride + u] = u <= i / span && sees(i, context + u)
-                                            ? dot(query[i], kop + token + offsets[i], dim) * scale : kNegInf;
-        }
-        sm.update(tokens, stride, values, offsets);
-        for (int64_t i = 0; i < queries; ++i) {
-          float* o = op + (query[i] - qp);
-          const float* a = sm.acc.data() + i * dim;
-          const float inv = sm.total[i] > 0.f ? 1.f / sm.total[i] : 0.f;
-          std::copy(a, a + dim, o);
-          scale_by(o, inv, dim);
-        }
-        s0 = s1;
-      }
-    }
+  // Longest first, each to the least loaded thread; then one parallel region, a thread's list each.
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  std::vector<Task> tasks = att.tasks(threads);
+  std::sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::vector<std::vector<Task>> lists(threads);
+  std::vector<double> load(threads, 0.);
+  for (const Task& t : tasks) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[least].push_back(t);
+    load[least] += t.cost;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t thread = begin; thread < end; ++thread)
+      for (const Task& t : lists[thread]) t.tokens <= kShortTokens ? att.run_short(t, w) : att.run_long(t, w);
   });
   return out;
 }

@@ -1,15 +1,23 @@
-"""The decode path of block-KV attention in float32 on the CPU: a C++ kernel, ``nb::block_kv_attention``.
+"""Block-KV attention in float32 on the CPU, for every step: a C++ kernel, ``nb::block_kv_attention``.
 
-A decode step reads every cached K and V vector of its rows once, so its attention is bound by
-memory. Inductor's loops over ``block_kv_paged`` compute one 64-wide dot product per score,
-reduced across the vector register each time, with the query's rotation recomputed inside it.
-``block_kv_cpu.cpp`` walks each row's blocks in order (all kv heads of a slot at once, the next
+Decode rows: a decode step reads every cached K and V vector of its rows once, so its attention
+is bound by memory. Inductor's loops over ``block_kv_paged`` compute one 64-wide dot product per
+score, reduced across the vector register each time, with the query's rotation recomputed inside
+it. ``block_kv_cpu.cpp`` walks each row's blocks in order (all kv heads of a slot at once, the next
 block prefetched), transposes each block's keys so that a query's scores are broadcast
-multiply-adds with no reduction across the register, and keeps an online softmax per query: the
-golden's contract, masking and NaN safety (``block_kv_torch``), tested against it. Measured on the
-bench model (30 layers, 8 rows at context 400, 2-core AMD EPYC with AVX-512, 2026-12-02, old and
-new artifacts interleaved in one process): the attention took 0.54 ms a layer in the step, against
-0.72 ms for the inductor kernel it replaces, and the decode step 0.91-0.96x the time.
+multiply-adds with no reduction across the register, and keeps an online softmax per query.
+Measured on the bench model (30 layers, 8 rows at context 400, 2-core AMD EPYC with AVX-512,
+2026-12-02): 0.54 ms a layer in the step, against 0.72 ms for the inductor kernel it replaced.
+
+Prompt chunks: their attention is compute, about a tenth of a prefill layer's work. Flex
+attention's CPU template ran it at about 50 GFLOP/s of useful work (AVX-512), a third of the GEMM
+rate. Here each tile of a segment's queries, the query heads of one kv head stacked, meets chunks
+of keys in two GEMMs (scores, then weighted values; ``sgemm_`` of the BLAS torch links, MKL in
+its x86 wheels) with an online softmax between; keys past
+the tile's last token or outside a window are never computed, and the context is gathered from its
+blocks, never past its length.
+
+Both keep the golden's contract, masking and NaN safety (``block_kv_torch``), tested against it.
 
 The op is declared here (schema and shape function), so any process can trace and compile graphs
 that call it. Its CPU kernel is C++, vectorised with ATen's ``Vectorized`` for the instruction set

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from neuron_buckets.kernels import block_kv_cpu, block_kv_paged, block_kv_sdpa
+from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import gather_context
 from neuron_buckets.kernels.tile_mask import tile_mask
@@ -48,12 +48,11 @@ def block_kv_attention(
     """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
 
     Rows of at most ``PAGED_ROWS`` tokens (decode, speculative drafts) read the context in place
-    instead of copying it: in float32 on a CPU through the C++ kernel of ``block_kv_cpu``, else
-    through ``block_kv_paged`` (inductor's CPU flex template also fails to compile one-token query
-    rows). Decode rows of at most ``DENSE_ROWS`` tokens have few tiles to skip, so they take the
-    dense fused path, which is faster there (measured). A packed row of any other length takes
-    flex: the dense path would attend every token to every segment's context, R times the keys it
-    needs. The choices on shapes are made at trace time.
+    instead of copying it, through ``block_kv_paged`` (inductor's CPU flex template also fails to
+    compile one-token query rows). Decode rows of at most ``DENSE_ROWS`` tokens have few tiles to
+    skip, so they take the dense fused path, which is faster there (measured). A packed row of any
+    other length takes flex: the dense path would attend every token to every segment's context, R
+    times the keys it needs. The choices on shapes are made at trace time.
 
     A step with nothing cached (fresh prompts, the common case) neither gathers nor copies a
     context: ``torch.cond`` picks at run time between gathering it and leaving the context part
@@ -67,8 +66,7 @@ def block_kv_attention(
     packed = step.block_table.shape[0] != batch
     row_len = k_cache.shape[1] * step.block_table.shape[1]
     if seq <= PAGED_ROWS and row_len:
-        paged = block_kv_cpu if block_kv_cpu.applies(q.device, q.dtype, k_cache.dtype) else block_kv_paged
-        return paged.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
+        return block_kv_paged.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
     # A window in one packed row needs each token's position, a buffer computed in the graph,
     # which inductor's CPU flex template cannot take (it fails to lower): those rows go dense, as
     # do short rows over no context (nothing to read in place).

@@ -1,10 +1,11 @@
 """Which implementation of the two block-KV ops the model runs: the torch paths, or a swap-in.
 
 The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default (``DEFAULT``)
-the cache write is the golden of ``block_kv_torch`` and the attention the fast path of
+the cache write is the golden of ``block_kv_torch`` and the attention a fast path
+(``fast_attention``): in float32 on a CPU the C++ kernel of ``block_kv_cpu`` for every step, else
 ``block_kv_flex`` (block-sparse flex attention for long rows, the in-place reads of
-``block_kv_paged`` for decode rows, the fused SDPA call of ``block_kv_sdpa`` between), which
-agrees with the golden within float tolerance and compiles to far less work; ``GOLDEN`` is the
+``block_kv_paged`` for decode rows, the fused SDPA call of ``block_kv_sdpa`` between). Both agree
+with the golden within float tolerance and compile to far less work; ``GOLDEN`` is the
 readable reference every other implementation is tested against. A backend with its own kernels
 (Neuron: the NKI kernels of ``block_kv_nki``) installs them with ``use(kernels)`` for the duration
 of a trace, so the model code is identical on every backend and the swap is visible in one place.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from neuron_buckets.kernels import block_kv_flex, block_kv_torch
+from neuron_buckets.kernels import block_kv_cpu, block_kv_flex, block_kv_torch
 from neuron_buckets.kernels.attention_step import AttentionStep
 
 
@@ -33,8 +34,25 @@ class KernelSet:
     block_kv_attention: Callable[..., Tensor]
 
 
+def fast_attention(
+    q: Tensor,
+    k_active: Tensor,
+    v_active: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    step: AttentionStep,
+    scale: float,
+    window: int | None = None,
+) -> Tensor:
+    """The golden's attention, fast: the C++ kernel where it applies (float32 on a CPU: decode rows
+    and prompt chunks alike, each segment at its own cost, measured faster than flex on both), else
+    the torch paths of ``block_kv_flex``. The choice is made at trace time, on dtypes and device."""
+    kernel = block_kv_cpu if block_kv_cpu.applies(q.device, q.dtype, k_cache.dtype) else block_kv_flex
+    return kernel.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)
+
+
 GOLDEN = KernelSet("torch", block_kv_torch.write_kv_cache, block_kv_torch.block_kv_attention)
-DEFAULT = KernelSet("torch-flex", block_kv_torch.write_kv_cache, block_kv_flex.block_kv_attention)
+DEFAULT = KernelSet("fast", block_kv_torch.write_kv_cache, fast_attention)
 _active = DEFAULT
 
 

@@ -223,7 +223,7 @@ def test_layer_write_through_a_view_touches_only_that_layer():
         assert torch.equal(bits(stacked_v[other]), bits(before_v[other]))
 
 
-# The fast paths: the C++ decode kernel, inductor's in-place decode loops, dense SDPA, flex.
+# The fast paths: the C++ kernel, inductor's in-place decode loops, dense SDPA, flex.
 FAST_PATHS = [block_kv_cpu, block_kv_paged, block_kv_sdpa, block_kv_flex]
 FAST_IDS = ["cpu", "paged", "sdpa", "flex"]
 
@@ -262,11 +262,11 @@ def test_the_fast_attention_paths_agree_with_the_golden(kernel, lens, seq, packe
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def packed_case(lens: list[int], counts: list[int], pads: int, seed: int, fill: float):
+def packed_case(lens: list[int], counts: list[int], pads: int, seed: int, fill: float, bs: int = 8,
+                max_blocks: int = 5):
     """One packed step row over ``len(lens)`` block-table rows: segment g continues the cached
     context of row g with ``counts[g]`` tokens; ``pads`` pad tokens (segment R) at the tail; the
     null block and every slot past a context hold ``fill``. Returns kernel args and references."""
-    bs, max_blocks = 8, 5
     case = paged_case(lens, max(counts), bs, max_blocks, KVH * 3, seed)
     q, k_act, v_act, k_cache, v_cache, table, k_seq, v_seq = case
     k_cache, v_cache = poisoned(k_cache, v_cache, table, lens, bs, fill)
@@ -323,6 +323,33 @@ def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(
     args, _ = packed_case(lens, counts[: len(lens)], pads, seed, fill)
     want = block_kv_attention(*args, 0.3, window)
     got = kernel.block_kv_attention(*args, 0.3, window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 600), min_size=1, max_size=3),
+    counts=st.lists(st.integers(1, 300), min_size=3, max_size=3),
+    pads=st.integers(0, 40),
+    fill=st.sampled_from([float("nan"), 1e30]),
+    window=st.sampled_from([None, 1, 17, 100, 400]),
+    fused=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_kernel_takes_prompt_chunks_through_its_gemm_path(lens, counts, pads, fill, window, fused,
+                                                                  seed):
+    """Prompt chunks longer than the C++ kernel's per-key path: query tiles of stacked heads over
+    chunks of keys (the context gathered from its blocks, the chunk's own keys in place), tile and
+    chunk edges crossed, windows, poison past every context, and queries and values as views of
+    one fused projection beside contiguous keys (as the model passes them, keys rotated); within
+    float tolerance of the golden."""
+    args, _ = packed_case(lens, counts[: len(lens)], pads, seed, fill, bs=16, max_blocks=40)
+    q, k_act, v_act, *rest = args
+    if fused:  # (1, T, H + 2 KVH, D) split into views whose tokens are a fused row apart
+        q, _, v_act = torch.cat([q, k_act, v_act], dim=2).split([q.shape[2], KVH, KVH], dim=2)
+    want = block_kv_attention(q, k_act, v_act, *rest, 0.3, window)
+    got = block_kv_cpu.block_kv_attention(q, k_act, v_act, *rest, 0.3, window)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

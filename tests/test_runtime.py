@@ -305,9 +305,9 @@ def test_a_manifest_this_runtime_cannot_serve_fails_at_open(artifact_copy, edit,
         BucketRuntime.open(artifact_copy)
 
 
-def test_a_float32_cpu_artifact_carries_the_decode_kernel_that_its_decode_graphs_call(compiled_dir):
-    """Decode rows read the cache through the C++ kernel (``kernels/block_kv_cpu.py``), which the
-    artifact carries, hashed like its graphs; packed prefill rows longer than a decode row do not."""
+def test_a_float32_cpu_artifact_carries_the_attention_kernel_that_its_graphs_call(compiled_dir):
+    """Every layer graph, decode and packed prefill, attends through the C++ kernel
+    (``kernels/block_kv_cpu.py``), which the artifact carries, hashed like its graphs."""
     from neuron_buckets.backends.inductor import _calls_op
     from neuron_buckets.kernels import block_kv_cpu
 
@@ -317,7 +317,7 @@ def test_a_float32_cpu_artifact_carries_the_decode_kernel_that_its_decode_graphs
     assert sha256_file(compiled_dir / library.file) == library.sha256
     for record in BucketRuntime.open(compiled_dir).records.values():
         graph = compiled_dir / manifest.pieces[record.pieces["layer"]].file
-        assert _calls_op(graph, block_kv_cpu.OP) == (record.bucket.kind == "decode"), record.bucket.name
+        assert _calls_op(graph, block_kv_cpu.OP), record.bucket.name
 
 
 DECODER = """
