@@ -146,18 +146,18 @@ inline void accumulate(float* a, const float* p, const std::vector<const float*>
 
 // The running softmax of a set of queries: top score, total weight and weighted values of each.
 struct Softmax {
-  int64_t queries = 0, dim = 0;
+  int64_t dim = 0;
   std::vector<float> top, total, acc;  // (Q), (Q), (Q, D)
 
   void reset(int64_t q, int64_t d) {
-    queries = q, dim = d;
+    dim = d;
     top.assign(q, kNegInf), total.assign(q, 0.f), acc.assign(q * d, 0.f);
   }
 
   // Turn query i's scores s[0:n] into weights against its new top score and rescale what it has
   // so far; returns false (weights untouched) when none of them is visible (all -inf).
   bool fold(int64_t i, float* s, int64_t n) {
-    const float block_top = n > 0 ? max_of(s, n) : kNegInf;
+    const float block_top = max_of(s, n);  // -inf when n is 0
     if (block_top == kNegInf) return false;
     const float new_top = std::max(top[i], block_top);
     const float rescale = std::exp(top[i] - new_top);  // exp(-inf) = 0 on the first visible block
