@@ -85,18 +85,25 @@ def test_a_mixed_plan_runs_in_one_call_with_its_decode_rows_riding_behind_the_ch
     assert [bs.part_samples(plan, p) for p in calls[0].parts] == [1, 1, 1, 1]
 
 
-def test_decode_rows_that_do_not_fit_the_packed_call_take_the_decode_graphs():
+def test_decode_rows_that_do_not_fit_the_packed_call_or_would_grow_its_bucket_take_the_decode_graphs():
     full = [chunk(31), row(40), row(50)]  # 33 tokens: the rows do not fit the 32-token budget
     assert [(c.bucket.kind, [p.segment for p in c.parts]) for c in buckets(32).calls(full)] == [
         ("prefill", [0]),
         ("decode", [1, 2]),
     ]
-    unmixed = buckets(32, mix_decode=False).calls([chunk(20), row(40)])  # the default: two calls
+    unmixed = buckets(32, mix_decode=False).calls([chunk(20), row(40)])  # mixing off: two calls
     assert [c.bucket.kind for c in unmixed] == ["prefill", "decode"]
     rows_only = [row(40), row(50)]  # a decode-only step keeps the decode graphs
     assert [c.bucket.kind for c in buckets(32).calls(rows_only)] == ["decode"]
     crowded = [chunk(2), *(row(9) for _ in range(4))]  # 5 segments, the packed call holds 4
     assert [c.bucket.kind for c in buckets(32, max_rows=4).calls(crowded)] == ["prefill", "decode"]
+    growing = [chunk(14), row(40), row(50), row(60)]  # 17 tokens would take s64 instead of s16
+    assert layout(buckets(16, 64).calls(growing)) == [
+        ("prefill_s16", [(0, 0, 14)]),
+        ("decode_b4_c64", [(1, 0, 1), (2, 0, 1), (3, 0, 1)]),
+    ]
+    two = layout(buckets(16, 64).calls(growing[:3]))  # two rows fill s16 exactly: they ride
+    assert two == [("prefill_s16", [(0, 0, 14), (1, 0, 1), (2, 0, 1)])]
 
 
 def test_a_segment_no_bucket_can_sample_is_refused_by_name():

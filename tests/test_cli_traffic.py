@@ -290,9 +290,9 @@ num_batched_tokens_buckets = {buckets}
 
 def test_plan_picks_token_buckets_that_pad_the_replayed_steps_less(tmp_path: Path) -> None:
     """Prompts of 40 tokens of 2, 5 or 9 output tokens at concurrency 2: the replayed packed
-    calls hold one 40-token prompt (decode rows take the decode graphs: mixing is off), which
-    powers of two pad to 64. The plan's buckets pad them less, and nb inspect replaying a config
-    with those buckets counts what the plan said."""
+    calls hold one 40-token prompt, which powers of two pad to 64 (the other request's decode row
+    rides there). The plan's buckets pad them less (in a 40-token bucket no row rides), and nb
+    inspect replaying a config with those buckets counts the calls and positions the plan said."""
     trace = tmp_path / "t.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "40,2\n40,5\n40,9\n" * 10)
     config = tmp_path / "nb.toml"

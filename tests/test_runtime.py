@@ -23,7 +23,6 @@ from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
-from neuron_buckets.runtime.bucket_set import BucketSet
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
 
@@ -189,13 +188,12 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
     torch.testing.assert_close(rest[0], hf_last_logits(hf_model, seqs[2]), rtol=1e-4, atol=1e-4)
 
 
-def test_with_mixing_on_a_continuing_chunk_and_a_decode_row_run_in_one_compiled_call(compiled_dir, hf_model):
-    """``mix_decode``: the decode row rides in the chunk's packed call, each over its own context,
+def test_a_continuing_chunk_and_a_decode_row_run_in_one_compiled_call(compiled_dir, hf_model):
+    """Mixed steps: the decode row rides in the chunk's packed call, each over its own context,
     over a cache poisoned with NaN wherever nothing was written; logits are transformers'."""
     runtime = BucketRuntime.open(compiled_dir)
     runtime.k_cache.fill_(float("nan"))
     runtime.v_cache.fill_(float("nan"))
-    runtime.buckets = BucketSet.of(runtime.records, mix_decode=True)
     seqs = [tokens(18, 40), tokens(11, 41)]
     tables = [blocks(3, 18), blocks(9, 11)]
     runtime.prefill([PrefillChunk(seqs[0][:6], 0, tables[0]), PrefillChunk(seqs[1][:10], 0, tables[1])])

@@ -9,13 +9,13 @@ smallest token bucket that holds them, up to ``max_rows`` per call, each over it
 block-table row and context (README, "Step layout"), so fresh prompts, continuing chunks and
 prefix-cache hits share a call. A chunk longer than the largest token bucket runs as waves:
 wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote the cache the
-piece attends to. Mixed steps (``mix_decode``): when the plan has prefill chunks, its decode
-rows ride in the last call of the first wave if they all fit there (rows and tokens), so the
-step streams the weights once; a decode-only step, or rows that do not fit, take the decode
-graphs. Off by default, by measurement on CPU: under flex a mixed call of 504 + 8 rows cost 0.97x
-a packed plus a decode call, and decode rows in a small packed call several times their decode
-graph. With the C++ attention (float32 CPU) those are 0.95x and 196 against 83 ms: riding would
-pay where it grows no bucket, a rule not built yet (README, "Mixed steps").
+piece attends to. Mixed steps (``mix_decode``, on): when the plan has prefill chunks, its decode
+rows ride in the last call of the first wave if they all fit there (rows and tokens) on the bucket
+that call takes anyway, so the step streams the weights once; a decode-only step, or rows that
+would grow the call's bucket, take the decode graphs. By measurement on CPU (float32, the C++
+attention): one call of a 504-token chunk and 8 rows took 0.95x the packed call plus the decode
+call, while 8 rows in a 64-token packed call took 196 ms against 83 in their decode graph; under
+``bench_serve``'s random load at concurrency 8, 22 of 133 decode calls ride (README, "Mixed steps").
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ class BucketSet:
 
     prefill: tuple[Bucket, ...]
     decode: tuple[Bucket, ...]
-    mix_decode: bool = False  # decode rows ride in the prefill call (one weight pass per step)
+    mix_decode: bool = True  # decode rows ride in the prefill call where they grow no bucket
 
     @classmethod
-    def of(cls, buckets: Iterable[Bucket], mix_decode: bool = False) -> BucketSet:
+    def of(cls, buckets: Iterable[Bucket], mix_decode: bool = True) -> BucketSet:
         ordered = sorted(buckets)
         prefill = tuple(b for b in ordered if b.kind == "prefill")
         return cls(prefill, tuple(b for b in ordered if b.kind == "decode"), mix_decode)
@@ -109,7 +109,7 @@ class BucketSet:
             )
         waves = [self._pack(wave) for wave in self._waves(plan, prefill)]
         riders = [Part(i, 0, len(plan[i].token_ids)) for i in decode]
-        if self.mix_decode and waves and riders and self._fits([*waves[0][-1], *riders]):
+        if self.mix_decode and waves and riders and self._rides(waves[0][-1], riders):
             waves[0][-1].extend(riders)
             decode = []
         packed = [self._call(parts) for wave in waves for parts in wave]
@@ -138,13 +138,23 @@ class BucketSet:
             calls[-1].append(p)
         return calls
 
-    def _call(self, parts: Sequence[Part]) -> Call:
-        """A packed call on the smallest token bucket that holds its parts' tokens and rows."""
+    def _rides(self, parts: Sequence[Part], riders: Sequence[Part]) -> bool:
+        """Whether ``riders`` join the packed call of ``parts`` on the bucket it takes anyway."""
+        both = [*parts, *riders]
+        return self._fits(both) and self._bucket(both) == self._bucket(parts)
+
+    def _bucket(self, parts: Sequence[Part]) -> Bucket | None:
+        """The smallest token bucket that holds the parts' tokens and rows, if any does."""
         tokens = sum(p.tokens for p in parts)
         fit = [b for b in self.prefill if b.seq >= tokens and b.batch >= len(parts)]
-        if not fit:
+        return min(fit, key=lambda b: (b.seq, b.batch), default=None)
+
+    def _call(self, parts: Sequence[Part]) -> Call:
+        """A packed call on the smallest token bucket that holds its parts' tokens and rows."""
+        if (bucket := self._bucket(parts)) is None:
+            tokens = sum(p.tokens for p in parts)
             raise NoBucketFits(f"no prefill bucket holds {len(parts)} segments of {tokens} tokens")
-        return Call(min(fit, key=lambda b: (b.seq, b.batch)), tuple(parts))
+        return Call(bucket, tuple(parts))
 
     def _group_decode(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[Call]:
         """Rows sorted by the context they reach, in calls as wide as the widest decode bucket."""

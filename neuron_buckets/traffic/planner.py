@@ -157,14 +157,16 @@ def plan_replayed(
     tokens: np.ndarray, graphs: int, align: int, budget: int, current: Sequence[int], offline: Sequence[int]
 ) -> dict:
     """``num_batched_tokens_buckets`` minimising the padded tokens of a runtime replay's packed
-    calls (``tokens``: each call's real tokens), at most ``graphs`` of them, the largest fixed at
-    the token budget. Exact, not an estimate: the scheduler and the packing into calls see only
-    the largest token bucket and the row bound (a bucket of ``seq`` tokens holds
-    ``min(max_num_seqs, seq)`` rows, never fewer than a call of that many tokens has), so the
-    smaller buckets change which bucket each call pads to and nothing else; each call is then
-    one item of the programme above. ``current`` (the config's buckets) is the baseline;
-    ``offline`` (the per-request optimum) is scored on the same calls when its largest bucket is
-    the budget, since any other largest bucket replays another schedule."""
+    calls (``tokens``: each call's prefill-chunk tokens), at most ``graphs`` of them, the largest
+    fixed at the token budget. Exact, not an estimate: the scheduler and the packing into calls
+    see only the largest token bucket and the row bound (a bucket of ``seq`` tokens holds
+    ``min(max_num_seqs, seq)`` rows, never fewer than a call of that many tokens has), and decode
+    rows ride in a call only where its bucket has room for them, so the smaller buckets change
+    which bucket each call pads to, and which rows ride, and nothing else; each call is then one
+    item of the programme above, and its real tokens here are its chunks' (riders left out).
+    ``current`` (the config's buckets) is the baseline; ``offline`` (the per-request optimum) is
+    scored on the same calls when its largest bucket is the budget, since any other largest
+    bucket replays another schedule."""
     if budget % align:
         raise PlanError(
             f"the token budget {budget} (buckets.max_num_batched_tokens) is not a multiple of --align {align}"

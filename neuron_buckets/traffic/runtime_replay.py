@@ -35,18 +35,21 @@ from neuron_buckets.traffic.replay_load import ALL_AT_ONCE, ReplayLoad
 @dataclass(frozen=True)
 class Replay:
     """What the replay ran: the runtime's counters per ``Bucket.name``, every graph call in order,
-    the steps, the replayed clock at the end (``ReplayLoad``'s step-time model), and the pool
-    (its prefix-cache counters)."""
+    the prefill-chunk tokens of each packed call, the steps, the replayed clock at the end
+    (``ReplayLoad``'s step-time model), and the pool (its prefix-cache counters)."""
 
     stats: dict[str, BucketStats]
     calls: tuple[Call, ...]
+    chunk_tokens: tuple[int, ...]
     steps: int
     seconds: float
     pool: BlockPool
 
     def packed_tokens(self) -> np.ndarray:
-        """Real tokens of every call of a token (prefill) bucket: what ``nb plan`` pads."""
-        return np.array([c.real_tokens for c in self.calls if c.bucket.kind == "prefill"], dtype=np.int64)
+        """Prefill-chunk tokens of every call of a token bucket, riding decode rows left out:
+        what ``nb plan`` pads. Rows ride only where the call's bucket has room for them
+        (``BucketSet``), so they never change which bucket a call takes."""
+        return np.array(self.chunk_tokens, dtype=np.int64)
 
 
 def replay_runtime(
@@ -71,6 +74,7 @@ def replay_runtime(
         requests.append(Request(i, tokens, p, SamplingParams(max_tokens=o, ignore_eos=True)))
     pending = deque(load.order(len(requests)))
     calls: list[Call] = []
+    chunk_tokens: list[int] = []
     steps, clock = 0, 0.0
     while pending or sched.busy:
         while pending and load.admits(len(sched.waiting) + len(sched.running), pending[0], clock):
@@ -82,10 +86,13 @@ def replay_runtime(
         for call in bucket_set.calls(plan):
             stats[call.bucket.name].add(call.real_tokens, call.bucket.tokens)
             calls.append(call)
+            if call.bucket.kind == "prefill":
+                chunks = (p for p in call.parts if not bucket_set.is_decode(plan[p.segment]))
+                chunk_tokens.append(sum(p.tokens for p in chunks))
         clock += load.step_seconds(plan)
         steps += 1
         sched.commit(plan, [[0] * min(s.num_samples, 1) for s in plan])
-    return Replay(stats, tuple(calls), steps, clock, pool)
+    return Replay(stats, tuple(calls), tuple(chunk_tokens), steps, clock, pool)
 
 
 def fit_requests(
