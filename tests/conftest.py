@@ -56,6 +56,7 @@ num_batched_tokens_buckets = [16, 32]
 [compile]
 backend = "inductor"
 jobs = 2
+fresh_layers = true
 """
 
 

@@ -101,7 +101,7 @@ def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir:
     model_dir = save_tiny_model(root / "model", arch, dtype=getattr(torch, dtype))
     text = ARCH_CONFIG.replace("DTYPE", dtype)
     if (arch, dtype) != ("mistral", "float32"):
-        text += "fresh_layers = false\n"  # [compile] is the config's last section
+        text = text.replace("fresh_layers = true", "fresh_layers = false")
     config = load_config(write_config(root, model_dir, text))
     assert (config.compile.backend, config.cache.dtype) == ("inductor", dtype)
     graph_cache_dir.mkdir(parents=True, exist_ok=True)

@@ -499,7 +499,7 @@ def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir
 
 KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replace(
     "num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1]"
-) + "fresh_layers = false\n"  # the two prefill layers are compile time enough
+).replace("fresh_layers = true", "fresh_layers = false")  # the two prefill layers are compile time enough
 KILL_16, KILL_32 = (PieceShape("layer", n, rows=1, ctx=128, packed=True) for n in (16, 32))  # one row each
 HANG_SCRIPT = (  # a compile whose worker stays where its graph is built, not yet published
     "import sys; from pathlib import Path\n"
@@ -575,3 +575,24 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]  # 20 tokens: the new prefill 32 layer
     resumed = BucketRuntime.open(out).prefill(prompt)
     torch.testing.assert_close(resumed, BucketRuntime.open(compiled_dir).prefill(prompt))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "setting", "fresh"),
+    [
+        ("float32", "", False),  # the C++ attention reads each context alone: nothing to gain
+        ("bfloat16", "", True),  # flex reads the whole table: the fresh layer pays
+        ("float32", "fresh_layers = true", True),
+        ("bfloat16", "fresh_layers = false", False),
+    ],
+)
+def test_unset_fresh_layers_are_compiled_only_where_attention_reads_the_whole_table(
+    hf_model_dir, tmp_path, dtype, setting, fresh
+):
+    text = TINY_CONFIG.replace("fresh_layers = true", setting).replace(
+        "max_model_len = 128", f'max_model_len = 128\ndtype = "{dtype}"'
+    )
+    config = load_config(write_config(tmp_path, hf_model_dir, text))
+    compiler = Compiler(config, tmp_path / "out", tmp_path / "cache")
+    roles = {role for pieces in compiler.bucket_pieces.values() for role in pieces}
+    assert ("fresh_layer" in roles) == fresh

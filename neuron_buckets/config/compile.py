@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.setting import check_choice, check_positive, check_types, setting
 
 BACKENDS = ("inductor", "eager", "neuron", "xla")
@@ -23,11 +24,14 @@ class CompileConfig:
     task_cpus: int = setting(1, graph=False)  # CPUs each Ray task declares (and torch threads it uses)
     retries: int = setting(2, graph=False)  # times a piece whose worker or node died is compiled again
     # packed prefill buckets also get a layer piece over no context, for calls with nothing cached
-    # (where the backend has them: inductor, eager); off saves its compile, fresh calls run slower
-    fresh_layers: bool = setting(True, graph=False)
+    # (where the backend has them: inductor, eager); unset: only where attention reads the whole
+    # block table (flex), not in float32 on a CPU, whose C++ attention reads each context alone
+    fresh_layers: bool | None = setting(None, graph=False)
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.fresh_layers not in (None, True, False):
+            raise ConfigError(f"compile.fresh_layers must be true or false, got {self.fresh_layers!r}")
         check_choice(self, "backend", BACKENDS)
         check_choice(self, "executor", EXECUTORS)
         check_positive(self, "jobs", "task_cpus")
