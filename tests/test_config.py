@@ -111,6 +111,7 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
         ("[buckets]\nmax_num_seqs = true", "buckets.max_num_seqs must be a non-negative integer, got True"),
         ("[cache]\ndtype = 16", "cache.dtype must be a string, got 16"),
         ("[cache]\nenable_prefix_caching = 1", "cache.enable_prefix_caching must be true or false, got 1"),
+        ("[compile]\nfresh_layers = 1", "compile.fresh_layers must be true or false, got 1"),
         ("[model]\npath = 5", "model.path must be a string"),
         ("[compile]\nflags = 5", "compile.flags must be a table"),
         ("[buckets]\nnum_seqs_buckets = 4", "num_seqs_buckets: expected a list of ints or a strategy"),

@@ -30,7 +30,7 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.fresh_layers not in (None, True, False):
+        if self.fresh_layers is not None and not isinstance(self.fresh_layers, bool):  # 1 == True
             raise ConfigError(f"compile.fresh_layers must be true or false, got {self.fresh_layers!r}")
         check_choice(self, "backend", BACKENDS)
         check_choice(self, "executor", EXECUTORS)
