@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from neuron_buckets._version import __version__
 
 _PUBLIC = {
     "NULL_BLOCK_ID": "neuron_buckets.core.block_table",

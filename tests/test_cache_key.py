@@ -41,7 +41,7 @@ def compiler_of(tmp_path: Path):
 @pytest.fixture
 def keys_of(compiler_of):
     """Config -> {piece shape: key}, through the compiler."""
-    return lambda config: compiler_of(config).keys
+    return lambda config: compiler_of(config).plan.keys
 
 
 def with_compile(config: Config, **changes) -> Config:
@@ -94,7 +94,7 @@ def test_same_inputs_give_the_same_keys_in_a_fresh_process(config, keys_of, tmp_
         "from neuron_buckets.compile.compiler import Compiler\n"
         "from neuron_buckets.config import load_config\n"
         "c = Compiler(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))\n"
-        "print(json.dumps({b.name: k for b, k in c.keys.items()}))\n"
+        "print(json.dumps({b.name: k for b, k in c.plan.keys.items()}))\n"
     )
     args = [str(tmp_path / "nb.toml"), str(tmp_path / "o2"), str(tmp_path / "c2")]
     run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
@@ -149,7 +149,7 @@ def test_adding_a_bucket_keeps_the_other_keys(config, keys_of, compiler_of, hf_m
     assert {s: after[s] for s in before} == before
     (tmp_path / "grown2").mkdir()
     grown_compiler = compiler_of(load_config(write_config(tmp_path / "grown2", hf_model_dir, grown)))
-    pieces = grown_compiler.bucket_pieces[Bucket("prefill", 2, 24, 128)]
+    pieces = grown_compiler.plan.bucket_pieces[Bucket("prefill", 2, 24, 128)]
     assert (pieces["embed"], pieces["head"]) == (PieceShape("embed", 0), PieceShape("head", 0))  # shared
 
 
@@ -157,13 +157,13 @@ def test_bucket_shape_is_in_the_key(config, compiler_of):
     """Same (batch, seq) but another ctx is another layer graph; the dynamic embed and head stay one."""
     ctx_buckets = replace(config.buckets, decode_context_length_buckets=(64, 128))
     compiler = compiler_of(replace(config, buckets=ctx_buckets))
-    keys, pieces = compiler.keys, compiler.bucket_pieces
+    keys, pieces = compiler.plan.keys, compiler.plan.bucket_pieces
     short, long = pieces[Bucket("decode", 1, 1, 64)], pieces[Bucket("decode", 1, 1, 128)]
     assert (short["layer"], long["layer"]) == (PieceShape("layer", 1, 1, 64), PieceShape("layer", 1, 1, 128))
     assert keys[short["layer"]] != keys[long["layer"]]
     assert short["embed"] == long["embed"] and short["head"] == long["head"]
     # embed, head, 6 layers and the two packed buckets' fresh layers
-    assert len(set(keys.values())) == len(keys) == len(compiler.shapes) == 10
+    assert len(set(keys.values())) == len(keys) == len(compiler.plan.shapes) == 10
 
 
 def test_max_model_len_alone_changes_no_graph(config, keys_of):

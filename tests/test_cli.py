@@ -54,8 +54,8 @@ def test_compile_reports_a_failed_piece_and_exits_1(hf_model_dir, tmp_path):
 
     config = write_config(tmp_path, hf_model_dir, EAGER)
     compiler = Compiler(load_config(config), tmp_path / "art", tmp_path / "cache")
-    layer = compiler.bucket_pieces[compiler.buckets[0]]["layer"]
-    record = tmp_path / "cache" / StoreEntry.record_name(compiler.keys[layer], "json")
+    layer = compiler.plan.bucket_pieces[compiler.plan.buckets[0]]["layer"]
+    record = tmp_path / "cache" / StoreEntry.record_name(compiler.plan.keys[layer], "json")
     record.mkdir(parents=True)  # its publish fails
     result = nb("compile", config, "--out", tmp_path / "art", "--cache-dir", tmp_path / "cache")
     assert result.exit_code == 1

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from neuron_buckets.compile.graph_cache import GraphCache
-from neuron_buckets.compile.store import STALE_AFTER_S, GraphStore, StoreError
+from neuron_buckets.compile.store import GraphStore, StoreError
 from neuron_buckets.compile.store_entry import StoreEntry
+from neuron_buckets.compile.store_sweep import STALE_AFTER_S, prune_store
 
 KEY = "ab" * 32
 
@@ -138,8 +139,8 @@ def test_prune_by_age_then_size_keeps_the_newest(store, tmp_path):
     for i, days in enumerate((40, 20, 10, 1)):
         graph = graph_file(tmp_path / str(i), bytes([i]) * 1000)
         entries.append(store.publish(graph, entry_for(graph, key=f"{i:x}" * 64, created=now - days * 86400)))
-    assert store.prune(older_than_s=30 * 86400) == entries[:1]
-    assert store.prune(max_bytes=2500) == entries[1:2]
+    assert prune_store(store, older_than_s=30 * 86400) == entries[:1]
+    assert prune_store(store, max_bytes=2500) == entries[1:2]
     assert sorted(e.key for e in store.entries()) == sorted(e.key for e in entries[2:])
     assert len(store.names()) == 4  # two records, two graphs
 
@@ -150,7 +151,7 @@ def test_prune_removes_graphs_no_record_names_only_once_they_are_old(tmp_path):
     young = graph_file(tmp_path, b"a publish in flight", f"{KEY}.{'2' * 16}.pt2")
     old = time.time() - STALE_AFTER_S - 60
     os.utime(orphan, (old, old))
-    assert store.prune(older_than_s=1) == []
+    assert prune_store(store, older_than_s=1) == []
     assert not orphan.exists() and young.exists()
 
 

@@ -22,7 +22,8 @@ from neuron_buckets.artifact.manifest import LibraryInfo, PieceRecord, read_mani
 from neuron_buckets.cli import app
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.compile.output_dir import OutputDirError, prune
-from neuron_buckets.compile.store import STALE_AFTER_S, GraphStore
+from neuron_buckets.compile.store import GraphStore
+from neuron_buckets.compile.store_sweep import STALE_AFTER_S, remove_stale_temps
 from neuron_buckets.config import load_config
 from tests.conftest import TINY_CONFIG, error_line, write_config
 
@@ -182,7 +183,7 @@ def test_a_kernel_library_this_run_no_longer_builds_is_pruned(tmp_path):
 KILLED_WHILE_WRITING_WEIGHTS = """
 import os, signal, sys
 from pathlib import Path
-from neuron_buckets.artifact.manifest import atomic_write
+from neuron_buckets.utils.files import atomic_write
 from neuron_buckets.compile.output_dir import owned_directory
 
 def write_then_die(tmp: Path) -> None:
@@ -227,7 +228,7 @@ def test_stale_temp_files_in_the_shared_cache_are_removed_by_name_and_age(tmp_pa
     long_ago = time.time() - STALE_AFTER_S - 60
     for path in (*old, other):
         os.utime(path, (long_ago, long_ago))
-    assert sorted(store.remove_stale_temps()) == sorted(p.name for p in old)
+    assert sorted(remove_stale_temps(store)) == sorted(p.name for p in old)
     assert fresh.exists() and other.exists() and not scratch.exists()
 
 

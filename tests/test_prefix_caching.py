@@ -99,7 +99,7 @@ def test_the_engine_follows_the_configs_enable_prefix_caching(hf_model_dir, tmp_
         config = load_config(write_config(tmp_path / name, hf_model_dir, text))
         compiler = Compiler(config, tmp_path / name / "artifact", tmp_path / "cache")
         assert not compiler.run(jobs=1).failed
-        engines.append((compiler.keys, LLMEngine(BucketRuntime.open(tmp_path / name / "artifact"))))
+        engines.append((compiler.plan.keys, LLMEngine(BucketRuntime.open(tmp_path / name / "artifact"))))
     (keys_on, on), (keys_off, off_engine) = engines
     assert keys_on == keys_off  # the same graphs
     assert on.pool.enable_prefix_caching and not off_engine.pool.enable_prefix_caching

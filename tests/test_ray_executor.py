@@ -166,9 +166,9 @@ def test_a_piece_whose_worker_dies_on_every_attempt_is_recorded_failed_with_the_
     """With no retries, one death fails the piece; the session's other pieces are reused."""
     config = write_config(tmp_path, hf_model_dir, TINY_CONFIG + "retries = 0\n")
     compiler = Compiler(load_config(config), tmp_path / "out", tmp_path / "cache")
-    target = compiler.bucket_pieces[compiler.buckets[0]]["layer"]
+    target = compiler.plan.bucket_pieces[compiler.plan.buckets[0]]["layer"]
     shared, cache = GraphStore(graph_cache_dir), GraphStore(tmp_path / "cache")
-    for shape, key in compiler.keys.items():
+    for shape, key in compiler.plan.keys.items():
         if shape != target:
             entry = shared.read_record(key, "pt2")
             cache.publish(shared.graph_file(entry), entry)
@@ -182,7 +182,7 @@ def test_a_piece_whose_worker_dies_on_every_attempt_is_recorded_failed_with_the_
     assert rec.error == "WorkerCrashedError: the worker died on each of 1 attempts"
     assert "WorkerCrashedError" in (tmp_path / "out" / rec.log).read_text()
     assert stopped(tmp_path / "cache").exists()  # it died where a graph was built, unpublished
-    assert cache.read_record(compiler.keys[target], "pt2") is None  # a failure is never cached
+    assert cache.read_record(compiler.plan.keys[target], "pt2") is None  # a failure is never cached
 
 
 runner = CliRunner()

@@ -18,11 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
+from neuron_buckets.utils.files import sha256_file
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
 

@@ -148,7 +148,7 @@ def test_a_failed_compile_is_never_cached(eager_config, remote, tmp_path):
 
     local = tmp_path / "local"
     compiler = Compiler(load_config(eager_config), tmp_path / "out", remote, local_cache=local)
-    head = compiler.keys[compiler.bucket_pieces[compiler.buckets[0]]["head"]]
+    head = compiler.plan.keys[compiler.plan.bucket_pieces[compiler.plan.buckets[0]]["head"]]
     blocked = GraphStore(remote).path(StoreEntry.record_name(head, "json"))
     GraphStore(remote).fs.pipe_file(blocked, b"not a record")  # the remote refuses head's publish
     report = compiler.run(jobs=2)

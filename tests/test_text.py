@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.cli import app
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.verify import file_problems
+from neuron_buckets.utils.files import sha256_file
 from tests.conftest import TEXT_EAGER, TEXT_MAX_NEW, TEXT_PROMPT, error_line, tiny_tokenizer, write_config
 
 PROMPT, MAX_NEW, EAGER = TEXT_PROMPT, TEXT_MAX_NEW, TEXT_EAGER

@@ -8,11 +8,7 @@ never half of either. All paths inside are relative, so a directory can be moved
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,6 +17,7 @@ from typing import Any
 import jsonschema
 
 from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.utils.files import atomic_write
 
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
@@ -39,32 +36,6 @@ class ManifestError(ValueError):
 def schema() -> dict[str, Any]:
     text = resources.files("neuron_buckets.manifests").joinpath("manifest.schema.json").read_text()
     return json.loads(text)
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Let ``write`` fill a temp file beside ``path``, fsync it, then rename it into place.
-
-    A failure (a full disk) is an OSError naming ``path``, not the temp file, which is removed.
-    """
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # never group-writable (owner_only.py)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        write(tmp_path)
-        tmp_path.chmod(0o644)  # mkstemp makes 0600; artifacts are meant to be shared
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except OSError as e:
-        raise OSError(f"cannot write {path}: {e.strerror or e}") from e
-    finally:
-        tmp_path.unlink(missing_ok=True)
 
 
 def validate(manifest: dict[str, Any], where: str = MANIFEST) -> dict[str, Any]:

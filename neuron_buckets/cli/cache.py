@@ -19,6 +19,7 @@ from rich.table import Table
 from neuron_buckets.cli.console import err, out
 from neuron_buckets.compile.graph_cache import GraphCache, SyncCount
 from neuron_buckets.compile.store import GraphStore
+from neuron_buckets.compile.store_sweep import prune_store
 from neuron_buckets.config.memory import human
 from neuron_buckets.utils.cache_dir import default_cache_dir
 
@@ -89,7 +90,7 @@ def prune(
         raise ValueError("nb cache prune: give --older-than-days, --max-size or both")
     store = _store(cache_dir)
     older = None if older_than_days is None else older_than_days * 86400
-    removed = store.prune(older, None if max_size is None else parse_size(max_size))
+    removed = prune_store(store, older, None if max_size is None else parse_size(max_size))
     freed = human(sum(e.bytes for e in removed))
     out.print(f"removed {len(removed)} entries, {freed}, from {store.location}")
 

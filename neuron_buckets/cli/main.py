@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from neuron_buckets import __version__
+from neuron_buckets._version import __version__
 from neuron_buckets.artifact.manifest import MANIFEST, read_manifest
 from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err
@@ -22,7 +22,8 @@ from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.core.bucket import Bucket
 
 if TYPE_CHECKING:
-    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.compile.build_plan import BuildPlan
+    from neuron_buckets.compile.graph_cache import GraphCache
 
 app = typer.Typer(
     cls=ErrorHandlingGroup,
@@ -118,38 +119,38 @@ def compile_(
     cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
     cache = cache_dir or default_cache_dir()
     compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
+    plan = compiler.plan
     if dry_run:
-        print_dry_run(compiler)
+        print_dry_run(plan, compiler.cache)
         return
     c = cfg.compile
     runs = f"{c.jobs} jobs" if c.executor == "local" else f"Ray tasks of {c.task_cpus} CPUs"
     shared = compiler.cache.remote
-    draft = compiler.draft
-    buckets = len(compiler.buckets) + (len(draft.buckets) if draft else 0)
-    of_draft = f" ({len(draft.buckets)} buckets, {len(draft.shapes)} pieces the draft's)" if draft else ""
+    draft = plan.draft
+    of_draft = f" ({len(draft.buckets)} buckets, {len(draft.keys)} pieces the draft's)" if draft else ""
     err.print(
-        f"{buckets} buckets in {compiler.num_pieces} pieces{of_draft}"
+        f"{plan.num_buckets} buckets in {plan.num_pieces} pieces{of_draft}"
         + f", backend {c.backend} on {c.device}, {runs} -> {out}"
         + (f", sharing {shared.location}" if shared else "")
     )
-    with CompileProgress(compiler.num_pieces, err) as progress:
+    with CompileProgress(plan.num_pieces, err) as progress:
         report = compiler.run(c.jobs, progress)
     reused = len(report.all_outcomes) - len(report.compiled) - len(report.failed)
     err.print(
         f"compiled {len(report.compiled)}, reused {reused}, failed {len(report.failed)}; "
         f"manifest: {out / 'manifest.json'}"
     )
-    if report.failed or len(report.all_outcomes) < compiler.num_pieces:
+    if report.failed or len(report.all_outcomes) < plan.num_pieces:
         raise typer.Exit(1)
 
 
-def print_dry_run(compiler: Compiler) -> None:
+def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
     """The dry run's table: each bucket, where its pieces are, what compiling it would cost; then
     the draft model's, as a table of its own."""
     from neuron_buckets.compile.compile_plan import PLACES, plan_compile
 
-    plan = plan_compile(compiler)
-    table = Table(title=f"nb compile --dry-run -> {compiler.out}")
+    plan = plan_compile(build, cache)
+    table = Table(title=f"nb compile --dry-run -> {build.out}")
     for col in ("bucket", "from", "estimated compile s"):
         table.add_column(col, justify="right" if col.startswith("est") else "left")
     for b in plan.buckets:
@@ -163,8 +164,8 @@ def print_dry_run(compiler: Compiler) -> None:
         f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
         f"{counts['remote cache']} in the remote cache"
     )
-    if compiler.draft is not None:
-        print_dry_run(compiler.draft)
+    if build.draft is not None:
+        print_dry_run(build.draft, cache)
 
 
 @app.command("ls")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from neuron_buckets.compile.compiler import Compiler
+from neuron_buckets.compile.artifact_writer import kept_pieces
+from neuron_buckets.compile.build_plan import BuildPlan
+from neuron_buckets.compile.graph_cache import GraphCache
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.core.bucket import Bucket
@@ -52,27 +54,27 @@ def _listing(store: GraphStore | None) -> tuple[dict[str, dict], dict[tuple[str,
     return names, {(e.key, e.ext): e for e in store.entries(names)}
 
 
-def plan_compile(compiler: Compiler) -> CompilePlan:
-    ext = compiler.backend.graph_ext
-    intact = compiler.intact(compiler.old)
-    stores = [("local cache", compiler.cache.local), ("remote cache", compiler.cache.remote)]
+def plan_compile(build: BuildPlan, cache: GraphCache) -> CompilePlan:
+    """Where each piece of ``build`` would come from, with ``cache`` as the graph cache."""
+    ext = build.backend.graph_ext
+    intact = kept_pieces(build.out, build.previous)
+    stores = [("local cache", cache.local), ("remote cache", cache.remote)]
     listings = [(place, store, *_listing(store)) for place, store in stores]
     places: dict[PieceShape, str] = {}
-    for shape in compiler.shapes:
-        key = compiler.keys[shape]
+    for shape, key in build.keys.items():
         places[shape] = "output dir" if key in intact else next(
             (place for place, store, names, entries in listings
              if store and _present(store, names, entries.get((key, ext)))),
             "to compile",
         )
     history = [(e.piece, e.backend, e.compile_seconds) for *_, entries in listings for e in entries.values()]
-    old = compiler.old
+    old = build.previous
     history += [(r.name, old.backend.name, r.compile_seconds) for r in (old.pieces.values() if old else ())]
-    backend = compiler.backend.name
+    backend = build.backend.name
     estimates = {s: _estimate(s, backend, history) for s, p in places.items() if p == "to compile"}
     buckets = []
-    for b in compiler.buckets:
-        shapes = set(compiler.bucket_pieces[b].values())
+    for b in build.buckets:
+        shapes = set(build.bucket_pieces[b].values())
         place = max((places[s] for s in shapes), key=PLACES.index)
         missing = [estimates[s] for s in shapes if s in estimates]
         buckets.append(BucketPlan(b, place, None if None in missing else sum(missing)))

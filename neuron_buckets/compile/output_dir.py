@@ -35,11 +35,11 @@ from neuron_buckets.config.draft import DRAFT
 LOGS = "logs"
 OWN_NAMES = (MANIFEST, WEIGHTS, GRAPHS, KERNELS, LOGS, TOKENIZER, DRAFT, LOCK_FILE, HOLDER_FILE)
 OWN_FOLDERS = (GRAPHS, KERNELS, LOGS, TOKENIZER, DRAFT)
-# Temp files of atomic_write (".<name>.<mkstemp random>.tmp") and compiler.place
-# (".<key>.<ext>.<pid>.tmp"), by the directory they are written in.
+# Temp files of utils/files.py's writes (".<name>.<mkstemp random>.tmp"; an older run's graphs
+# ".<key>.<ext>.<pid>.tmp"), by the directory they are written in.
 TEMP_PATTERNS = {
     ".": re.compile(rf"\.({re.escape(MANIFEST)}|{re.escape(WEIGHTS)})\.\w+\.tmp"),
-    GRAPHS: re.compile(r"\.[0-9a-f]{64}\.\w+\.\d+\.tmp"),
+    GRAPHS: re.compile(r"\.[0-9a-f]{64}\.\w+\.\w+\.tmp"),
     LOGS: re.compile(r"\.[\w.-]+\.log\.\w+\.tmp"),
     TOKENIZER: re.compile(rf"\.({'|'.join(map(re.escape, TEXT_FILES))})\.\w+\.tmp"),
     KERNELS: re.compile(r"\.[\w-]+\.so\.\w+\.tmp"),

@@ -19,30 +19,21 @@ reader a partial record, which counts as damaged and costs one compile.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
 import re
-import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from neuron_buckets.artifact.manifest import sha256_file
-from neuron_buckets.compile.store_entry import SHA_IN_NAME, StoreEntry, signing_key
+from neuron_buckets.compile.store_entry import StoreEntry, signing_key
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.files import fsync, intact, link_or_copy, temp_beside
 from neuron_buckets.utils.owner_only import check_owner_only
 
 RECORD_NAME = re.compile(r"([0-9a-f]{64})\.(\w+)\.json")
-GRAPH_NAME = re.compile(rf"[0-9a-f]{{64}}\.[0-9a-f]{{{SHA_IN_NAME}}}\.\w+")
-# A local store's temp files (".<name>.<random>.tmp") and compile scratch dirs (".scratch-<random>.tmp").
-TEMP_NAME = re.compile(r"\.([0-9a-f]{64}\.[\w.]+|scratch-\w+)\.tmp")
-# Other compiles share a store, so a temp file, or a graph whose record is not written yet, is
-# stale only once no compile could still be writing it: far longer than any one piece's compile.
-STALE_AFTER_S = 24 * 3600
 
 
 class StoreError(UserError, RuntimeError):
@@ -76,7 +67,7 @@ class GraphStore:
         return StoreError(f"graph store {self.location}: {what}")
 
     @contextlib.contextmanager
-    def _io(self, doing: str) -> Iterator[None]:
+    def io(self, doing: str) -> Iterator[None]:
         """Whatever the storage raises (its clients have their own error types: credentials,
         endpoints, HTTP) becomes one StoreError naming the store and what was being done."""
         try:
@@ -99,14 +90,14 @@ class GraphStore:
         self.names()
         if not self.local:
             bucket = self.root.split("/", 1)[0]
-            with self._io("cannot reach it"):
+            with self.io("cannot reach it"):
                 exists = self.fs.exists(bucket)
             if not exists:
                 raise self.error(f"{bucket!r} does not exist")
 
     def exists(self) -> bool:
         """Whether anything is at the root: a store to pull from must exist, one to publish to may not yet."""
-        with self._io("cannot reach it"):
+        with self.io("cannot reach it"):
             return bool(self.fs.exists(self.root))
 
     def check_writable(self) -> None:
@@ -125,7 +116,7 @@ class GraphStore:
 
     def names(self) -> dict[str, dict]:
         """Every object directly under the root, by name, with fsspec's info (size, times)."""
-        with self._io("cannot list it"):
+        with self.io("cannot list it"):
             try:
                 infos = self.fs.ls(self.root, detail=True)
             except FileNotFoundError:
@@ -135,7 +126,7 @@ class GraphStore:
     def read_record(self, key: str, ext: str) -> StoreEntry | None:
         """The entry's record; None if there is none (or something else sits at its name);
         ValueError if it is there but not a whole record."""
-        with self._io(f"cannot read the record of {key[:12]}"):
+        with self.io(f"cannot read the record of {key[:12]}"):
             try:
                 data = self.fs.cat_file(self.path(StoreEntry.record_name(key, ext)))
             except (FileNotFoundError, IsADirectoryError):
@@ -146,7 +137,7 @@ class GraphStore:
         """Every readable record (one listing, one batched read); damaged records are skipped."""
         names = self.names() if names is None else names
         paths = [self.path(n) for n in sorted(names) if RECORD_NAME.fullmatch(n)]
-        with self._io("cannot read its records"):
+        with self.io("cannot read its records"):
             data = self.fs.cat(paths, on_error="omit") if paths else {}
         entries = []
         key = signing_key()
@@ -157,12 +148,12 @@ class GraphStore:
 
     def fetch(self, entry: StoreEntry, dest: Path) -> bool:
         """Copy an entry's graph to the local file ``dest``; True only if its bytes match the record."""
-        with self._io(f"cannot read the graph of {entry.piece}"):
+        with self.io(f"cannot read the graph of {entry.piece}"):
             try:
                 self.fs.get_file(self.path(entry.graph_name), str(dest))
             except FileNotFoundError:
                 return False
-        return dest.stat().st_size == entry.bytes and sha256_file(dest) == entry.sha256
+        return intact(dest, entry.sha256, entry.bytes)
 
     def verified(self, entry: StoreEntry) -> Path | None:
         """A local store's graph of ``entry`` if its bytes still match the record, else None.
@@ -172,8 +163,7 @@ class GraphStore:
         for what, p in (("graph store", Path(self.root)), ("graph store record", Path(self.path(
                 StoreEntry.record_name(entry.key, entry.ext)))), ("graph store entry", path)):
             check_owner_only(p, what)
-        ok = path.is_file() and path.stat().st_size == entry.bytes and sha256_file(path) == entry.sha256
-        return path if ok else None
+        return path if intact(path, entry.sha256, entry.bytes) else None
 
     def publish(self, graph: Path, entry: StoreEntry) -> StoreEntry:
         """Put the graph, then create its record exclusively. Returns the entry the store now holds:
@@ -182,7 +172,7 @@ class GraphStore:
         entry = entry.signed(signing_key())
         graph_path = self.path(entry.graph_name)
         record_path = self.path(StoreEntry.record_name(entry.key, entry.ext))
-        with self._io(f"cannot publish {entry.piece}"):
+        with self.io(f"cannot publish {entry.piece}"):
             self._put(graph, graph_path)
             try:
                 self._create(record_path, entry.to_json())
@@ -196,14 +186,14 @@ class GraphStore:
         if winner is None:
             raise self.error(f"cannot publish {entry.piece}: {record_path} exists and is not a record")
         if winner.graph_name != entry.graph_name:
-            with self._io(f"cannot remove a duplicate of {entry.piece}"):
+            with self.io(f"cannot remove a duplicate of {entry.piece}"):
                 self.fs.rm_file(graph_path)
         return winner
 
     def discard(self, key: str, ext: str, entry: StoreEntry | None = None) -> None:
         """Remove a damaged entry: its record, then its graph when the record still named one."""
         names = [StoreEntry.record_name(key, ext)] + ([entry.graph_name] if entry else [])
-        with self._io(f"cannot remove the damaged entry {key[:12]}"):
+        with self.io(f"cannot remove the damaged entry {key[:12]}"):
             for name in names:
                 with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     self.fs.rm_file(self.path(name))
@@ -213,43 +203,25 @@ class GraphStore:
         if not self.local:
             self.fs.put_file(str(graph), dest)
             return
-        with self._temp(dest) as tmp:
-            try:
-                os.link(graph, tmp)  # same disk (the compile scratch lives in the store): no copy
-            except OSError:
-                shutil.copyfile(graph, tmp)
-            tmp.chmod(0o644)  # whatever the umask: a group-writable entry is refused on use
-            os.replace(tmp, dest)
+        # Same disk (the compile scratch lives in the store): a link, no copy. Whatever the
+        # umask, 0644: a group-writable entry is refused on use.
+        link_or_copy(graph, Path(dest), mode=0o644)
 
     def _create(self, dest: str, data: bytes) -> None:
         """Write ``dest`` whole, only if nothing is there yet (FileExistsError otherwise)."""
         if not self.local:
             self.fs.pipe_file(dest, data, mode="create")
             return
-        with self._temp(dest) as tmp:
+        with temp_beside(Path(dest)) as tmp:
             tmp.write_bytes(data)
             tmp.chmod(0o644)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            fsync(tmp)
             try:
                 os.link(tmp, dest)  # atomic, and refuses an existing name
             except FileExistsError:
                 raise
             except OSError:  # a filesystem without hard links: atomic, but the last writer wins
                 os.replace(tmp, dest)
-
-    @contextlib.contextmanager
-    def _temp(self, dest: str) -> Iterator[Path]:
-        """A temp name beside ``dest`` in a local store, removed whatever happens."""
-        Path(self.root).mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{PurePosixPath(dest).name}.", suffix=".tmp", dir=self.root)
-        os.close(fd)
-        tmp = Path(name)
-        tmp.unlink()
-        try:
-            yield tmp
-        finally:
-            tmp.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[Path]:
@@ -260,50 +232,3 @@ class GraphStore:
         where = self.root if self.local else None
         with tempfile.TemporaryDirectory(prefix=".scratch-", suffix=".tmp", dir=where) as d:
             yield Path(d)
-
-    def remove_stale_temps(self, older_than_s: float = STALE_AFTER_S) -> list[str]:
-        """Delete what killed compiles left in a local store (a graph's size each), by name and age."""
-        if not self.local or not Path(self.root).is_dir():
-            return []
-        cutoff = time.time() - older_than_s
-        stale = [
-            p for p in Path(self.root).iterdir()
-            if TEMP_NAME.fullmatch(p.name) and not p.is_symlink() and p.lstat().st_mtime < cutoff
-        ]
-        for p in stale:
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-        return [p.name for p in stale]
-
-    def prune(self, older_than_s: float | None = None, max_bytes: int | None = None) -> list[StoreEntry]:
-        """Remove entries made more than ``older_than_s`` ago, then the oldest until the rest hold
-        at most ``max_bytes``; also graphs that no record names once they are a day old (a publish
-        killed between its graph and its record) and stale temps. Returns the entries removed."""
-        now = time.time()
-        names = self.names()
-        entries = sorted(self.entries(names), key=lambda e: e.created)
-        doomed = [e for e in entries if older_than_s is not None and now - e.created > older_than_s]
-        kept = [e for e in entries if e not in doomed]
-        total = sum(e.bytes for e in kept)
-        while max_bytes is not None and kept and total > max_bytes:
-            doomed.append(victim := kept.pop(0))
-            total -= victim.bytes
-        for e in doomed:
-            self.discard(e.key, e.ext, e)
-        named = {e.graph_name for e in entries}  # the doomed ones' graphs are gone already
-        with self._io("cannot remove orphaned graphs"):
-            for name, info in names.items():
-                if GRAPH_NAME.fullmatch(name) and name not in named and now - _mtime(info) > STALE_AFTER_S:
-                    self.fs.rm_file(self.path(name))
-        self.remove_stale_temps()
-        return doomed
-
-
-def _mtime(info: dict) -> float:
-    """An object's modification time from fsspec's info: local stores give seconds, S3 a datetime."""
-    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
-    if isinstance(value, dt.datetime):
-        return value.timestamp()
-    return float(value) if value is not None else time.time()

@@ -13,7 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from neuron_buckets.artifact.manifest import TOKENIZER, TextInfo, atomic_write, sha256_file
+from neuron_buckets.artifact.manifest import TOKENIZER, TextInfo
+from neuron_buckets.utils.files import atomic_write, intact
 
 TEXT_FILES = (
     "tokenizer.json",
@@ -71,7 +72,7 @@ def write_text_files(sources: list[Path], out: Path, eos: list[int]) -> TextInfo
         digest = hashlib.sha256(data).hexdigest()
         rel = f"{TOKENIZER}/{src.name}"
         dest = out / rel
-        if not (dest.is_file() and not dest.is_symlink() and sha256_file(dest) == digest):
+        if not intact(dest, digest, links=False):
             atomic_write(dest, lambda p, data=data: p.write_bytes(data))
         files[rel] = digest
     return TextInfo(eos, files)

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neuron_buckets import __version__
-from neuron_buckets.artifact.manifest import sha256_file
+from neuron_buckets._version import __version__
 from neuron_buckets.backends import Backend, get_backend
 from neuron_buckets.compile.cache_key import backend_source_digest
 from neuron_buckets.compile.store import GraphStore
@@ -29,6 +28,7 @@ from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config
 from neuron_buckets.model.checkpoint import model_config_of
 from neuron_buckets.model.pieces import PIECES, PieceShape, dynamic_shapes, example_inputs
+from neuron_buckets.utils.files import sha256_file
 
 
 @dataclass(frozen=True)

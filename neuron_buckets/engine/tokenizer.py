@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.files import intact
 from neuron_buckets.utils.owner_only import check_owner_only
 
 
@@ -32,7 +33,7 @@ class Tokenizer:
             return None
         for rel, digest in text.files.items():
             path = directory / rel
-            if not path.is_file() or sha256_file(path) != digest:
+            if not intact(path, digest):
                 raise ManifestError(f"tokenizer file {path} is missing or does not match its sha256")
         try:
             from transformers import AutoTokenizer

@@ -16,8 +16,6 @@ A graph is loaded from a private copy whose bytes were hashed as they were copie
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,13 +35,10 @@ from neuron_buckets.config.memory import check_memory, serving_needs
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
 from neuron_buckets.model.pieces import bucket_pieces
+from neuron_buckets.utils.files import checked_copy
 from neuron_buckets.utils.owner_only import check_owner_only
 
 MISSING = "(absent)"
-
-
-class DigestMismatch(ValueError):
-    """A file whose bytes are not the sha256 its manifest records."""
 
 
 def check_artifact_files(directory: Path) -> None:
@@ -89,19 +84,10 @@ def _bucket_piece_problem(manifest: Manifest, dynamic: bool) -> str | None:
 
 @contextlib.contextmanager
 def verified_copy(path: Path, sha256: str, what: str) -> Iterator[Path]:
-    """A private copy of ``path`` (in a directory only this user can read), hashed while it was
-    written; ``DigestMismatch`` if its bytes are not ``sha256``. Loading the copy closes the gap
-    between checking a file and reading it again to load it. ``what`` names it in a refusal."""
+    """``checked_copy`` of a file nb runs as code, once its owner alone can change it; ``what``
+    names it in a refusal."""
     check_owner_only(path, what)
-    with tempfile.TemporaryDirectory(prefix="nb-graph-") as private:
-        copy = Path(private) / path.name
-        digest = hashlib.sha256()
-        with open(path, "rb") as src, open(copy, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise DigestMismatch(path)
+    with checked_copy(path, sha256) as copy:
         yield copy
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
@@ -29,11 +29,12 @@ from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.weights import ModelWeights
-from neuron_buckets.runtime.artifact_check import DigestMismatch, check_servable, verified_copy
+from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
+from neuron_buckets.utils.files import DigestMismatch, intact
 from neuron_buckets.utils.passing_thread import on_passing_thread
 
 # The native kernel libraries an artifact may carry, by their manifest name: how each is registered.
@@ -128,7 +129,7 @@ class BucketRuntime:
         path = self.directory / info.file
         if not path.is_file():
             raise ArtifactError(f"weights file {path} is missing")
-        if sha256_file(path) != info.sha256:
+        if not intact(path, info.sha256):
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
         return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from neuron_buckets.artifact.manifest import ManifestError, read_manifest, sha256_file
+from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import PrefillChunk, StepInputs, pad_decode, pad_prefill
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
+from neuron_buckets.utils.files import intact
 
 # The largest difference allowed, relative to the largest magnitude of the eager result (at least 1):
 # half precision rounds in proportion to the values, so logits of 5 differ more than logits of 1.
@@ -46,7 +47,7 @@ def file_problems(directory: Path) -> list[str]:
         path = directory / rel
         if not path.is_file():
             problems.append(f"{what} file {rel} is missing")
-        elif sha256_file(path) != digest:
+        elif not intact(path, digest):
             problems.append(f"{what} file {rel} does not match its sha256")
     problems += [
         f"bucket {r.bucket.name} failed to compile: {r.error}"

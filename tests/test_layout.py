@@ -1,0 +1,75 @@
+"""The package's shape, as a reader meets it: arrows run downwards, and the compile wing stays in
+parts a reader can hold (the plan, the artifact writer, the piece queue) instead of one hub."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import neuron_buckets
+
+PACKAGE = Path(neuron_buckets.__file__).parent
+COMPILE = PACKAGE / "compile"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name, kernels and all, wherever its files live."""
+    from neuron_buckets import kernels
+
+    roots = [(PACKAGE, "neuron_buckets"), (Path(kernels.__file__).parent, "neuron_buckets.kernels")]
+    found = {}
+    for root, name in roots:
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            dotted = ".".join((name, *parts)).removesuffix(".__init__")
+            found.setdefault(dotted, path)
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a file imports (``from X import y`` gives X and X.y: y may be a module)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_no_module_imports_the_package_front():
+    """The front names the whole public API, so a stage that imports it imports every stage: the
+    one arrow that would run back up. The version lives in ``_version.py`` for that reason."""
+    offenders = {name for name, path in _modules().items() if name != "neuron_buckets"
+                 and "neuron_buckets" in _imports(path)}
+    assert offenders == set()
+
+
+def test_the_compiler_is_a_short_join_of_small_parts():
+    assert len((COMPILE / "compiler.py").read_text().splitlines()) < 250
+    sizes = {
+        f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+        for path in COMPILE.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    assert {"compiler.py:Compiler", "artifact_writer.py:ArtifactWriter", "piece_queue.py:PieceQueue",
+            "build_plan.py:BuildPlan"} <= set(sizes)
+    assert {name: n for name, n in sizes.items() if n > 200} == {}
+
+
+def test_the_dry_run_reads_the_build_plan_not_the_compiler():
+    """``nb compile --dry-run`` prints a ``BuildPlan``: nothing it imports, directly or through
+    another module, is the compiler, so it cannot reach into the compiler's attributes."""
+    modules = _modules()
+    seen, todo = set(), ["neuron_buckets.compile.compile_plan"]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        todo += [i for i in _imports(modules[name]) if i.startswith("neuron_buckets.")]
+    assert "neuron_buckets.compile.compile_plan" in seen and "neuron_buckets.compile.build_plan" in seen
+    assert "neuron_buckets.compile.compiler" not in seen
+    source = (COMPILE / "compile_plan.py").read_text()
+    assert "def plan_compile(build: BuildPlan, cache: GraphCache)" in source
