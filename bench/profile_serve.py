@@ -32,6 +32,7 @@ import time
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,6 +50,8 @@ from bench_serve import (  # noqa: E402
 )
 from servers import free_port  # noqa: E402
 
+# kernels/ sits beside the package in a checkout, inside it once installed: match where it is.
+KERNELS = Path(import_module("neuron_buckets.kernels").__path__[0]).as_posix() + "/"
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*):\d+\)$")
 THREAD = re.compile(r"^thread \((?P<tid>\d+)\)(?::\s*(?P<name>.*))?$")
 # A stack's stage, by the file of the innermost frame of nb's own code (first fragment that matches).
@@ -62,7 +65,7 @@ STAGES = (
     ("neuron_buckets/runtime/", "graph"),
     ("neuron_buckets/backends/", "graph"),
     ("neuron_buckets/model/", "graph"),
-    ("neuron_buckets/kernels/", "graph"),
+    (KERNELS, "graph"),
     ("neuron_buckets/engine/scheduler", "scheduling"),
     ("neuron_buckets/engine/block_pool", "scheduling"),
     ("neuron_buckets/engine/request", "scheduling"),

@@ -312,13 +312,15 @@ GRAPH_SHAPING = ("model/", "core/", "kernels/", "compile/worker.py", "backends/i
 
 @pytest.fixture
 def package_copy(tmp_path, monkeypatch) -> Path:
-    """A byte-identical copy of the whole package (its links followed) that the key reads instead
-    of the real one, to edit any file without touching git."""
+    """A byte-identical copy of the whole package, the kernels in their place as a built package
+    holds them, that the key reads instead of the real one, to edit any file without touching git."""
     real = cache_key.backend_source_digest(InductorBackend())
-    copy = Path(shutil.copytree(
-        cache_key.PACKAGE_ROOT, tmp_path / "neuron_buckets", ignore=shutil.ignore_patterns("__pycache__")
-    ))  # fmt: skip
+    skip = shutil.ignore_patterns("__pycache__")
+    copy = Path(shutil.copytree(cache_key.PACKAGE_ROOT, tmp_path / "neuron_buckets", ignore=skip))
+    shutil.rmtree(copy / "kernels")  # a checkout's pointer to the top-level kernels/
+    shutil.copytree(cache_key.KERNELS_ROOT, copy / "kernels", ignore=skip)
     monkeypatch.setattr(cache_key, "PACKAGE_ROOT", copy)
+    monkeypatch.setattr(cache_key, "KERNELS_ROOT", copy / "kernels")
     assert cache_key.backend_source_digest(InductorBackend()) == real, "an identical copy must hash the same"
     return copy
 

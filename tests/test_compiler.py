@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from functools import partial
-from importlib import resources
 from pathlib import Path
 
 import jsonschema
@@ -45,6 +44,7 @@ from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from neuron_buckets.utils import files
 from neuron_buckets.utils.files import sha256_file
+from neuron_buckets.utils.package_data import read_package_data
 from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
 from tests.worker_stops import dies_on, stopped
 
@@ -480,8 +480,7 @@ def test_an_edited_manifest_is_caught_when_loading(compiled_dir, tmp_path, edit,
 @pytest.mark.slow
 def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir, tmp_path):
     text = (compiled_dir / "manifest.json").read_text()
-    schema_file = resources.files("neuron_buckets.manifests").joinpath("manifest.schema.json")
-    schema = json.loads(schema_file.read_text())
+    schema = json.loads(read_package_data("manifest.schema.json"))
     jsonschema.Draft202012Validator.check_schema(schema)
     jsonschema.Draft202012Validator(schema).validate(json.loads(text))
     assert str(compiled_dir) not in text  # every path inside is relative

@@ -16,7 +16,7 @@ def _modules() -> dict[str, Path]:
     """Every module of the package by dotted name, kernels and all, wherever its files live."""
     from neuron_buckets import kernels
 
-    roots = [(PACKAGE, "neuron_buckets"), (Path(kernels.__file__).parent, "neuron_buckets.kernels")]
+    roots = [(PACKAGE, "neuron_buckets"), (Path(kernels.__path__[0]), "neuron_buckets.kernels")]
     found = {}
     for root, name in roots:
         for path in root.rglob("*.py"):
@@ -73,3 +73,18 @@ def test_the_dry_run_reads_the_build_plan_not_the_compiler():
     assert "neuron_buckets.compile.compiler" not in seen
     source = (COMPILE / "compile_plan.py").read_text()
     assert "def plan_compile(build: BuildPlan, cache: GraphCache)" in source
+
+
+def test_kernels_and_manifests_are_reached_without_links():
+    """They stay at the top of the repository; the package reaches them by ``__path__`` in a
+    checkout and by pyproject's ``package-dir`` once built, so no tool has to follow a link."""
+    import tomllib
+
+    from neuron_buckets import kernels, manifests
+
+    root = PACKAGE.parent
+    assert [p for p in PACKAGE.rglob("*") if p.is_symlink()] == []
+    assert Path(kernels.__path__[0]) == root / "kernels" and Path(manifests.__path__[0]) == root / "manifests"
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {f"neuron_buckets.{name}": name for name in ("kernels", "manifests")}
+    assert setuptools["package-dir"] == mapped

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -30,12 +29,13 @@ from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import load_config
 from neuron_buckets.core.padding import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.utils.package_data import read_package_data
 from tests.conftest import TINY_CONFIG, error_line, free_port, write_config
 from tests.worker_stops import stopped
 
 pytestmark = pytest.mark.xdist_group("ray")
 EAGER = TINY_CONFIG.replace('"inductor"', '"eager"')
-DEFAULT = resources.files("neuron_buckets.manifests").joinpath("default.toml").read_text()
+DEFAULT = read_package_data("default.toml")
 GRID = (
     DEFAULT.replace("num_seqs_buckets = [1, 2, 4]", "num_seqs_buckets = [4]")
     .replace('{ strategy = "powers_of_two", min = 32 }', "[128]")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import jsonschema
 
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.utils.files import atomic_write
+from neuron_buckets.utils.package_data import read_package_data
 
 SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
@@ -34,7 +34,7 @@ class ManifestError(ValueError):
 
 
 def schema() -> dict[str, Any]:
-    text = resources.files("neuron_buckets.manifests").joinpath("manifest.schema.json").read_text()
+    text = read_package_data("manifest.schema.json")
     return json.loads(text)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,20 @@ from neuron_buckets.config import CacheConfig
 from neuron_buckets.config.setting import not_in_graph
 from neuron_buckets.model.pieces import PieceShape
 
-# The installed package: kernels/ is reached through the link in it, as imports reach it.
 PACKAGE_ROOT = Path(__file__).parent.parent
+# The kernels' folder as imports reach it: the top-level kernels/ of a checkout, or its place in a
+# built package (pyproject's package-dir). Its __init__ holds no code, so finding it runs none.
+KERNELS_ROOT = Path(import_module("neuron_buckets.kernels").__path__[0])
 # Code whose text decides what a compiled graph computes or how it is traced (the backend's own
 # module is added by the caller), relative to the package: the model, the graph contract (core),
-# every kernel (goldens and NKI sources) and the compile worker, so that editing any of them
-# invalidates cached graphs.
-GRAPH_SOURCES = ("model", "core", "kernels", "compile/worker.py")
+# every kernel (goldens and NKI sources, in KERNELS_ROOT) and the compile worker, so that editing
+# any of them invalidates cached graphs.
+GRAPH_SOURCES = ("model", "core", "compile/worker.py")
 
 
 def package_sources() -> list[Path]:
     """The graph-shaping files of the installed package, found without importing them."""
-    paths = [PACKAGE_ROOT / name for name in GRAPH_SOURCES]
+    paths = [PACKAGE_ROOT / name for name in GRAPH_SOURCES] + [KERNELS_ROOT]
     return [s for p in paths for s in (p.rglob("*.py") if p.is_dir() else [p])]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import fields
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from neuron_buckets.config.config import Config
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.model import ModelSource
 from neuron_buckets.config.speculative import SpeculativeConfig
+from neuron_buckets.utils.package_data import read_package_data
 
 SECTIONS = {s.SECTION: s for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig, SpeculativeConfig)}
 # Keys of earlier releases, with what replaced them.
@@ -58,7 +58,7 @@ def parse_config(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
 def load_config(path: str | Path | None = None) -> Config:
     """Load a TOML config file, or the embedded default (``manifests/default.toml``) for None."""
     if path is None:
-        text = resources.files("neuron_buckets.manifests").joinpath("default.toml").read_text()
+        text = read_package_data("default.toml")
         return parse_config(tomllib.loads(text))
     path = Path(path)
     try:
