@@ -40,8 +40,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuron_buckets.kernels.attention_step import AttentionStep
-
 SOURCE = Path(__file__).with_suffix(".cpp")
 OP = "nb::block_kv_attention"
 LIBRARY = "block_kv_cpu.so"  # its file name in an artifact directory's kernels/
@@ -115,17 +113,8 @@ def register(library: Path) -> None:
         torch.ops.load_library(str(library))
 
 
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
-    """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``."""
+def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
+    """An ``AttentionKernel``: the inputs, output and masking of ``block_kv_torch.block_kv_attention``."""
     if not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or registered()):
         register(build())  # eager calls outside an artifact (tests, references)
     return torch.ops.nb.block_kv_attention(

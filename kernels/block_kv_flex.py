@@ -35,17 +35,8 @@ DENSE_ROWS = 64  # decode rows of at most this many tokens take the dense path (
 PAGED_ROWS = 8  # rows of at most this many tokens (decode, speculative drafts) read the cache in place
 
 
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
-    """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
+def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
+    """An ``AttentionKernel``: the inputs, output and masking of ``block_kv_torch.block_kv_attention``.
 
     Rows of at most ``PAGED_ROWS`` tokens (decode, speculative drafts) read the context in place
     instead of copying it, through ``block_kv_paged`` (inductor's CPU flex template also fails to

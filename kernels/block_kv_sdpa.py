@@ -17,21 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from neuron_buckets.core.masks import gen_segment_masks
-from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import gather_context
 
 
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
-    """Same inputs, output and masking as ``block_kv_torch.block_kv_attention``.
+def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
+    """An ``AttentionKernel``: the inputs, output and masking of ``block_kv_torch.block_kv_attention``.
 
     A step with no cached context at all (a packed prefill of fresh prompts, the common case)
     skips the context gather and its scores: ``torch.cond`` picks the branch at run time inside

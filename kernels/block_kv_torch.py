@@ -88,16 +88,7 @@ def gather_context(
     return k_ctx, v_ctx, cached
 
 
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
+def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
     """Attention of (B, S, H, D) queries over the paged context plus the step's own tokens.
 
     K/V of the step come in as ``k_active``/``v_active`` (B, S, KVH, D), so the result does not

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from neuron_buckets.kernels import block_kv_cpu, block_kv_flex, block_kv_torch
-from neuron_buckets.kernels.attention_step import AttentionStep
+from neuron_buckets.kernels.attention_kernel import AttentionKernel
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,10 @@ class KernelSet:
 
     name: str
     write_kv_cache: Callable[..., None]
-    block_kv_attention: Callable[..., Tensor]
+    block_kv_attention: AttentionKernel
 
 
-def fast_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
+def fast_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
     """The golden's attention, fast: the C++ kernel where it applies (float32 on a CPU: decode rows
     and prompt chunks alike, each segment at its own cost, measured faster than flex on both), else
     the torch paths of ``block_kv_flex``. The choice is made at trace time, on dtypes and device."""
@@ -77,15 +68,6 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     _active.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
+def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
     """Paged attention over the block table plus the step's own tokens, with the active kernels."""
     return _active.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)

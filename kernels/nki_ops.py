@@ -79,16 +79,7 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     write(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, rows)
 
 
-def block_kv_attention(
-    q: Tensor,
-    k_active: Tensor,
-    v_active: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    step: AttentionStep,
-    scale: float,
-    window: int | None = None,
-) -> Tensor:
+def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
     """Golden-compatible block-KV attention: the NKI kernel where it fits, else the golden.
 
     Decode steps (a few tokens per row) fit the kernel; a packed prefill step (more than 128
