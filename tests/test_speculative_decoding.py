@@ -181,6 +181,31 @@ def test_nb_generate_speculates_with_the_same_tokens_and_prints_acceptance(runti
     assert error_line(too_many).startswith("error: speculative.num_speculative_tokens = 4 exceeds")
 
 
+def test_nb_serve_drafts_as_its_config_file_says_without_flags(runtime, tmp_path, monkeypatch):
+    """``[speculative] num_speculative_tokens = 2`` in the file given to ``nb serve --config``: the
+    served engine's decode rows carry 2 drafts (3 tokens), none more; a flag overrides the file."""
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+    from neuron_buckets.server import api_server
+
+    config = tmp_path / "serve.toml"
+    config.write_text("[speculative]\nnum_speculative_tokens = 2\nauto_off = false\n")
+    engines: list[LLMEngine] = []
+    served = lambda directory, *args: engines.append(LLMEngine.open(directory, speculative=args[5]))  # noqa: E731
+    monkeypatch.setattr(api_server, "run_server", served)
+    for extra in ([], ["--speculative-ngram", "1"]):
+        result = CliRunner().invoke(app, ["serve", str(runtime.directory), "--config", str(config), *extra])
+        assert result.exit_code == 0, result.output
+    widths = []
+    for engine in engines:
+        plans = recording(engine)
+        run(engine, [PROMPTS[0]], greedy_params(20))
+        widths.append({s.num_samples for plan in plans for s in plan if s.num_samples > 1})
+    assert widths == [{3}, {2}]
+    assert engines[0].gate is None  # auto_off = false came from the file too
+
+
 def test_metrics_expose_vllms_spec_decode_counters(runtime):
     from prometheus_client.parser import text_string_to_metric_families
 

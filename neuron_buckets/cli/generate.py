@@ -9,6 +9,7 @@ markup); why each request finished goes to stderr.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -98,15 +99,27 @@ DRAFT_HELP = (
 )
 
 
-def speculative_config(ngram: int, draft: int) -> SpeculativeConfig:
-    """The drafting ``--speculative-ngram`` or ``--speculative-draft`` asks for (one of the two)."""
+CONFIG_HELP = (
+    "TOML config (the one nb compile took will do) whose [speculative] section sets the drafting: "
+    "method, num_speculative_tokens, prompt lookup lengths, auto_off; --speculative-* flags override"
+)
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help=CONFIG_HELP)]
+
+
+def speculative_config(ngram: int, draft: int, config: Path | None = None) -> SpeculativeConfig:
+    """The drafting to run: ``config``'s ``[speculative]`` section (none: off), its drafter and
+    drafts per row replaced by ``--speculative-ngram`` or ``--speculative-draft`` (one of the two)."""
+    from neuron_buckets.config import load_config
     from neuron_buckets.config.speculative import SpeculativeConfig
 
     if ngram and draft:
         raise UserError("--speculative-ngram and --speculative-draft each pick a drafter: give one")
+    spec = load_config(config).speculative if config else SpeculativeConfig()
     if draft:
-        return SpeculativeConfig(method="draft_model", num_speculative_tokens=draft)
-    return SpeculativeConfig(num_speculative_tokens=ngram)
+        return replace(spec, method="draft_model", num_speculative_tokens=draft)
+    if ngram:
+        return replace(spec, method="ngram", num_speculative_tokens=ngram)
+    return spec
 
 
 def generate(
@@ -128,6 +141,7 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Run past end-of-sequence tokens")] = False,
     speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
     speculative_draft: Annotated[int, typer.Option(min=0, help=DRAFT_HELP)] = 0,
+    config: ConfigOpt = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket and speculation counters")] = False,
 ) -> None:
     """Generate through the runtime (continuous batching, packed and chunked prefill): text for
@@ -157,7 +171,7 @@ def generate(
             ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompt]
         else:
             ids = [tokenizer.encode(p) for p in prompt]
-    speculative = speculative_config(speculative_ngram, speculative_draft)
+    speculative = speculative_config(speculative_ngram, speculative_draft, config)
     engine = LLMEngine(runtime, tokenizer, speculative=speculative)
     checked = [engine.check_request(p, params, f"prompt {i}") for i, p in enumerate(ids)]
     stream(engine, [engine.add_request(p, params) for p in checked], bool(prompt), max_new_tokens)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, speculative_config
+from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt, speculative_config
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -33,6 +33,7 @@ def serve(
     ] = 1 << 20,
     speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
     speculative_draft: Annotated[int, typer.Option(min=0, help=DRAFT_HELP)] = 0,
+    config: ConfigOpt = None,
     shutdown_timeout: Annotated[
         float, typer.Option(min=0, help="Seconds open requests may take to finish after SIGTERM")
     ] = 30.0,
@@ -58,7 +59,7 @@ def serve(
     if key_metrics and not api_key:
         raise UserError("--key-metrics needs --api-key (or NB_API_KEY)")
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
-    speculative = speculative_config(speculative_ngram, speculative_draft)
+    speculative = speculative_config(speculative_ngram, speculative_draft, config)
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
     run_server(directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access)
 

@@ -1,5 +1,10 @@
 """``[speculative]``: drafting tokens that the target verifies in one decode row (vLLM's names).
 
+``nb compile`` reads ``method`` and ``draft_model`` (a draft model is compiled into the artifact,
+and the draft's own manifest records its source); the other keys are run-time settings, read by
+``nb generate`` and ``nb serve`` from the config given with ``--config`` (their
+``--speculative-*`` flags override the drafter and ``num_speculative_tokens``).
+
 Off by default (``num_speculative_tokens = 0``). Drafts ride in the ``1 + speculation_length``
 positions a decode row already has, so ``num_speculative_tokens`` may not exceed the artifact's
 compiled ``buckets.speculation_length``; the engine checks that when it opens the artifact. No

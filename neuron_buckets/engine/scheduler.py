@@ -35,10 +35,11 @@ it would take to compute those blocks itself.
 The engine drives this with a runtime and a sampler; ``nb inspect`` drives the same code with
 lengths alone, to predict the runtime's calls.
 
-Speculation (``drafter`` and ``num_drafts``): a decode row of a request that speculates carries
-its last token and up to ``num_drafts`` drafted tokens, all sampled, so the target's logits at
-every draft position come back in one step. Drafts are capped so the request never passes its
-``max_tokens`` (and so its ``max_model_len`` and block reservation). Its blocks grow to cover
+Speculation (``drafter`` and ``num_speculative_tokens``): a decode row of a request that
+speculates carries its last token and up to ``num_speculative_tokens`` drafted tokens, all
+sampled, so the target's logits at every draft position come back in one step. Drafts are
+capped so the request never passes its ``max_tokens`` (and so its ``max_model_len`` and block
+reservation). Its blocks grow to cover
 the drafts' room before the drafter runs: a draft model writes its own cache at those positions.
 The rejected drafts' K/V are written too, but ``commit`` advances ``cached`` only over the valid
 ones (the context, the last token, the accepted drafts): the next step writes its own tokens over
@@ -63,13 +64,13 @@ class Scheduler:
         budget: int,
         max_rows: int,
         drafter: Drafter | None = None,
-        num_drafts: int = 0,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
         chunks: the packed call's block-table rows); a
-        ``drafter`` proposes up to ``num_drafts`` tokens per decode row."""
+        ``drafter`` proposes up to ``num_speculative_tokens`` tokens per decode row."""
         self.pool, self.budget, self.max_rows = pool, budget, max_rows
-        self.drafter, self.num_drafts = drafter, num_drafts
+        self.drafter, self.num_speculative_tokens = drafter, num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -121,7 +122,7 @@ class Scheduler:
         """The tokens drafted for each request's next row: none unless it speculates, and never so
         many that the row's tokens plus the one after them pass its ``max_tokens``."""
         rooms = [
-            min(self.num_drafts, r.params.max_tokens - r.num_generated - 1) if r.speculates else 0
+            min(self.num_speculative_tokens, r.params.max_tokens - r.num_generated - 1) if r.speculates else 0
             for r in decoding
         ]
         asking = [i for i, room in enumerate(rooms) if room > 0]
