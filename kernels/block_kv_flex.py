@@ -27,9 +27,8 @@ from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.block_kv_torch import gather_context
 from neuron_buckets.kernels.tile_mask import tile_mask
 
-# Query and key tile of the block mask: a tile pair is skipped when no pair in it may meet. On the
-# bench model (2-core AMD EPYC, 2026-11-30) a 512-token packed prefill layer took 15.6 ms with 32,
-# 16.9 with 64, 18.2 with 128.
+# Query and key tile of the block mask: a tile pair is skipped when no pair in it may meet, so the
+# smaller tile skips more of a packed call's cross-segment pairs (the fastest tried, CHANGELOG).
 TILE = 32
 DENSE_ROWS = 64  # decode rows of at most this many tokens take the dense path (measured faster there)
 PAGED_ROWS = 8  # rows of at most this many tokens (decode, speculative drafts) read the cache in place
@@ -49,9 +48,9 @@ def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, win
     context: ``torch.cond`` picks at run time between gathering it and leaving the context part
     of the key buffers unwritten, where no kept tile reads. Only the key buffers are built in the
     branches: torch.export (non-strict, torch 2.13) rejects a flex call inside one, and a branch
-    that writes into a buffer in place. Inductor still fills the unwritten part (with NaN: 0.9 ms
-    a layer at 512 tokens, for 16 rows of 512 context positions), so a runtime with a piece over
-    no context (a block table of no columns) runs that one for such steps, with no context part.
+    that writes into a buffer in place. Inductor still fills the unwritten part (with NaN, at a
+    cost that grows with the block table's rows and width), so a runtime with a piece over no
+    context (a block table of no columns) runs that one for such steps, with no context part.
     """
     batch, seq = q.shape[:2]
     packed = step.block_table.shape[0] != batch
@@ -111,7 +110,7 @@ def _keys(context: Tensor | None, own: Tensor, padded: int) -> Tensor:
     """(B, KVH, padded + S, D): the context (zero up to ``padded``), then the step's own K or V,
     in a buffer of its own (inductor's CPU template reads its operands' layouts directly and
     cannot take views of the projections' outputs). Without a context, a compiled graph leaves
-    the front unwritten (zeroing it cost 1.7 ms a layer at 512 tokens): no tile there is kept,
+    the front unwritten (zeroing it would cost a pass over the whole buffer): no tile there is kept,
     and the compiled kernel reads only kept tiles. Eager flex (a reference) reads every key, so
     there the front is zeros."""
     batch, seq, kv_heads, head_dim = own.shape

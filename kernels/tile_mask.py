@@ -3,8 +3,8 @@
 Flex attention skips every tile pair its ``BlockMask`` leaves out. Building that mask with
 ``create_block_mask`` evaluates the element mask over all S x (context + S) pairs first and only
 then reduces it to tiles; on a packed row over R block-table rows the context axis is R times a
-row's length, so that evaluation alone cost about a millisecond per layer at 512 tokens (torch
-profiler, 2-core AMD EPYC, 2026-12-01). Here the tiles come from the step's structure instead,
+row's length, so that evaluation alone is a visible share of a layer's time (CHANGELOG). Here
+the tiles come from the step's structure instead,
 at tile granularity: segments are contiguous runs of a row in ascending order, so query tile i
 holds the segments ``segment_ids[first] .. segment_ids[last]``; it reads the context tiles that
 overlap those segments' cached positions, and the step's own tiles from the first token of its

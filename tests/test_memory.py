@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
 from neuron_buckets.config import load_config
-from neuron_buckets.config.memory import cache_bytes, weights_bytes
 from neuron_buckets.model.checkpoint import DEFAULT_CONFIG, default_model
+from neuron_buckets.runtime.memory import cache_bytes, weights_bytes
 from tests.conftest import error_line
 
 runner = CliRunner()
@@ -23,7 +23,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def fifteen_gb(monkeypatch):
-    monkeypatch.setattr("neuron_buckets.config.memory.available_bytes", lambda: 15 * 10**9)
+    monkeypatch.setattr("neuron_buckets.runtime.memory.available_bytes", lambda: 15 * 10**9)
 
 
 def compile_config(tmp_path: Path, toml: str):

@@ -7,20 +7,17 @@ flag can bake tensors into a package.
 
 Threads: inductor writes the compiling process's thread count into the C++ it generates, and a
 compile worker runs with one share of the cores. Every piece is compiled with ``cpp.dynamic_threads``
-instead, so its loops run on the serving process's threads (as the GEMMs it calls do). Measured on
-an idle 2-core AMD EPYC (2026-11-30), a 16-row decode step of the 30-layer bench model took
-134 ms with single-threaded loops and 94 ms with them (the in-place paged decode attention is
-all loops).
-It is also needed for correctness: the CPU flex attention template sizes per-thread scratch
-buffers by ``cpp.threads`` and corrupts the heap when it runs on more threads than that, so
-``cpp.threads`` is ``MAX_THREADS`` and a runtime never uses more. Both are fixed: a user flag
-cannot change them.
+instead, so its loops run on the serving process's threads (as the GEMMs it calls do): the
+in-place paged decode attention is all loops, and single-threaded loops leave the other cores
+idle for it (CHANGELOG has the figures). It is also needed for correctness: the CPU flex
+attention template sizes per-thread scratch buffers by ``cpp.threads`` and corrupts the heap
+when it runs on more threads than that, so ``cpp.threads`` is ``MAX_THREADS`` and a runtime
+never uses more. Both are fixed: a user flag cannot change them.
 
 Projections: float32 CPU graphs call oneDNN over weights the runtime packs once as it loads them
-(``model/linear.py``; ``pack`` here). Measured on the bench model (30 layers, 2-core AMD EPYC,
-2026-12-01, a busy machine, old and new graphs interleaved in one process): against aten's mm over
-dense weights, a 512-token prefill call took 0.74x the time (median; 0.88x on one thread) and a
-batch-8 decode step at context 400 0.55x (0.68x on one thread).
+(``model/linear.py``; ``pack`` here): a packed weight is read in the layout oneDNN's kernels
+want, instead of being reordered on every call as aten's mm over dense weights does, which
+pays for prefill calls and decode steps alike (CHANGELOG has the figures).
 """
 
 from __future__ import annotations

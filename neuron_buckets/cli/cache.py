@@ -20,7 +20,7 @@ from neuron_buckets.cli.console import err, out
 from neuron_buckets.compile.graph_cache import GraphCache, SyncCount
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_sweep import prune_store
-from neuron_buckets.config.memory import human
+from neuron_buckets.runtime.memory import human
 from neuron_buckets.utils.cache_dir import default_cache_dir
 
 cache_app = typer.Typer(

@@ -22,10 +22,6 @@ class PieceExecutor(Protocol):
     threads: int  # torch threads each compile may use
     on_this_host: bool  # whether its workers share this machine's disk (and local cache)
 
-    def describe(self) -> str:
-        """For the compile's header line: what runs the pieces."""
-        ...
-
     def pool(self) -> AbstractContextManager[Submit]:
         """A fresh pool of workers. After a worker died, the compiler drains the pool and asks
         for a fresh one (a local process pool is broken by the death)."""

@@ -26,9 +26,6 @@ class LocalExecutor:
         self.slots = max(jobs, 1)
         self.threads = max(1, (os.cpu_count() or 1) // self.slots)
 
-    def describe(self) -> str:
-        return f"{self.slots} local jobs"
-
     @contextmanager
     def pool(self) -> Iterator[Submit]:
         context = mp.get_context("spawn")

@@ -22,9 +22,9 @@ from neuron_buckets.compile.graph_cache import GraphCache
 from neuron_buckets.compile.outcome import Notify, Outcome
 from neuron_buckets.compile.worker import CompileTask, Toolchain
 from neuron_buckets.config import Config
-from neuron_buckets.config.memory import compile_job_bytes
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape
+from neuron_buckets.runtime.memory import compile_job_bytes
 
 # Records a piece its worker returned, in ``done`` and the manifest: (outcome, the traceback if it failed).
 Finish = Callable[[Outcome, str | None], None]

@@ -17,7 +17,7 @@ from typing import Any
 
 from neuron_buckets.compile.executor import Submit
 from neuron_buckets.compile.worker import CompileTask, compile_piece
-from neuron_buckets.config.memory import human
+from neuron_buckets.runtime.memory import human
 from neuron_buckets.utils.errors import UserError
 
 INSTALL = "pip install 'neuron-buckets[ray]' (the same Ray version on every node)"
@@ -50,7 +50,6 @@ class RayExecutor:
 
     def __init__(self, address: str | None, task_cpus: int, task_bytes: int, store_is_local: bool) -> None:
         self.ray = check_ray(address)
-        self.address = address
         # Workers' output would tear the progress bar; a failure's traceback comes back as its result.
         self.ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         try:
@@ -75,9 +74,6 @@ class RayExecutor:
             raise
         self.threads = task_cpus
         self.remote = self.ray.remote(num_cpus=task_cpus, memory=task_bytes, max_retries=0)(self.run)
-
-    def describe(self) -> str:
-        return f"Ray at {self.address or 'a local instance'}, {self.slots} tasks at once"
 
     @contextmanager
     def pool(self) -> Iterator[Submit]:

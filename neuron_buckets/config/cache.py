@@ -57,7 +57,3 @@ class CacheConfig:
         check_choice(self, "dtype", DTYPES)
         if problem := geometry_problem(self):
             raise ConfigError(problem)
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)

@@ -150,10 +150,6 @@ class BucketRuntime:
         """Keys of the piece graphs loaded so far."""
         return list(self._graphs)
 
-    def reset_cache(self) -> None:
-        self.k_cache.zero_()
-        self.v_cache.zero_()
-
     def record(self, bucket: Bucket) -> BucketRecord:
         rec = self.records.get(bucket)
         if rec is None:

@@ -148,8 +148,9 @@ class EngineLoop:
         Read its outputs with ``outputs``.
 
         ``encode`` gives the prompt's ids and ``params`` the sampling parameters for a prompt of
-        that many tokens; both run on the engine thread, because the tokenizer, which the
-        engine's detokenizer uses between steps, is not safe to share across threads.
+        that many tokens, both called on the engine thread as the request is added. Keep them
+        cheap: the server tokenizes and checks a request before it submits, off this thread
+        (``api_server.py``), and hands over ids it already has.
         """
         if not self.alive:
             raise self.dead()

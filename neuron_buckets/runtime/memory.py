@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
 
 from neuron_buckets.config.config import Config
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.model.model_config import LlamaConfig
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FLOAT32 = 4  # attention scores and logits are float32 whatever the dtype
@@ -26,19 +26,6 @@ FLOAT32 = 4  # attention scores and logits are float32 whatever the dtype
 
 class InsufficientMemory(ValueError):
     """The configured sizes cannot fit in this machine's memory."""
-
-
-class ModelShape(Protocol):
-    """The sizes of a model that decide its memory (``LlamaConfig`` has them)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
 
 
 def available_bytes() -> int | None:
@@ -63,20 +50,20 @@ def human(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def cache_bytes(model: ModelShape, num_blocks: int, block_size: int, dtype: str) -> int:
+def cache_bytes(model: LlamaConfig, num_blocks: int, block_size: int, dtype: str) -> int:
     """K and V caches: layers x blocks x block_size x kv heads x head_dim, twice."""
     per_slot = model.num_layers * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
     return 2 * num_blocks * block_size * per_slot
 
 
-def weights_bytes(model: ModelShape, dtype: str) -> int:
+def weights_bytes(model: LlamaConfig, dtype: str) -> int:
     h, q, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     layer = h * (2 * q + 2 * kv) + 3 * h * model.intermediate_size + 2 * h
     heads = 1 if model.tie_word_embeddings else 2
     return (heads * model.vocab_size * h + model.num_layers * layer + h) * DTYPE_BYTES[dtype]
 
 
-def step_bytes(model: ModelShape, bucket: Bucket, dtype: str) -> int:
+def step_bytes(model: LlamaConfig, bucket: Bucket, dtype: str) -> int:
     """The largest activations of one step, in one layer at a time.
 
     Attention gathers each row's context K and V (masked, then joined with the step's own) and
@@ -97,7 +84,7 @@ def step_bytes(model: ModelShape, bucket: Bucket, dtype: str) -> int:
 
 
 def serving_needs(
-    model: ModelShape, buckets: Iterable[Bucket], num_blocks: int, block_size: int, dtype: str
+    model: LlamaConfig, buckets: Iterable[Bucket], num_blocks: int, block_size: int, dtype: str
 ) -> dict[str, int]:
     """What generating from an artifact holds at once, by part."""
     largest = max(buckets, key=lambda b: step_bytes(model, b, dtype))
@@ -123,13 +110,13 @@ def check_memory(needs: dict[str, int], purpose: str, hint: str = SMALLER) -> No
         )
 
 
-def compile_job_bytes(config: Config, model: ModelShape) -> int:
+def compile_job_bytes(config: Config, model: LlamaConfig) -> int:
     """What one compile job holds at least: the example KV cache and the weights' shapes."""
     c = config.cache
     return cache_bytes(model, c.num_blocks, c.block_size, c.dtype) + weights_bytes(model, c.dtype)
 
 
-def check_compile_memory(config: Config, model: ModelShape, jobs: int) -> None:
+def check_compile_memory(config: Config, model: LlamaConfig, jobs: int) -> None:
     """Before compiling: the artifact must be servable here, and the ``jobs`` compiling on this
     machine must fit side by side (0 when they run elsewhere, as Ray tasks)."""
     if config.compile.device != "cpu":
