@@ -38,7 +38,7 @@ from bench_peers import run_vllm  # noqa: E402
 from real_models import build_smollm  # noqa: E402
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
 
-from neuron_buckets import BucketRuntime, DecodeRow, PrefillChunk, SamplingParams, generate  # noqa: E402
+from neuron_buckets import BucketRuntime, PrefillChunk, SamplingParams, generate  # noqa: E402
 from neuron_buckets.traffic.planner import PlanOptions, plan  # noqa: E402
 from neuron_buckets.traffic.traces import Trace  # noqa: E402
 
@@ -128,7 +128,7 @@ def decode_step_ms(artifact: Path, context: int, repeats: int) -> float:
     """One decode step of 8 requests whose real context is ``context`` tokens."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-(context + 1) // runtime.block_size)
-    rows = [DecodeRow([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(8)]
+    rows = [PrefillChunk([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(8)]
     return median_ms(lambda: runtime.decode(rows), repeats)
 
 

@@ -48,7 +48,7 @@ from bench_generate import compile_artifact, decode_step_ms, median_ms, prefill_
 from real_models import SMOLLM2_135M, add_size_args, build_smollm  # noqa: E402
 from workloads import TOKEN_LOW, Workload  # noqa: E402
 
-from neuron_buckets.core.padding import PrefillChunk, pad_prefill  # noqa: E402
+from neuron_buckets.core.padding import pad_prefill  # noqa: E402
 from neuron_buckets.core.step_plan import Segment  # noqa: E402
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 
@@ -174,7 +174,7 @@ def mixed_step_ms(artifact: Path, repeats: int) -> dict[str, float]:
                     tuple(range(first, first + TOKENS // runtime.block_size)), 1)  # fmt: skip
     smallest = runtime.buckets.prefill[0]
     packed_rows = pad_prefill(
-        [PrefillChunk(r.token_ids, r.context_len, r.block_ids) for r in rows], smallest,
+        rows, smallest,
         runtime.block_size, runtime.buckets.samples(smallest),
     )
     rounds = alternating_ms(

@@ -13,7 +13,8 @@ import torch
 
 from neuron_buckets.core.block_table import compute_slot_mapping
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
+from neuron_buckets.core.padding import pad_decode, pad_prefill
+from neuron_buckets.core.step_plan import Segment
 
 BLOCK_SIZE = 16
 CTX = 4096  # tokens of context per request; 256 blocks per block-table row
@@ -49,7 +50,7 @@ def bench_pad_decode(rows: int = 64) -> None:
     """Requests at random context lengths, each holding the blocks its tokens need, as a pool hands out."""
     table = shuffled_tables(rows)
     starts = torch.randint(0, CTX - 1, (rows,), generator=gen).tolist()
-    step = [DecodeRow([1], s, table[r, : s // BLOCK_SIZE + 1].tolist()) for r, s in enumerate(starts)]
+    step = [Segment(r, [1], s, table[r, : s // BLOCK_SIZE + 1].tolist(), 1) for r, s in enumerate(starts)]
     bucket = Bucket("decode", rows, 1, CTX)
     seconds = best_seconds(lambda: pad_decode(step, bucket, BLOCK_SIZE))
     print(f"pad_decode            {rows:>3} rows x 1 token into {bucket.name}  {seconds * 1e6:8.1f} us")
@@ -59,7 +60,7 @@ def bench_pad_prefill(tokens: int = 4096) -> None:
     """A 4000-token prompt padded to the 4096-token bucket."""
     real = tokens - 96
     blocks = shuffled_tables(1)[0, : -(-real // BLOCK_SIZE)].tolist()
-    chunk = PrefillChunk(torch.randint(0, 32000, (real,), generator=gen), 0, blocks)
+    chunk = Segment(0, torch.randint(0, 32000, (real,), generator=gen), 0, blocks, 1)
     bucket = Bucket("prefill", 1, tokens, CTX)
     seconds = best_seconds(lambda: pad_prefill([chunk], bucket, BLOCK_SIZE))
     print(f"pad_prefill          {real} tokens into {bucket.name}  {seconds * 1e6:8.1f} us")

@@ -21,8 +21,7 @@ _PUBLIC = {
     "NoBucketFits": "neuron_buckets.core.bucket",
     "select_bucket": "neuron_buckets.core.bucket",
     "BlockPool": "neuron_buckets.engine.block_pool",
-    "PrefillChunk": "neuron_buckets.core.padding",
-    "DecodeRow": "neuron_buckets.core.padding",
+    "PrefillChunk": "neuron_buckets.core.step_plan",
     "StepInputs": "neuron_buckets.core.padding",
     "Segment": "neuron_buckets.core.step_plan",
     "StepPlan": "neuron_buckets.core.step_plan",
@@ -55,7 +54,6 @@ __all__ = [
     "select_bucket",
     "BlockPool",
     "PrefillChunk",
-    "DecodeRow",
     "StepInputs",
     "Segment",
     "StepPlan",
@@ -88,8 +86,8 @@ if TYPE_CHECKING:
     )
     from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
     from neuron_buckets.core.masks import gen_cache_mask
-    from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs
-    from neuron_buckets.core.step_plan import Segment, StepPlan
+    from neuron_buckets.core.padding import StepInputs
+    from neuron_buckets.core.step_plan import PrefillChunk, Segment, StepPlan
     from neuron_buckets.engine.block_pool import BlockPool
     from neuron_buckets.engine.llm_engine import LLMEngine, generate
     from neuron_buckets.engine.request_output import RequestOutput

@@ -21,6 +21,8 @@ import torch
 from filelock import FileLock
 from typer.testing import CliRunner
 
+from neuron_buckets.core.step_plan import Segment
+
 TINY_LLAMA = dict(
     vocab_size=256,
     hidden_size=64,
@@ -282,3 +284,9 @@ def text_artifact(text_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     return tmp / "art"
+
+
+def segment(token_ids, start: int, block_ids, num_samples: int = 1) -> Segment:
+    """A segment to pad by hand: one request's ``token_ids`` at positions ``start``, ... over
+    ``block_ids``, its last ``num_samples`` tokens sampled."""
+    return Segment(0, token_ids, start, block_ids, num_samples)

@@ -27,7 +27,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk
+from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, save_tiny_model, write_config
 from tests.test_engine import greedy
@@ -135,7 +135,7 @@ def test_steps_match_transformers(compiled: Compiled):
     # the ones greedy decoding picks.
     first = int(compiled.logits(seqs[1])[-1].argmax())
     drafts = [[7, 8], [first, int(compiled.logits([*seqs[1], first])[-1].argmax())]]
-    rows = [DecodeRow([s[-1], *d], len(s) - 1, b) for s, d, b in zip(seqs, drafts, blocks, strict=True)]
+    rows = [PrefillChunk([s[-1], *d], len(s) - 1, b) for s, d, b in zip(seqs, drafts, blocks, strict=True)]
     logits = runtime.decode(rows)
     for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
         compiled.assert_close(logits[row], compiled.logits([*seq, *draft])[-3:])
@@ -144,7 +144,7 @@ def test_steps_match_transformers(compiled: Compiled):
     # both drafts and the bonus; then one plain decode step, two of its three positions padding.
     seqs[0].append(int(logits[0, 0].argmax()))
     seqs[1] += [*drafts[1], int(logits[1, 2].argmax())]
-    logits = runtime.decode([DecodeRow([s[-1]], len(s) - 1, b) for s, b in zip(seqs, blocks, strict=True)])
+    logits = runtime.decode([PrefillChunk([s[-1]], len(s) - 1, b) for s, b in zip(seqs, blocks, strict=True)])
     for row, seq in enumerate(seqs):
         compiled.assert_close(logits[row, 0], compiled.logits(seq)[-1])
 
@@ -173,7 +173,10 @@ def test_greedy_tokens_equal_transformers_generate(compiled: Compiled):
     blocks = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(batch))]  # 128 positions each
     steps = [runtime.prefill([PrefillChunk(p, 0, b) for p, b in zip(batch, blocks, strict=True)])]
     for i in range(MAX_NEW - 1):
-        rows = [DecodeRow([w[i]], len(p) + i, b) for p, (w, _), b in zip(batch, wants, blocks, strict=True)]
+        rows = [
+            PrefillChunk([w[i]], len(p) + i, b)
+            for p, (w, _), b in zip(batch, wants, blocks, strict=True)
+        ]
         steps.append(runtime.decode(rows)[:, 0])
     along = torch.stack(steps, dim=1)  # (prompts, steps, vocab)
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.padding import PrefillChunk, pad_prefill
+from neuron_buckets.core.padding import pad_prefill
 from neuron_buckets.model.checkpoint import (
     DEFAULT_CONFIG,
     checkpoint_shapes,
@@ -23,6 +23,7 @@ from neuron_buckets.model.checkpoint import (
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.model.model_config import LlamaConfig, RopeScaling
 from neuron_buckets.model.weights import LayerWeights, layer_shapes
+from tests.conftest import segment
 
 BASE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -34,7 +35,7 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
 def last_logits(model: Llama, ids: list[int]) -> torch.Tensor:
     """Our logits for the last of ``ids``, prefilled in one padded step over blocks 3, 1, 2."""
     k = torch.zeros(model.cache_shape(8, 16), dtype=model.weights.embed.dtype)
-    step = pad_prefill([PrefillChunk(ids, 0, [3, 1, 2])], Bucket("prefill", 1, 48, 48), 16)
+    step = pad_prefill([segment(ids, 0, [3, 1, 2])], Bucket("prefill", 1, 48, 48), 16)
     with torch.no_grad():
         return model(*step.args(), k, k.clone())[0]
 

@@ -39,7 +39,7 @@ from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from neuron_buckets.utils import files

@@ -8,12 +8,13 @@ import torch
 import transformers
 
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.kernels import dispatch
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.model.model_config import LlamaConfig
-from tests.conftest import ARCHITECTURES, tiny_hf_model
+from tests.conftest import ARCHITECTURES, segment, tiny_hf_model
 
 BS, NUM_BLOCKS, CTX = 8, 48, 64
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -61,16 +62,16 @@ class Session:
         with torch.no_grad():
             return self.hf(torch.tensor([tokens])).logits[0]
 
-    def chunk(self, r: int, chunk: int | None = None) -> PrefillChunk:
+    def chunk(self, r: int, chunk: int | None = None) -> Segment:
         start = self.cached[r]
         ids = self.seqs[r][start : None if chunk is None else start + chunk]
-        return PrefillChunk(ids, start, self.alloc(r, start + len(ids)))
+        return segment(ids, start, self.alloc(r, start + len(ids)))
 
-    def row(self, r: int, drafts: list[int]) -> DecodeRow:
+    def row(self, r: int, drafts: list[int]) -> Segment:
         ids = [self.seqs[r][-1], *drafts]
-        return DecodeRow(ids, self.cached[r], self.alloc(r, self.cached[r] + len(ids)), len(ids))
+        return segment(ids, self.cached[r], self.alloc(r, self.cached[r] + len(ids)), len(ids))
 
-    def prefilled(self, r: int, c: PrefillChunk, logits: torch.Tensor) -> None:
+    def prefilled(self, r: int, c: Segment, logits: torch.Tensor) -> None:
         """Check a chunk's last logits against transformers over everything cached so far; a
         chunk that ends its prompt appends its greedy token."""
         self.cached[r] += len(c.token_ids)
@@ -80,7 +81,7 @@ class Session:
         if self.cached[r] == len(self.seqs[r]):
             self.seqs[r].append(int(logits.argmax()))
 
-    def decoded(self, r: int, d: DecodeRow, logits: torch.Tensor) -> None:
+    def decoded(self, r: int, d: Segment, logits: torch.Tensor) -> None:
         """Check a (speculative) row's logits; accept matching drafts plus one bonus token, greedily."""
         n = len(d.token_ids)
         ref = self.reference(self.seqs[r] + list(d.token_ids[1:]))[-n:]
@@ -184,8 +185,8 @@ def test_packed_requests_never_see_each_other():
 
 
 @pytest.mark.parametrize("kind, make", [
-    ("prefill", lambda ids, pos, blocks: PrefillChunk(ids, pos, blocks)),
-    ("decode", lambda ids, pos, blocks: DecodeRow(ids[:2], pos, blocks)),
+    ("prefill", lambda ids, pos, blocks: segment(ids, pos, blocks)),
+    ("decode", lambda ids, pos, blocks: segment(ids[:2], pos, blocks)),
 ])
 def test_padded_and_unpadded_steps_agree(kind, make):
     """Same real requests in an exact-fit bucket and in padded or wider ones.
@@ -232,9 +233,9 @@ def test_too_small_bucket_is_refused():
     model = ours_from(hf_model())
     k = torch.zeros(model.cache_shape(NUM_BLOCKS, BS))
     with pytest.raises(NoBucketFits, match="40 tokens"):
-        pad_prefill([PrefillChunk(list(range(40)), 0, [1, 2, 3, 4, 5])],
+        pad_prefill([segment(list(range(40)), 0, [1, 2, 3, 4, 5])],
                     Bucket("prefill", 1, 32, CTX), BS)
-    step = pad_decode([DecodeRow([1], 20, [3, 4, 5])], Bucket("decode", 2, 1, 24), BS)
+    step = pad_decode([segment([1], 20, [3, 4, 5])], Bucket("decode", 2, 1, 24), BS)
     narrow = step.block_table[:, :2]  # a graph whose ctx (16) cannot hold the 20 cached tokens
     args = (*step.args()[:3], narrow, *step.args()[4:])
     with pytest.raises(ValueError, match="exceeds the bucket's ctx 16"):
@@ -243,7 +244,7 @@ def test_too_small_bucket_is_refused():
 
 def test_mismatched_cache_geometry_is_refused():
     model = ours_from(hf_model())
-    step = pad_decode([DecodeRow([1], 3, [3])], Bucket("decode", 1, 1, CTX), BS)
+    step = pad_decode([segment([1], 3, [3])], Bucket("decode", 1, 1, CTX), BS)
     wrong = torch.zeros(2, NUM_BLOCKS, BS, 4, 16)  # 4 kv heads; the model has 2
     with pytest.raises(ValueError, match=r"cache geometry \(2, 48, 8, 4, 16\)"):
         model(*step.args(), wrong, wrong.clone())
@@ -253,7 +254,7 @@ def test_mismatched_cache_geometry_is_refused():
 
 def test_export_keeps_static_shapes_and_mutates_the_caches_in_place():
     model = ours_from(hf_model())
-    step = pad_decode([DecodeRow([5, 6], 9, [7, 3])], Bucket("decode", 2, 2, 32), BS)
+    step = pad_decode([segment([5, 6], 9, [7, 3])], Bucket("decode", 2, 2, 32), BS)
     k, v = torch.zeros(model.cache_shape(16, BS)), torch.zeros(model.cache_shape(16, BS))
     with torch.no_grad():
         ep = torch.export.export(model, (*step.args(), k, v))
@@ -279,7 +280,7 @@ def test_model_runs_the_kernels_a_backend_swaps_in():
         calls.append("attend")
         return golden.block_kv_attention(*args)
 
-    step = pad_decode([DecodeRow([5], 9, [7, 3])], Bucket("decode", 2, 1, 32), BS)
+    step = pad_decode([segment([5], 9, [7, 3])], Bucket("decode", 2, 1, 32), BS)
     k = torch.zeros(model.cache_shape(16, BS))
     with torch.no_grad(), dispatch.use(dispatch.KernelSet("spy", write, attend)):
         model(*step.args(), k, k.clone())

@@ -6,13 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
 from neuron_buckets.engine.block_pool import BlockPool
+from tests.conftest import segment
 
 
 def test_seed_prefill_100_tokens_padded_to_128():
     tokens = list(range(1000, 1100))
-    step = pad_prefill([PrefillChunk(tokens, 0, [10, 15])], Bucket("prefill", 1, 128, 256), 64)
+    step = pad_prefill([segment(tokens, 0, [10, 15])], Bucket("prefill", 1, 128, 256), 64)
     assert step.slot_mapping.tolist() == [*range(640, 704), *range(960, 996)] + [-1] * 28
     assert step.positions.tolist() == list(range(100)) + [0] * 28
     assert step.input_ids.tolist() == tokens + [0] * 28
@@ -30,13 +31,13 @@ def test_seed_prefill_100_tokens_padded_to_128():
 
 def test_seed_prefill_scheduler_table_with_zeros_is_remapped():
     # The worked example's "Block Table: [10, 15, 0, 0, ...]" as a scheduler emits it.
-    step = pad_prefill([PrefillChunk([5] * 100, 0, [10, 15, 0, 0])], Bucket("prefill", 1, 128, 256), 64)
+    step = pad_prefill([segment([5] * 100, 0, [10, 15, 0, 0])], Bucket("prefill", 1, 128, 256), 64)
     assert step.block_table.tolist() == [[10, 15, -1, -1]]
     assert step.slot_mapping[99] == 995 and step.slot_mapping[100] == -1
 
 
 def test_seed_decode_bucket_8_with_2_active_requests():
-    rows = [DecodeRow([7], 50, [10]), DecodeRow([9], 75, [8, 12])]
+    rows = [segment([7], 50, [10]), segment([9], 75, [8, 12])]
     step = pad_decode(rows, Bucket("decode", 8, 1, 256), 64)
     assert step.input_ids.tolist() == [7, 9, 0, 0, 0, 0, 0, 0]
     assert step.positions.tolist() == [50, 75, 0, 0, 0, 0, 0, 0]
@@ -56,7 +57,7 @@ def test_seed_decode_bucket_8_with_2_active_requests():
 def test_packed_prefill_of_two_chunks_and_a_pad_tail():
     # Chunk 0 continues a chunked prompt at 6..8; chunk 1 is a fresh prompt of 5 tokens, packed
     # right behind it in one run of 16 tokens; the bucket holds up to 3 requests.
-    chunks = [PrefillChunk([6, 7, 8], 6, [4, 7, 2]), PrefillChunk([1, 2, 3, 4, 5], 0, [3, 9])]
+    chunks = [segment([6, 7, 8], 6, [4, 7, 2]), segment([1, 2, 3, 4, 5], 0, [3, 9])]
     bucket = Bucket("prefill", 3, 16, 16)
     step = pad_prefill(chunks, bucket, block_size=4)
     pad8 = [-1] * 8
@@ -78,8 +79,8 @@ def test_packed_prefill_of_two_chunks_and_a_pad_tail():
 def test_every_packed_segment_continues_its_own_context_and_returns_its_samples():
     # A continuing chunk, a fresh prompt, a decode row riding along (all its tokens sampled) and a
     # chunk that does not end its prompt (no sample), in one run of 16 with 8 sample entries.
-    chunks = [PrefillChunk([6, 7, 8], 6, [4, 7, 2]), PrefillChunk([1, 2, 3, 4, 5], 0, [3, 9]),
-              PrefillChunk([9, 10], 5, [5, 6], 2), PrefillChunk([1, 2], 3, [8, 10], 0)]  # fmt: skip
+    chunks = [segment([6, 7, 8], 6, [4, 7, 2]), segment([1, 2, 3, 4, 5], 0, [3, 9]),
+              segment([9, 10], 5, [5, 6], 2), segment([1, 2], 3, [8, 10], 0)]  # fmt: skip
     step = pad_prefill(chunks, Bucket("prefill", 4, 16, 16), block_size=4, samples=8)
     assert step.block_table.tolist() == [[4, 7, 2, -1], [3, 9, -1, -1], [5, 6, -1, -1], [8, 10, -1, -1]]
     assert step.cache_lens.tolist() == [6, 0, 5, 3]
@@ -93,17 +94,17 @@ def test_every_packed_segment_continues_its_own_context_and_returns_its_samples(
 
 
 def test_packed_prefill_refuses_more_tokens_or_requests_than_the_bucket_holds():
-    chunks = [PrefillChunk([1] * 10, 0, [1, 2, 3]), PrefillChunk([2] * 7, 0, [4, 5])]
+    chunks = [segment([1] * 10, 0, [1, 2, 3]), segment([2] * 7, 0, [4, 5])]
     with pytest.raises(NoBucketFits, match=r"17 tokens do not fit bucket prefill_s16 \(16 tokens\)"):
         pad_prefill(chunks, Bucket("prefill", 2, 16, 16), block_size=4)
-    three = [PrefillChunk([i], 0, [i]) for i in (1, 2, 3)]
+    three = [segment([i], 0, [i]) for i in (1, 2, 3)]
     with pytest.raises(NoBucketFits, match=r"3 requests do not fit bucket prefill_s16 \(at most 2\)"):
         pad_prefill(three, Bucket("prefill", 2, 16, 16), block_size=4)
 
 
 def test_speculative_decode_rows_cross_the_block_boundary():
     # The worked example's base token at 62 plus 3 drafts, beside a request crossing at 127 -> 128.
-    rows = [DecodeRow([1, 2, 3, 4], 62, [10, 15]), DecodeRow([5, 6, 7, 8], 125, [3, 5, 7])]
+    rows = [segment([1, 2, 3, 4], 62, [10, 15]), segment([5, 6, 7, 8], 125, [3, 5, 7])]
     step = pad_decode(rows, Bucket("decode", 4, 4, 256), 64)
     assert step.slot_mapping.tolist() == [702, 703, 960, 961, 381, 382, 383, 448] + [-1] * 8
     assert step.positions.tolist() == [62, 63, 64, 65, 125, 126, 127, 128] + [0] * 8
@@ -117,7 +118,7 @@ def test_dummy_rows_allocate_nothing_and_copy_row_0():
     pool = BlockPool(num_blocks=64, block_size=16)
     a, b = pool.grow([], 41), pool.grow([], 20)  # actual tokens only: 3 + 2 blocks
     free_before = pool.num_free
-    step = pad_decode([DecodeRow([1], 40, a), DecodeRow([2], 19, b)], Bucket("decode", 8, 1, 64), 16)
+    step = pad_decode([segment([1], 40, a), segment([2], 19, b)], Bucket("decode", 8, 1, 64), 16)
     assert pool.num_free == free_before == 63 - 5
     used = set(step.block_table.flatten().tolist()) - {-1}
     assert used == {*a, *b}
@@ -142,24 +143,24 @@ def reference_step(rows, bucket: Bucket, block_size: int, decode: bool) -> dict[
         for i, row in enumerate(rows):
             for j, token in enumerate(row.token_ids):
                 ids.append(token)
-                pos.append(row.start_pos + j)
-                slots.append(slot(row, row.start_pos + j))
+                pos.append(row.context_len + j)
+                slots.append(slot(row, row.context_len + j))
                 segment.append(i)
             sampling.append(len(ids) - 1)
         pads = bucket.seq - len(ids)
         return dict(input_ids=ids + [0] * pads, positions=pos + [0] * pads, slot_mapping=slots + [-1] * pads,
                     segment_ids=segment + [len(rows)] * pads,
                     block_table=[table_row(r) for r in rows] + [[-1] * max_blocks] * spare,
-                    cache_lens=[r.start_pos for r in rows] + [0] * spare,
+                    cache_lens=[r.context_len for r in rows] + [0] * spare,
                     sampling_positions=sampling + [0] * (bucket.batch - len(rows)))  # fmt: skip
     for r in range(bucket.batch):
         row = rows[r] if r < len(rows) else rows[0]
         table.append(table_row(row))
         real = r < len(rows)
-        lens.append(row.start_pos if real else 0)
+        lens.append(row.context_len if real else 0)
         for j in range(bucket.seq):
             if real and j < len(row.token_ids):
-                p = row.start_pos + j
+                p = row.context_len + j
                 ids.append(row.token_ids[j])
                 pos.append(p)
                 slots.append(slot(row, p))
@@ -192,7 +193,7 @@ def steps(draw):
     for start, length, k in zip(starts, lens, needed, strict=True):
         tokens = draw(st.lists(st.integers(1, 32000), min_size=length, max_size=length))
         trailing_zeros = [0] * draw(st.integers(0, max_blocks - k))  # scheduler-style unused entries
-        rows.append(PrefillChunk(tokens, start, list(physical[used : used + k]) + trailing_zeros))
+        rows.append(segment(tokens, start, list(physical[used : used + k]) + trailing_zeros))
         used += k
     batch = n + draw(st.integers(0, 3))  # dummy rows / unused request slots
     seq = longest if decode else sum(lens) + draw(st.integers(0, 8))  # prefill: a padded tail
@@ -234,30 +235,30 @@ def test_a_request_larger_than_every_bucket_is_refused():
     with pytest.raises(NoBucketFits, match="no bucket fits 129: the largest bucket is 128"):
         select_bucket([32, 64, 128], 129)
     with pytest.raises(NoBucketFits, match=r"129 tokens do not fit bucket prefill_s128 \(128 tokens\)"):
-        pad_prefill([PrefillChunk([1] * 129, 0, [1, 2, 3])], Bucket("prefill", 1, 128, 256), 64)
+        pad_prefill([segment([1] * 129, 0, [1, 2, 3])], Bucket("prefill", 1, 128, 256), 64)
 
 
 def test_more_requests_than_rows_are_refused():
-    rows = [DecodeRow([1], 0, [b]) for b in (1, 2, 3)]
+    rows = [segment([1], 0, [b]) for b in (1, 2, 3)]
     with pytest.raises(NoBucketFits, match=r"3 requests do not fit bucket decode_b2_c64 \(batch 2\)"):
         pad_decode(rows, Bucket("decode", 2, 1, 64), 16)
 
 
 def test_context_beyond_the_bucket_is_refused():
     with pytest.raises(NoBucketFits, match=r"context 65 exceeds bucket decode_b1_c64 \(ctx 64\)"):
-        pad_decode([DecodeRow([1], 64, [1, 2, 3, 4, 5])], Bucket("decode", 1, 1, 64), 16)
+        pad_decode([segment([1], 64, [1, 2, 3, 4, 5])], Bucket("decode", 1, 1, 64), 16)
 
 
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
         ([], "at least one request"),
-        ([PrefillChunk([], 0, [1])], "at least one token"),
-        ([PrefillChunk([1], -1, [1])], r"start positions must be >= 0, got \[-1\]"),
+        ([segment([], 0, [1])], "at least one token"),
+        ([segment([1], -1, [1])], r"start positions must be >= 0, got \[-1\]"),
         # A hole under the context would read the null block as if it held the prompt's K/V.
-        ([PrefillChunk([1], 20, [0, 2])], r"request 0 covers positions \[0, 21\).*logical block 0"),
-        ([PrefillChunk([1] * 4, 0, [3]), PrefillChunk([2] * 4, 0, [3])], "same cache slot"),
-        ([PrefillChunk([1] * 20, 0, [3, 3])], "same cache slot"),
+        ([segment([1], 20, [0, 2])], r"request 0 covers positions \[0, 21\).*logical block 0"),
+        ([segment([1] * 4, 0, [3]), segment([2] * 4, 0, [3])], "same cache slot"),
+        ([segment([1] * 20, 0, [3, 3])], "same cache slot"),
     ],
 )
 def test_bad_prefill_steps_are_refused(rows, message):
@@ -267,7 +268,7 @@ def test_bad_prefill_steps_are_refused(rows, message):
 
 def test_short_decode_rows_sample_token_0_in_place_of_their_pads():
     # A plain decode token in a speculation bucket: its row's pad entries are sampled as token 0.
-    rows = [DecodeRow([1, 2, 3, 4], 10, [1]), DecodeRow([5], 10, [2])]
+    rows = [segment([1, 2, 3, 4], 10, [1]), segment([5], 10, [2])]
     step = pad_decode(rows, Bucket("decode", 3, 4, 64), 16)
     assert step.slot_mapping.tolist() == [26, 27, 28, 29, 42, -1, -1, -1] + [-1] * 4
     assert step.sampling_positions.tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 8, 8, 8, 8]

@@ -27,7 +27,7 @@ from neuron_buckets.cli import app
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import load_config
-from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.utils.package_data import read_package_data
 from tests.conftest import TINY_CONFIG, error_line, free_port, write_config

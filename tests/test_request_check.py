@@ -11,7 +11,7 @@ import torch
 
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import load_config
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk
+from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.engine.llm_engine import generate
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, write_config
@@ -32,7 +32,7 @@ def prefill(*rows):
 
 
 def decode(*rows):
-    return lambda rt: rt.decode([DecodeRow(*row) for row in rows])
+    return lambda rt: rt.decode([PrefillChunk(*row) for row in rows])
 
 
 BAD_STEPS = {  # on 64 blocks of 8 tokens, vocabulary 256, decode rows of 1 token

@@ -20,8 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk
-from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.core.step_plan import PrefillChunk, Segment
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from neuron_buckets.utils.files import sha256_file
 
@@ -70,7 +69,7 @@ def test_open_loads_no_graph_first_use_loads_its_pieces_preload_loads_all(compil
     with_context = piece_keys(runtime, Bucket("prefill", 2, 16, 128))[1]
     assert runtime.loaded == [*prefill_16, with_context]
 
-    runtime.decode([DecodeRow([7], 14, [1, 2])])  # another bucket: only its layer piece is new
+    runtime.decode([PrefillChunk([7], 14, [1, 2])])  # another bucket: only its layer piece is new
     decode_1 = piece_keys(runtime, Bucket("decode", 1, 1, 128))
     assert (decode_1[0], decode_1[2]) == (prefill_16[0], prefill_16[2])  # the shared embed and head
     assert runtime.loaded == [*prefill_16, with_context, decode_1[1]]
@@ -91,7 +90,7 @@ def test_stats_count_calls_real_and_padded_tokens_per_bucket(compiled_dir):
     # 10 + 20 tokens pack into one call of the 32-token bucket; 10 alone take the 16-token one
     runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2]), PrefillChunk(tokens(20, 1), 0, [3, 4, 5])])
     runtime.prefill([PrefillChunk(tokens(10, 2), 0, [6, 7])])
-    runtime.decode([DecodeRow([7], 10, [1, 2])])
+    runtime.decode([PrefillChunk([7], 10, [1, 2])])
 
     def counters(label: str) -> tuple[int, int, int]:
         s = runtime.stats[label]
@@ -145,7 +144,7 @@ def test_decode_of_three_rows_splits_over_batch_2_graphs_and_matches_transformer
     runtime.prefill([PrefillChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
 
     nxt = [11, 22, 33]
-    rows = [DecodeRow([n], len(p), t) for p, n, t in zip(prompts, nxt, tables, strict=True)]
+    rows = [PrefillChunk([n], len(p), t) for p, n, t in zip(prompts, nxt, tables, strict=True)]
     logits = runtime.decode(rows)
 
     assert logits.shape == (3, 1, 256)
@@ -241,7 +240,7 @@ def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, da
         runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
     assert torch.equal(runtime.k_cache, before)
     runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])])  # the other buckets still serve
-    runtime.decode([DecodeRow([7], 20, [1, 2, 3])])
+    runtime.decode([PrefillChunk([7], 20, [1, 2, 3])])
 
 
 def test_a_damaged_shared_piece_fails_every_bucket_that_runs_it(artifact_copy):
@@ -254,7 +253,7 @@ def test_a_damaged_shared_piece_fails_every_bucket_that_runs_it(artifact_copy):
     for step in (
         lambda: runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])]),
         lambda: runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])]),
-        lambda: runtime.decode([DecodeRow([7], 10, [1, 2])]),
+        lambda: runtime.decode([PrefillChunk([7], 10, [1, 2])]),
     ):
         with pytest.raises(ArtifactError, match=r"graph .* of piece head does not match its sha256"):
             step()
@@ -321,11 +320,11 @@ def test_a_float32_cpu_artifact_carries_the_attention_kernel_that_its_graphs_cal
 
 DECODER = """
 import sys
-from neuron_buckets.core.padding import DecodeRow
+from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 assert not block_kv_cpu.registered()
-logits = BucketRuntime.open(sys.argv[1]).decode([DecodeRow([7], 9, [1, 2])])
+logits = BucketRuntime.open(sys.argv[1]).decode([PrefillChunk([7], 9, [1, 2])])
 print(block_kv_cpu.registered(), logits.isfinite().all().item())
 """
 
@@ -384,11 +383,11 @@ def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
             r"block ids must lie in \[1, 64\)",
         ),
         (
-            lambda rt: rt.decode([DecodeRow([3], 10, [1, 2]), DecodeRow([4], 10, [-3, 5])]),
+            lambda rt: rt.decode([PrefillChunk([3], 10, [1, 2]), PrefillChunk([4], 10, [-3, 5])]),
             ValueError,
             r"block ids must lie in \[1, 64\), got \[-3, 5\]",
         ),
-        (lambda rt: rt.decode([DecodeRow([3], 20, [1, 2])]), ValueError, "blocks for only 16"),
+        (lambda rt: rt.decode([PrefillChunk([3], 20, [1, 2])]), ValueError, "blocks for only 16"),
         # two requests sharing a block: a later call of the step would overwrite the earlier one's K/V
         (
             lambda rt: rt.prefill(

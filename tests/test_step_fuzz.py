@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.core.padding import PrefillChunk
+from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
 pytestmark = pytest.mark.slow  # the session's compiled inductor artifact

@@ -19,9 +19,9 @@ from filelock import FileLock
 from torch import Tensor
 
 from neuron_buckets.config import DTYPES, Config, load_config
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk, pad_decode, pad_prefill
+from neuron_buckets.core.padding import pad_decode, pad_prefill
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import TINY_CONFIG, write_config
+from tests.conftest import TINY_CONFIG, segment, write_config
 
 pytestmark = pytest.mark.xla
 torch_xla = pytest.importorskip("torch_xla", reason="needs torch-xla 2.9: make test-xla runs these")
@@ -165,13 +165,13 @@ def test_every_bucket_on_xla_cpu_agrees_with_eager_over_a_nan_cache(runtimes):
     steps = []
     for b in sorted(xla.records, key=lambda b: (b.kind == "decode", b.seq, b.batch)):
         if b.kind == "prefill" and b.seq == 16:  # one request
-            chunk = [PrefillChunk(prompt[0][:8], 0, blocks[0])]
+            chunk = [segment(prompt[0][:8], 0, blocks[0])]
             steps.append((b, pad_prefill(chunk, b, 8, xla.buckets.samples(b))))
         elif b.kind == "prefill":  # two requests packed; the first continues its cached start
-            chunks = [PrefillChunk(prompt[0][8:20], 8, blocks[0]), PrefillChunk(prompt[1], 0, blocks[1])]
+            chunks = [segment(prompt[0][8:20], 8, blocks[0]), segment(prompt[1], 0, blocks[1])]
             steps.append((b, pad_prefill(chunks, b, 8, xla.buckets.samples(b))))
         else:  # 1 + 2 speculative positions per row
-            rows = [DecodeRow([5, 6, 7], 20, blocks[0]), DecodeRow([8, 9, 1], 9, blocks[1])][: b.batch]
+            rows = [segment([5, 6, 7], 20, blocks[0]), segment([8, 9, 1], 9, blocks[1])][: b.batch]
             steps.append((b, pad_decode(rows, b, 8)))
     names = ["prefill_s16", "prefill_s32", "decode_b1_s3_c128", "decode_b2_s3_c128"]
     assert [b.name for b, _ in steps] == names

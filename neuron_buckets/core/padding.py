@@ -26,21 +26,7 @@ from neuron_buckets.core.block_table import (
     remap_null_block_to_sentinel,
 )
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Tokens of one request written at positions ``start_pos``, ``start_pos + 1``, ...; in a
-    packed step the logits of its last ``num_samples`` come back (a decode row riding in a packed
-    call samples all its tokens, a chunk that does not end its prompt none)."""
-
-    token_ids: Sequence[int] | Tensor
-    start_pos: int
-    block_ids: Sequence[int]
-    num_samples: int = 1
-
-
-DecodeRow = PrefillChunk  # one request's 1 + speculation_length tokens, all sampled by pad_decode
+from neuron_buckets.core.step_plan import Segment
 
 
 @dataclass(frozen=True)
@@ -85,11 +71,12 @@ class StepInputs:
 
 
 def pad_prefill(
-    chunks: Sequence[PrefillChunk], bucket: Bucket, block_size: int, samples: int | None = None
+    chunks: Sequence[Segment], bucket: Bucket, block_size: int, samples: int | None = None
 ) -> StepInputs:
-    """Segments end to end in ``bucket.seq`` tokens, at most ``bucket.batch`` of them, segment g
-    over block-table row g; the logits of each one's last ``num_samples`` tokens are sampled, in
-    segment order, into ``samples`` entries (``bucket.batch`` unless given)."""
+    """Segments (each the part of a plan's segment that one call runs) end to end in
+    ``bucket.seq`` tokens, at most ``bucket.batch`` of them, segment g over block-table row g; the
+    logits of each one's last ``num_samples`` tokens are sampled, in segment order, into
+    ``samples`` entries (``bucket.batch`` unless given)."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     if len(chunks) > bucket.batch:
@@ -100,7 +87,7 @@ def pad_prefill(
     total = int(lens.sum())
     if total > bucket.seq:
         raise NoBucketFits(f"{total} tokens do not fit bucket {bucket.name} ({bucket.seq} tokens)")
-    starts = torch.tensor([c.start_pos for c in chunks], dtype=torch.int64)
+    starts = torch.tensor([c.context_len for c in chunks], dtype=torch.int64)
     if int(starts.min()) < 0:
         raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
     wanted = torch.tensor([c.num_samples for c in chunks], dtype=torch.int64)
@@ -136,7 +123,7 @@ def pad_prefill(
     )
 
 
-def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> StepInputs:
+def pad_decode(rows: Sequence[Segment], bucket: Bucket, block_size: int) -> StepInputs:
     """One row per request of up to ``1 + speculation_length`` tokens; every real token is sampled.
 
     The first ``num_rows * seq`` samples are the real rows, row by row; a short row's pad entries
@@ -154,7 +141,7 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: Bucket, block_size: int) -> St
         raise NoBucketFits(
             f"a request of {int(lens.max())} tokens does not fit bucket {bucket.name} (seq {seq})"
         )
-    starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
+    starts = torch.tensor([r.context_len for r in rows], dtype=torch.int64)
     if int(starts.min()) < 0:
         raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
     table = torch.empty(batch, bucket.ctx // block_size, dtype=torch.int64)
@@ -202,7 +189,7 @@ def _ragged(lists: Sequence[Sequence[int] | Tensor]) -> tuple[Tensor, Tensor]:
 
 
 def _block_rows(
-    rows: Sequence[PrefillChunk], starts: Tensor, lens: Tensor, bucket: Bucket, block_size: int
+    rows: Sequence[Segment], starts: Tensor, lens: Tensor, bucket: Bucket, block_size: int
 ) -> Tensor:
     """(rows, ctx // block_size) block table of the real rows, 0 (null) where unused, checked."""
     max_blocks = bucket.ctx // block_size

@@ -24,8 +24,8 @@ from torch.nn.utils.rnn import pad_sequence
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import DecodeRow, PrefillChunk, StepInputs, pad_decode, pad_prefill
-from neuron_buckets.core.step_plan import Segment, StepPlan
+from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.step_plan import PrefillChunk, Segment, StepPlan
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.weights import ModelWeights
@@ -192,8 +192,10 @@ class BucketRuntime:
         return torch.cat([samples[i] for i in sorted(samples)] or [empty])
 
     def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
+        """Pad the parts of the plan's segments that ``call`` runs to its bucket, and run it."""
         chunks = [
-            PrefillChunk(
+            Segment(
+                p.segment,
                 plan[p.segment].token_ids[p.offset : p.offset + p.tokens],
                 plan[p.segment].context_len + p.offset,
                 plan[p.segment].block_ids,
@@ -216,7 +218,7 @@ class BucketRuntime:
             tuple(Segment(i, c.token_ids, c.start_pos, c.block_ids, 1) for i, c in enumerate(chunks))
         )
 
-    def decode(self, rows: Sequence[DecodeRow]) -> Tensor:
+    def decode(self, rows: Sequence[PrefillChunk]) -> Tensor:
         """One decode step of every row, each row's tokens all sampled; (R, tokens, vocab), a row
         shorter than the longest padded with zeros."""
         plan = tuple(

@@ -16,7 +16,8 @@ import torch
 
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.padding import PrefillChunk, StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from neuron_buckets.utils.files import intact
@@ -83,7 +84,7 @@ def random_step(
         start = 0 if fresh else int(torch.randint(0, bucket.ctx - n + 1, (1,), generator=gen))
         need = -(-(start + n) // block_size)
         blocks, free = free[:need], free[need:]
-        chunks.append(PrefillChunk(torch.randint(0, vocab, (n,), generator=gen), start, blocks))
+        chunks.append(Segment(len(chunks), torch.randint(0, vocab, (n,), generator=gen), start, blocks, 1))
     if bucket.kind == "decode":
         return pad_decode(chunks, bucket, block_size)
     return pad_prefill(chunks, bucket, block_size, samples)
