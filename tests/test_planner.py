@@ -113,9 +113,12 @@ def test_chunking_example() -> None:
         "seq": 128,
         "calls": 3,
         "real_tokens": 145,
+        "computed_tokens": 384,
+        "padding_share": 239 / 384,  # padding / computed
         "padded_tokens": 384,
-        "padding_ratio": 239 / 145,
+        "padding_ratio": 239 / 145,  # the contract's padding / real
     }
+    assert doc["padding_share"] == (1920 - 1681) / 1920 and doc["computed_tokens"] == 1920
 
 
 def test_powers_of_two_baseline_covers_the_longest_prompt() -> None:

@@ -11,16 +11,19 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
 
 from neuron_buckets.cli.console import err, int_list, out
 from neuron_buckets.config import Config, enumerate_grid, load_config
+from neuron_buckets.config.buckets import DEFAULT_MAX_NUM_SEQS
 from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
-from neuron_buckets.traffic.padding_stats import inspect_trace
+from neuron_buckets.traffic.padding_stats import inspect_trace, peak_blocks
+from neuron_buckets.traffic.planned_config import Limits, PlannedConfig
 from neuron_buckets.traffic.planner import PlanOptions, plan, plan_replayed
 from neuron_buckets.traffic.replay_load import STEP_S, TOKEN_S, ReplayLoad
-from neuron_buckets.traffic.report import print_bucket_plan, print_inspect, toml_snippet
+from neuron_buckets.traffic.report import plan_header, print_bucket_plan, print_inspect
 from neuron_buckets.traffic.runtime_replay import (
     Replay,
     fit_requests,
@@ -31,9 +34,6 @@ from neuron_buckets.traffic.runtime_replay import (
 from neuron_buckets.traffic.speculation_cost import measured_speculation, planned_speculation
 from neuron_buckets.traffic.trace_prompts import trace_prompts
 from neuron_buckets.traffic.traces import Trace, load_trace
-
-DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
-
 
 TRACE_HELP = (
     "Trace file, CSV or JSONL, with ContextTokens/GeneratedTokens, input_length/output_length or "
@@ -125,16 +125,17 @@ def inspect(
     the prefix cache's hits, evictions and prefill tokens saved. What speculation costs in graphs
     (``speculation``): measured with --manifest, counted in buckets with a config."""
     built = load_manifest_buckets(manifest) if manifest else None
-    prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
+    prefill, num_seqs, limit = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
     replays = built is None and prefill_buckets is None and num_seqs_buckets is None
     if not replays and (concurrency is not None or arrivals):
         raise ValueError(
             "--concurrency and --arrivals replay a config's grid: pass a CONFIG, not --manifest or buckets"
         )
-    data = _load(trace)
+    data, refused = _servable(_load(trace), limit)
     load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
-    doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
+    doc = {"refused": refused}  # first: every figure after it leaves these requests out
+    doc |= inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
     if replays:
         doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
     spec = measured_speculation(manifest) if manifest else planned_speculation(load_config(config))
@@ -143,9 +144,36 @@ def inspect(
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 
-        plot_padding(plot, data.prompt_lens, doc["prefill"])
+        plot_padding(plot, data.prompt_lens, doc["prefill"], refused, _source(config, built, prefill_buckets))
         err.print(f"wrote {plot}", highlight=False)
     _emit(doc, as_json, print_inspect)
+
+
+def _source(config: Path | None, built: ManifestBuckets | None, prefill: str | None) -> str:
+    """Where the inspected buckets came from, for the plot's title."""
+    if prefill is not None:
+        return "--prefill-buckets"
+    if built is not None:
+        return "--manifest"
+    return config.name if config is not None else "embedded default config"
+
+
+def _servable(trace: Trace, max_model_len: int | None) -> tuple[Trace, dict]:
+    """The requests a server with ``max_model_len`` runs, and the ``refused`` report of the rest
+    (requests, of how many, the limit); every figure is then of the requests it runs."""
+    kept = trace if max_model_len is None else trace.servable(max_model_len)
+    refused = {"requests": len(trace) - len(kept), "of": len(trace), "max_model_len": max_model_len}
+    if refused["requests"]:
+        err.print(
+            f"{refused['requests']:,} of {len(trace):,} requests are longer than cache.max_model_len "
+            f"({max_model_len}, prompt + output): a server refuses them; they are left out",
+            highlight=False,
+        )
+    if not len(kept):
+        raise ValueError(
+            f"no request of the trace fits cache.max_model_len ({max_model_len}): raise it for this trace"
+        )
+    return kept, refused
 
 
 def _replay_load(
@@ -179,21 +207,24 @@ def _packed(
 
 def _bucket_sets(
     config: Path | None, built: ManifestBuckets | None, prefill: str | None, num_seqs: str | None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None]:
     """Prefill and num_seqs buckets from (in order of precedence) the options, the CONFIG, the
     manifest, or the embedded default config; a bare --prefill-buckets gets powers-of-two
-    num_seqs buckets up to DEFAULT_MAX_NUM_SEQS."""
+    num_seqs buckets up to DEFAULT_MAX_NUM_SEQS. Then the max_model_len they serve (None for
+    bare options: no limit is known)."""
+    limit = None
     if config is not None or (built is None and prefill is None):
-        b = load_config(config).buckets
+        cfg = load_config(config)
+        b, limit = cfg.buckets, cfg.cache.max_model_len
         base = (b.num_batched_tokens_buckets, b.num_seqs_buckets)
     elif built is not None:
-        base = (built.prefill, built.num_seqs)
+        base, limit = (built.prefill, built.num_seqs), built.cost.contexts[-1]
     else:
         base = ((), tuple(powers_of_two(1, DEFAULT_MAX_NUM_SEQS)))
     chosen_prefill = _ints("--prefill-buckets", prefill) if prefill else base[0]
     if not chosen_prefill:
         raise ValueError("the manifest has no single-row prefill buckets; pass --prefill-buckets")
-    return chosen_prefill, _ints("--num-seqs-buckets", num_seqs) if num_seqs else base[1]
+    return chosen_prefill, _ints("--num-seqs-buckets", num_seqs) if num_seqs else base[1], limit
 
 
 def plan_cmd(
@@ -225,7 +256,10 @@ def plan_cmd(
     ] = None,
     max_model_len: Annotated[
         int | None,
-        typer.Option("--max-model-len", min=1, help="Largest decode context; default: the longest request"),
+        typer.Option(
+            "--max-model-len", min=1,
+            help="Longest request (prompt + output) served; default: the config's, else the trace's longest",
+        ),
     ] = None,
     context_graphs: Annotated[
         int | None,
@@ -237,36 +271,66 @@ def plan_cmd(
     token_seconds: TokenSecondsOpt = TOKEN_S,
     replay_requests: ReplayRequestsOpt = 1000,
     trace_block_size: TraceBlockOpt = 512,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Also write the [cache] and [buckets] sections to this file")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Choose the prefill buckets, num_seqs buckets and decode context buckets that minimise
-    padding on a trace: each prompt alone (the offline per-request optimum), and with a CONFIG,
-    ``--concurrency`` or ``--arrivals`` the token buckets that minimise the padding of the steps
-    the config's runtime runs on the trace (``replay``), which the TOML snippet then takes; the
-    decode plans then default to the config's max_num_seqs and max_model_len."""
-    data = _load(trace)
-    load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
-    # a replay plans for the config's runtime: its decode slots and context unless told otherwise
+    """Choose prefill, num_seqs and decode context buckets that minimise padding on a trace, and
+    print the [cache] and [buckets] sections that serve them (also written to --out).
+
+    Each prompt alone gives the offline per-request optimum. With a CONFIG, --concurrency or
+    --arrivals the trace is also replayed through that config's runtime, and the token buckets
+    minimise the padding of the steps it runs; the plan then keeps the config's limits
+    (max_model_len, max_num_seqs, max_num_batched_tokens) and says in one line each value it
+    changes, and why. Requests longer than max_model_len are counted and left out."""
+    loaded = _load(trace)
+    load = _replay_load(loaded, concurrency, arrivals, step_seconds, token_seconds)
+    # a replay plans for the config's runtime: its limits, which the plan keeps
     runtime = load_config(config) if config is not None or not load.all_at_once else None
+    base = runtime or load_config(None)
+    if runtime is not None and max_model_len is not None:
+        raise ValueError(
+            f"--max-model-len: the replayed config's cache.max_model_len ({runtime.cache.max_model_len}) "
+            "bounds the plan; change it in the config"
+        )
+    block = base.cache.block_size
+    longest = int((loaded.prompt_lens + np.maximum(loaded.output_lens, 1)).max())
+    if runtime is not None:
+        model_len, why_len = runtime.cache.max_model_len, "the config's"
+    elif max_model_len is not None:
+        model_len, why_len = max_model_len, "--max-model-len"
+    else:
+        model_len, why_len = -(-longest // align) * align, "the longest request of the trace"
+    data, refused = _servable(loaded, model_len)
+    slots = max_num_seqs or base.buckets.max_num_seqs
     opts = PlanOptions(
         graphs=graphs,
         align=align,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs or (runtime.buckets.max_num_seqs if runtime else DEFAULT_MAX_NUM_SEQS),
+        max_num_seqs=slots,
         decode_graphs=decode_graphs,
         tokens_per_s=decode_rate,
         max_compile_seconds=max_compile_seconds,
         holdout_split=holdout_split,
-        max_model_len=max_model_len or (runtime.cache.max_model_len if runtime else None),
+        max_model_len=model_len,
         context_graphs=context_graphs,
     )
     cost = load_manifest_buckets(manifest).cost if manifest else None
     start = time.perf_counter()
-    doc = plan(data, opts, cost)
+    doc = {"refused": refused} | plan(data, opts, cost)
     if runtime is not None:
         doc["replay"] = _plan_replayed(runtime, data, opts, doc, load, replay_requests, trace_block_size)
     err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
-    doc["toml"] = toml_snippet(doc, trace.name)
+    budget = runtime.buckets.max_num_batched_tokens if runtime else doc["prefill"]["buckets"][-1]
+    limits = Limits(model_len, slots, budget, peak_blocks(data, decode_rate, slots, block), why_len)
+    header = plan_header(doc, trace.name, str(config) if config else "manifests/default.toml")
+    planned = PlannedConfig.of(base, doc, limits, header)
+    doc["config"] = {"cache": planned.cache, "buckets": planned.buckets, "changes": list(planned.changes)}
+    doc["toml"] = planned.toml()
+    if out is not None:
+        out.write_text(doc["toml"])
+        err.print(f"wrote {out}", highlight=False)
     _emit(doc, as_json, print_bucket_plan)
 
 
