@@ -48,10 +48,12 @@ class BucketConfig:
         check_types(self)
         check_positive(self, "max_num_seqs", "max_num_batched_tokens")
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
-        self._derive("num_seqs_buckets", seqs, tuple(powers_of_two(1, seqs)))
-        self._derive("num_batched_tokens_buckets", tokens, (tokens,))
+        self._derive("num_seqs_buckets", "max_num_seqs", tuple(powers_of_two(1, seqs)))
+        self._derive("num_batched_tokens_buckets", "max_num_batched_tokens", (tokens,))
 
-    def _derive(self, name: str, last: int, default: tuple[int, ...]) -> None:
-        spec = getattr(self, name)
-        sizes = default if spec is None else bucket_sizes(f"{self.SECTION}.{name}", spec, last)
+    def _derive(self, name: str, limit: str, default: tuple[int, ...]) -> None:
+        """The list ``name`` as given or ``default``, ending at the setting ``limit``."""
+        spec, last = getattr(self, name), getattr(self, limit)
+        key, limit_key = f"{self.SECTION}.{name}", f"{self.SECTION}.{limit}"
+        sizes = default if spec is None else bucket_sizes(key, spec, last, limit_key)
         object.__setattr__(self, name, sizes)
