@@ -29,6 +29,7 @@ app = typer.Typer(
     help="Compile fixed-shape LLM graphs, one set per bucket, over a paged block-KV cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: option names are never cut at 80 columns
 )
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="TOML config; default: the embedded default config")]

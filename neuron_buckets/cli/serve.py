@@ -44,7 +44,9 @@ def serve(
     key_metrics: Annotated[bool, typer.Option(help="Require the API key on /metrics too")] = False,
     allowed_host: Annotated[
         list[str] | None,
-        typer.Option(help="A Host name clients may use besides the loopback names (repeatable)"),
+        typer.Option(
+            metavar="HOST", help="A Host name clients may use besides the loopback names (repeatable)"
+        ),
     ] = None,
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""

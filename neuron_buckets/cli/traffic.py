@@ -119,11 +119,13 @@ def inspect(
     step_seconds: StepSecondsOpt = STEP_S,
     token_seconds: TokenSecondsOpt = TOKEN_S,
 ) -> None:
-    """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
-    what the runtime does: the trace replayed through its scheduler and packing (``packed``; all
-    requests at once, or ``--concurrency`` / ``--arrivals``), and for a trace with ``hash_ids``
-    the prefix cache's hits, evictions and prefill tokens saved. What speculation costs in graphs
-    (``speculation``): measured with --manifest, counted in buckets with a config."""
+    """Padding, decode batch sizes and compile cost of a bucket set on a trace.
+
+    With a config, also what its runtime does: the trace replayed through its scheduler and
+    packing (all requests at once, or --concurrency, --arrivals), and for a trace with hash_ids
+    the prefix cache's hits, evictions and prefill tokens saved; and what speculation costs in
+    graphs (measured with --manifest, counted in buckets with a config). Requests longer than
+    the config's max_model_len are counted first and left out of every figure."""
     built = load_manifest_buckets(manifest) if manifest else None
     prefill, num_seqs, limit = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket

@@ -277,10 +277,13 @@ class GraphStore:
                 p.unlink(missing_ok=True)
         return [p.name for p in stale]
 
-    def prune(self, older_than_s: float | None = None, max_bytes: int | None = None) -> list[StoreEntry]:
+    def prune(
+        self, older_than_s: float | None = None, max_bytes: int | None = None, dry_run: bool = False
+    ) -> list[StoreEntry]:
         """Remove entries made more than ``older_than_s`` ago, then the oldest until the rest hold
         at most ``max_bytes``; also graphs that no record names once they are a day old (a publish
-        killed between its graph and its record) and stale temps. Returns the entries removed."""
+        killed between its graph and its record) and stale temps. Returns the entries removed, or
+        with ``dry_run`` those it would remove, removing nothing."""
         now = time.time()
         names = self.names()
         entries = sorted(self.entries(names), key=lambda e: e.created)
@@ -290,6 +293,8 @@ class GraphStore:
         while max_bytes is not None and kept and total > max_bytes:
             doomed.append(victim := kept.pop(0))
             total -= victim.bytes
+        if dry_run:
+            return doomed
         for e in doomed:
             self.discard(e.key, e.ext, e)
         named = {e.graph_name for e in entries}  # the doomed ones' graphs are gone already
