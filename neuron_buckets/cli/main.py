@@ -170,27 +170,41 @@ def print_dry_run(compiler: Compiler) -> None:
 
 @app.command("ls")
 def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -> None:
-    """List an artifact directory's buckets and the pieces that run them: status, size, compile time."""
+    """List an artifact directory's buckets and the pieces that run them: status, size, compile
+    time. A piece several buckets run (marked *) is counted once, in the shared row, so the rows
+    add up to the total."""
     m = read_manifest(directory)
     b = m.backend
     table = Table(title=f"{directory}: {b.name} on {b.device}, torch {b.versions['torch']}")
     for col in ("bucket", "status", "pieces", "size", "compile s"):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
+    users: dict[str, int] = {}
     for r in m.buckets:
-        pieces = [m.pieces[k] for k in r.pieces.values() if k in m.pieces]
+        for k in set(r.pieces.values()) & m.pieces.keys():
+            users[k] = users.get(k, 0) + 1
+    shared = [m.pieces[k] for k, n in users.items() if n > 1]
+
+    def cells(pieces: list) -> tuple[str, str]:
+        return f"{sum(p.bytes for p in pieces) / 1e6:.1f} MB", f"{sum(p.compile_seconds for p in pieces):.1f}"
+
+    for r in m.buckets:
+        keys = [k for k in r.pieces.values() if k in m.pieces]
         ok = r.status == "ok"
         status = Text("ok", "green") if ok else Text.assemble(("failed", "red"), f" {r.error}")
-        size = sum(p.bytes for p in pieces) / 1e6
-        secs = sum(p.compile_seconds for p in pieces)
-        names = " ".join(p.name for p in pieces)
-        table.add_row(r.bucket.name, status, names, f"{size:.1f} MB", f"{secs:.1f}")
+        names = " ".join(m.pieces[k].name + ("*" if users[k] > 1 else "") for k in keys)
+        own = [m.pieces[k] for k in set(keys) if users[k] == 1]
+        table.add_row(r.bucket.name, status, names, *cells(own))
+    if shared:
+        table.add_section()
+        table.add_row("shared *", "", " ".join(sorted(p.name for p in shared)), *cells(shared))
     console.print(table)
+    counted = [m.pieces[k] for k in users]
     ok = [p for p in m.pieces.values() if p.status == "ok"]
     buckets_ok = sum(r.status == "ok" for r in m.buckets)
-    secs = sum(p.compile_seconds for p in m.pieces.values())
+    size, secs = cells(counted)
     console.print(
-        f"{buckets_ok} of {len(m.buckets)} buckets ok, {len(ok)} of {len(m.pieces)} pieces "
-        f"({sum(p.bytes for p in ok) / 1e6:.1f} MB, {secs:.0f} s of compile); "
+        f"{buckets_ok} of {len(m.buckets)} buckets ok, {len(ok)} of {len(m.pieces)} pieces ok; "
+        f"the rows' pieces: {size}, {secs} s of compile; "
         f"weights {m.weights.bytes / 1e6:.1f} MB, sha256 {m.weights.sha256[:12]}"
     )
     if (directory / DRAFT / MANIFEST).is_file():
