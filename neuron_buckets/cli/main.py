@@ -158,9 +158,12 @@ def print_dry_run(compiler: Compiler) -> None:
         table.add_row(b.bucket.name, b.place, estimate)
     console.print(table)
     counts = {p: sum(place == p for place in plan.places.values()) for p in PLACES}
-    total = "unknown (no history)" if plan.estimate_s is None else f"about {plan.estimate_s:.0f} s"
+    jobs = compiler.config.compile.jobs
+    total = "time unknown (no history)"
+    if (wall := plan.wall_s(jobs)) is not None:
+        total = f"about {wall:.0f} s with {jobs} jobs ({plan.estimate_s:.0f} s of compile in all)"
     console.print(
-        f"{counts['to compile']} of {len(plan.places)} pieces to compile, {total} of compile; "
+        f"{counts['to compile']} of {len(plan.places)} pieces to compile, {total}; "
         f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
         f"{counts['remote cache']} in the remote cache"
     )
