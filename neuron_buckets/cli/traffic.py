@@ -21,7 +21,7 @@ from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
 from neuron_buckets.traffic.padding_stats import inspect_trace, peak_blocks
 from neuron_buckets.traffic.planned_config import Limits, PlannedConfig
-from neuron_buckets.traffic.planner import PlanOptions, plan, plan_replayed
+from neuron_buckets.traffic.planner import DEFAULT_TOKEN_BUDGET, PlanOptions, plan, plan_replayed
 from neuron_buckets.traffic.replay_load import STEP_S, TOKEN_S, ReplayLoad
 from neuron_buckets.traffic.report import plan_header, print_bucket_plan, print_inspect
 from neuron_buckets.traffic.runtime_replay import (
@@ -239,7 +239,11 @@ def plan_cmd(
     align: Annotated[int, typer.Option("--align", min=1, help="Prefill buckets are multiples of this")] = 64,
     max_num_batched_tokens: Annotated[
         int | None,
-        typer.Option("--max-num-batched-tokens", min=1, help="Largest prefill bucket allowed"),
+        typer.Option(
+            "--max-num-batched-tokens", min=1,
+            help="Largest prefill bucket; longer prompts run in chunks (default: the CONFIG's, else "
+            f"{DEFAULT_TOKEN_BUDGET})",
+        ),
     ] = None,
     max_num_seqs: SeqsOpt = None,
     decode_graphs: Annotated[
@@ -309,7 +313,9 @@ def plan_cmd(
     opts = PlanOptions(
         graphs=graphs,
         align=align,
-        max_num_batched_tokens=max_num_batched_tokens,
+        # without a config, a budget: a prefill bucket attends over the whole context, so one as
+        # long as the longest prompt can need more memory than the host has
+        max_num_batched_tokens=max_num_batched_tokens or (None if runtime else DEFAULT_TOKEN_BUDGET),
         max_num_seqs=slots,
         decode_graphs=decode_graphs,
         tokens_per_s=decode_rate,

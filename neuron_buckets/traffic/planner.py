@@ -38,6 +38,8 @@ from neuron_buckets.traffic.padding_stats import Concurrency, padding_stats, rep
 from neuron_buckets.traffic.traces import Trace
 
 _BLOCK_ELEMENTS = 1 << 22  # bound on the (i, j) slab built per step: 32 MiB of float64
+# nb plan's token budget without a config: prompts beyond it run in chunks of it
+DEFAULT_TOKEN_BUDGET = 2048
 LIGHT_LOAD = (1, 2, 4)  # decode batches of a lightly loaded server: they get graphs of their own
 
 
