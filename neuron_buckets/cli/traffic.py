@@ -310,12 +310,13 @@ def plan_cmd(
         model_len, why_len = -(-longest // align) * align, "the longest request of the trace"
     data, refused = _servable(loaded, model_len)
     slots = max_num_seqs or base.buckets.max_num_seqs
+    # always a token budget: a prefill bucket attends over the whole context, so one as long as the
+    # longest prompt can need more memory than the host has
+    cap = runtime.buckets.max_num_batched_tokens if runtime else DEFAULT_TOKEN_BUDGET
     opts = PlanOptions(
         graphs=graphs,
         align=align,
-        # without a config, a budget: a prefill bucket attends over the whole context, so one as
-        # long as the longest prompt can need more memory than the host has
-        max_num_batched_tokens=max_num_batched_tokens or (None if runtime else DEFAULT_TOKEN_BUDGET),
+        max_num_batched_tokens=max_num_batched_tokens or cap,
         max_num_seqs=slots,
         decode_graphs=decode_graphs,
         tokens_per_s=decode_rate,
