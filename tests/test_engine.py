@@ -220,13 +220,11 @@ def test_runtime_counters_equal_what_nb_inspect_predicts(compiled_dir, tiny_conf
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
     result = CliRunner().invoke(app, ["inspect", "--trace", str(trace), str(tiny_config_file), "--json"])
     assert result.exit_code == 0, result.output
-    packed = json.loads(result.stdout)["packed"]["per_bucket"]
-    counters = ("calls", "real_tokens", "padded_tokens")  # runtime.stats' own; the rest derive from them
-    predicted = {b["bucket"]: {k: b[k] for k in counters} for b in packed}
+    predicted = {b.pop("bucket"): b for b in json.loads(result.stdout)["packed"]["per_bucket"]}
 
     runtime = BucketRuntime.open(compiled_dir)
     gen = torch.Generator().manual_seed(0)
     greedy(runtime, [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompts], outputs)
-    measured = {name: vars(s) for name, s in runtime.stats.items() if s.calls}
+    measured = {name: s.to_json() for name, s in runtime.stats.items() if s.calls}
     assert measured == predicted
     assert any(s["real_tokens"] > s["calls"] * 8 for name, s in measured.items() if "prefill" in name)

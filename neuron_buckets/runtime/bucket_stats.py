@@ -44,3 +44,7 @@ class BucketStats:
     @property
     def padding_ratio(self) -> float:
         return (self.padded_tokens - self.real_tokens) / max(self.real_tokens, 1)
+
+    def to_json(self) -> dict:
+        """The counters and what they give, as ``--json`` prints them."""
+        return {**vars(self), "computed_tokens": self.computed_tokens, "padding_share": self.padding_share}

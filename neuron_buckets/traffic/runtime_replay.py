@@ -122,11 +122,7 @@ def packed_report(replay: Replay, requests: int, load: ReplayLoad) -> dict:
     """The ``packed`` section of ``nb inspect --json``: how the requests were replayed, and the
     runtime's counters per bucket."""
     counters = replay.stats
-    per_bucket = [
-        {"bucket": name, **vars(c), "computed_tokens": c.computed_tokens, "padding_share": c.padding_share}
-        for name, c in counters.items()
-        if c.calls
-    ]
+    per_bucket = [{"bucket": name, **c.to_json()} for name, c in counters.items() if c.calls]
     real = sum(c.real_tokens for c in counters.values())
     padded = sum(c.padded_tokens for c in counters.values())
     return {
