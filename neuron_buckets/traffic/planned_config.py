@@ -77,7 +77,7 @@ class PlannedConfig:
                 else f"one sequence of max_model_len {limits.max_model_len} needs {geometry:,} blocks"
             ),
             "buckets.max_num_seqs": "--max-num-seqs",
-            "buckets.max_num_batched_tokens": "the largest prefill bucket the plan chose",
+            "buckets.max_num_batched_tokens": "the largest prefill bucket (longer prompts run in chunks)",
         }
         before = {"cache.num_blocks": c.num_blocks, "cache.max_model_len": c.max_model_len,
                   "buckets.max_num_seqs": b.max_num_seqs,

@@ -168,19 +168,18 @@ def print_bucket_plan(console: Console, doc: dict) -> None:
     if line := refused_line(doc["refused"]):
         console.print(line, highlight=False)
     prefill, chosen = doc["prefill"], len(doc["prefill"]["buckets"])
+    priced = any(row["compile_seconds"] is not None for row in doc["pareto"])  # with --manifest
     pareto = _table(
-        "prefill plans, offline per-request optimum (each prompt alone): graphs against padding and compile",
-        ["graphs", "buckets", "padding share", "compile s", "bytes"],
+        "prefill plans, offline per-request optimum (each prompt alone): graphs against padding"
+        + (" and compile" if priced else ""),
+        ["graphs", "buckets", "padding share", *(["compile s", "bytes"] if priced else [])],
     )
     for row in doc["pareto"]:
         mark = " *" if row["buckets"] == prefill["buckets"] else ""
-        pareto.add_row(
-            f"{row['graphs']}{mark}",
-            ", ".join(map(str, row["buckets"])),
-            _pct(row["padding_share"]),
-            "-" if row["compile_seconds"] is None else f"{row['compile_seconds']:.1f}",
-            _size(row["graph_bytes"]),
-        )
+        cells = [f"{row['graphs']}{mark}", ", ".join(map(str, row["buckets"])), _pct(row["padding_share"])]
+        if priced:
+            cells += [f"{row['compile_seconds']:.1f}", _size(row["graph_bytes"])]
+        pareto.add_row(*cells)
     console.print(pareto)
     compare = _table("plan against powers of two", ["", "buckets", "graphs", "padding share"])
     _compare_rows(compare, "prefill", prefill)
