@@ -58,6 +58,23 @@ def test_help_fits_80_columns_with_whole_option_names_and_plain_text(path, comma
                 assert name in words, f"{name} cut in nb {' '.join(path)} --help"
 
 
+def test_inspect_and_plan_tables_never_cut_a_figure(tmp_path: Path) -> None:
+    from test_cli_traffic import write_manifest
+    from test_traces import CODE
+
+    manifest = write_manifest(tmp_path)
+    for args in (
+        ["inspect", "--trace", CODE, "--manifest", manifest, "--prefill-buckets", "512,2048"],
+        ["plan", "--trace", CODE, "--graphs", 8],
+    ):
+        result = nb_at_80(*args)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert max(len(line) for line in lines) <= 80 and "…" not in result.stdout
+        borders = [line for line in lines if line.startswith(("┏", "└"))]
+        assert borders and all(line.endswith(("┓", "┘")) for line in borders)  # no table cropped
+
+
 def _store_with(tmp_path: Path, count: int) -> Path:
     """A store of ``count`` entries whose toolchain strings are as long as real ones."""
     location = tmp_path / "store"

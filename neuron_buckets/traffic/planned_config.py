@@ -14,6 +14,7 @@ saying why.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, replace
 
 from neuron_buckets.config import Config
@@ -98,8 +99,13 @@ class PlannedConfig:
         return replace(base, cache=CacheConfig(**self.cache), buckets=BucketConfig(**buckets))
 
     def toml(self) -> str:
-        """The header as comments, then ``[cache]`` and ``[buckets]`` with every key."""
-        lines = [f"# {line}" for line in (*self.header, *self.changes)]
+        """The header as comments (wrapped to fit 80 columns), then ``[cache]`` and ``[buckets]``
+        with every key."""
+        lines = [
+            wrapped
+            for line in (*self.header, *self.changes)
+            for wrapped in textwrap.wrap(line, 78, initial_indent="# ", subsequent_indent="#   ")
+        ]
         for name, section in (("cache", self.cache), ("buckets", self.buckets)):
             lines.append(f"[{name}]")
             lines += [f"{key} = {_value(v)}" for key, v in section.items()]

@@ -28,11 +28,19 @@ def _size(n: int | None) -> str:
 
 
 def _table(title: str, columns: list[str]) -> Table:
-    """Numbers never wrap (a figure cut mid-digit misleads); names and bucket lists may."""
     table = Table(title=title, title_justify="left")
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i > 0 and col != "buckets")
+        table.add_column(col, justify="left" if i == 0 else "right")
     return table
+
+
+def _show(console: Console, table: Table) -> None:
+    """Print a table whose figures are never cut: every column but the bucket lists and the row
+    names is at least as wide as its widest cell, so at 80 columns the headers wrap instead."""
+    for col in table.columns:
+        if col.header not in ("buckets", ""):
+            col.min_width = max((len(str(c)) for c in col.cells), default=0)
+    console.print(table)
 
 
 def _padding_table(title: str, section: dict, graphs: list[dict] | None, kind: str) -> Table:
@@ -53,11 +61,11 @@ def _padding_table(title: str, section: dict, graphs: list[dict] | None, kind: s
     for b in section["per_bucket"]:
         g = cost.get(b[key], {})
         secs = g.get("seconds")
-        est = "" if g.get("measured", True) else " (est.)"
+        est = "" if g.get("measured", True) else "~"  # estimated from the measured graphs
         cells = [str(b[key]), _num(b["calls"]), _num(b[f"real_{unit}"]), _num(b[f"computed_{unit}"]),
                  _pct(b["padding_share"])]  # fmt: skip
         if graphs:
-            cells += ["-" if secs is None else f"{secs:.1f}{est}", _size(g.get("bytes"))]
+            cells += ["-" if secs is None else f"{est}{secs:.1f}", _size(g.get("bytes"))]
         table.add_row(*cells)
     table.add_section()
     total = ["all", _num(sum(b["calls"] for b in section["per_bucket"])), _num(section[f"real_{unit}"]),
@@ -81,7 +89,7 @@ def print_inspect(console: Console, doc: dict) -> None:
     if line := refused_line(doc["refused"]):
         console.print(line, highlight=False)
     prefill = doc["prefill"]
-    console.print(_padding_table("prefill padding", prefill, doc["graphs"], "prefill"))
+    _show(console, _padding_table("prefill padding", prefill, doc["graphs"], "prefill"))
     console.print(
         f"{prefill['requests']:,} requests; {prefill['chunked_requests']:,} longer than the "
         f"largest bucket ({prefill['buckets'][-1]}) ran in chunks"
@@ -93,7 +101,7 @@ def print_inspect(console: Console, doc: dict) -> None:
         for b in packed["per_bucket"]:
             table.add_row(b["bucket"], _num(b["calls"]), _num(b["real_tokens"]), _num(b["computed_tokens"]),
                           _pct(b["padding_share"]))  # fmt: skip
-        console.print(table)
+        _show(console, table)
         console.print(
             f"runtime padding share {_pct(packed['padding_share'])} of computed tokens over "
             f"{packed['steps']:,} steps "
@@ -108,7 +116,8 @@ def print_inspect(console: Console, doc: dict) -> None:
     if doc["graphs"]:
         total = sum(g["seconds"] for g in doc["graphs"])
         size = sum(g["bytes"] for g in doc["graphs"])
-        console.print(f"{len(doc['graphs'])} graphs: {total:.1f} s to compile, {_size(size)}")
+        guessed = "" if all(g["measured"] for g in doc["graphs"]) else " (~: estimated from measured graphs)"
+        console.print(f"{len(doc['graphs'])} graphs: {total:.1f} s to compile, {_size(size)}{guessed}")
     if spec := doc.get("speculation"):
         _print_speculation(console, spec)
 
@@ -149,7 +158,7 @@ def _print_decode(console: Console, decode: dict | None, graphs: list[dict] | No
         f"decode padding (replay: {decode['tokens_per_s']:g} tokens/s per request, "
         f"max_num_seqs {decode['max_num_seqs']})"
     )
-    console.print(_padding_table(title, decode, graphs, "decode"))
+    _show(console, _padding_table(title, decode, graphs, "decode"))
     batch, steps = (np.array(col) for col in zip(*decode["batch_histogram"], strict=True))
     share = np.cumsum(steps) / steps.sum()
     p50, p90, p99 = (int(batch[np.searchsorted(share, q)]) for q in (0.5, 0.9, 0.99))
@@ -180,14 +189,14 @@ def print_bucket_plan(console: Console, doc: dict) -> None:
         if priced:
             cells += [f"{row['compile_seconds']:.1f}", _size(row["graph_bytes"])]
         pareto.add_row(*cells)
-    console.print(pareto)
+    _show(console, pareto)
     compare = _table("plan against powers of two", ["", "buckets", "graphs", "padding share"])
     _compare_rows(compare, "prefill", prefill)
     if doc["decode"]:
         _compare_rows(compare, "decode", doc["decode"])
     if doc.get("context"):
         _compare_rows(compare, "decode context", doc["context"])
-    console.print(compare)
+    _show(console, compare)
     console.print(f"* = chosen: {chosen} prefill graph(s)")
     if replay := doc.get("replay"):
         _print_replay(console, replay)
@@ -225,7 +234,7 @@ def _print_replay(console: Console, replay: dict) -> None:
             name, ", ".join(map(str, part["buckets"])), str(len(part["buckets"])),
             _num(part["computed_tokens"]), _pct(part["padding_share"]),
         )  # fmt: skip
-    console.print(table)
+    _show(console, table)
 
 
 def _compare_rows(table: Table, kind: str, section: dict) -> None:
