@@ -110,7 +110,7 @@ def test_generate_prints_tokens_and_stats(eager_dir):
         for line in result.output.splitlines()
         if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 5
     }
-    assert stats["prefill_s16"] == ["1", "5", "16", "68.8%"]  # both prompts packed into one call: 11 of 16 pad
+    assert stats["prefill_s16"] == ["1", "5", "16", "68.8%"]  # both prompts in one call, 11 of 16 padding
     assert stats["decode_b2_c128"][0] == "2"  # then both decode together, twice
 
 
