@@ -71,7 +71,7 @@ def toolchain_id(e: StoreEntry) -> str:
     return hashlib.sha256(made_by(e).encode()).hexdigest()[:8]
 
 
-@cache_app.command("ls")
+@cache_app.command("ls", short_help="List the entries, one line each.")
 def ls_(
     cache_dir: StoreOpt = None,
     verbose: Annotated[
@@ -107,7 +107,7 @@ def ls_(
             out.print(f"toolchain {tid}: {full}", highlight=False)
 
 
-@cache_app.command()
+@cache_app.command(short_help="Remove old entries, or the oldest beyond a size.")
 def prune(
     cache_dir: StoreOpt = None,
     older_than_days: Annotated[
@@ -157,7 +157,7 @@ def push(remote: RemoteArg, cache_dir: LocalOpt = None) -> None:
     _sync("push", remote, cache_dir)
 
 
-@cache_app.command()
+@cache_app.command(short_help="Copy the remote entries the local store lacks, checked.")
 def pull(remote: RemoteArg, cache_dir: LocalOpt = None) -> None:
     """Copy the remote entries the local store lacks from it, each checked against its sha256."""
     _sync("pull", remote, cache_dir)
@@ -165,4 +165,4 @@ def pull(remote: RemoteArg, cache_dir: LocalOpt = None) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add ``nb cache`` to the ``nb`` app."""
-    app.add_typer(cache_app, name="cache")
+    app.add_typer(cache_app, name="cache", short_help="The graph cache: list, prune, push, pull.")

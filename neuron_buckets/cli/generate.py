@@ -167,5 +167,5 @@ def generate(
 
 def register(app: typer.Typer) -> None:
     """Add ``generate`` to the ``nb`` app."""
-    app.command()(generate)
+    app.command(short_help="Generate from an artifact: text or token ids in and out.")(generate)
 

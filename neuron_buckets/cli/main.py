@@ -50,7 +50,7 @@ def _root(
     """A callback keeps ``nb`` a command group even while it has a single command."""
 
 
-@app.command()
+@app.command(short_help="The bucket grid a config compiles.")
 def grid(config: ConfigArg = None) -> None:
     """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head
     pieces), and with a draft model the draft's buckets in a table of their own."""
@@ -85,7 +85,7 @@ CacheDirOpt = Annotated[
 ]
 
 
-@app.command("compile")
+@app.command("compile", short_help="Compile a config's buckets into an artifact directory.")
 def compile_(
     config: ConfigArg = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory")] = Path("nb-artifacts"),
@@ -171,7 +171,7 @@ def print_dry_run(compiler: Compiler) -> None:
         print_dry_run(compiler.draft)
 
 
-@app.command("ls")
+@app.command("ls", short_help="An artifact's buckets and pieces: sizes, compile times.")
 def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -> None:
     """List an artifact directory's buckets and the pieces that run them: status, size, compile
     time. A piece several buckets run (marked *) is counted once, in the shared row, so the rows
@@ -215,7 +215,7 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
         console.print(f"draft model: {len(draft.buckets)} buckets in {DRAFT}/ (nb ls {directory / DRAFT})")
 
 
-@app.command()
+@app.command(short_help="Check an artifact's files, then each bucket against eager.")
 def verify(
     directory: Annotated[Path, typer.Argument(help="Artifact directory")],
     trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
@@ -241,7 +241,7 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help="Which backends and devices are usable here, and why not.")
 def doctor() -> None:
     """Which backends and devices are usable on this machine, and why not."""
     from neuron_buckets.cli.doctor import doctor_report

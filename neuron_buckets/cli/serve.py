@@ -77,4 +77,4 @@ def serve(
 
 def register(app: typer.Typer) -> None:
     """Add ``serve`` to the ``nb`` app."""
-    app.command("serve")(serve)
+    app.command("serve", short_help="Serve an artifact over the OpenAI API.")(serve)

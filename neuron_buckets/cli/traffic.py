@@ -359,5 +359,5 @@ def _plan_replayed(
 
 def register(app: typer.Typer) -> None:
     """Add ``inspect`` and ``plan`` to the ``nb`` app."""
-    app.command("inspect")(inspect)
-    app.command("plan")(plan_cmd)
+    app.command("inspect", short_help="What a bucket set costs on a trace: padding, refusals.")(inspect)
+    app.command("plan", short_help="The buckets, and the config, that pad a trace least.")(plan_cmd)
