@@ -141,3 +141,10 @@ def test_the_padding_terms_agree_between_json_metrics_stats_and_plot(capsys) -> 
     assert packed["padding_share"] == pytest.approx((total - packed["real_tokens"]) / total)
     title = plot_title(doc["prefill"], doc["refused"], "default.toml")
     assert f"padding share {100 * doc['prefill']['padding_share']:.1f}% of computed tokens" in title
+
+
+def test_a_plan_with_a_config_keeps_its_max_model_len_and_says_so_when_asked_otherwise() -> None:
+    from tests.conftest import error_line
+
+    line = error_line(nb("plan", "--trace", CONV, DEFAULT, "--graphs", 3, "--max-model-len", 512))
+    assert "cache.max_model_len (256) bounds the plan; change it in the config" in line

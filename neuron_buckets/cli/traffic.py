@@ -295,19 +295,8 @@ def plan_cmd(
     # a replay plans for the config's runtime: its limits, which the plan keeps
     runtime = load_config(config) if config is not None or not load.all_at_once else None
     base = runtime or load_config(None)
-    if runtime is not None and max_model_len is not None:
-        raise ValueError(
-            f"--max-model-len: the replayed config's cache.max_model_len ({runtime.cache.max_model_len}) "
-            "bounds the plan; change it in the config"
-        )
+    model_len, why_len = _model_len(runtime, max_model_len, loaded, align)
     block = base.cache.block_size
-    longest = int((loaded.prompt_lens + np.maximum(loaded.output_lens, 1)).max())
-    if runtime is not None:
-        model_len, why_len = runtime.cache.max_model_len, "the config's"
-    elif max_model_len is not None:
-        model_len, why_len = max_model_len, "--max-model-len"
-    else:
-        model_len, why_len = -(-longest // align) * align, "the longest request of the trace"
     data, refused = _servable(loaded, model_len)
     slots = max_num_seqs or base.buckets.max_num_seqs
     # always a token budget: a prefill bucket attends over the whole context, so one as long as the
@@ -341,6 +330,22 @@ def plan_cmd(
         out.write_text(doc["toml"])
         err.print(f"wrote {out}", highlight=False)
     _emit(doc, as_json, print_bucket_plan)
+
+
+def _model_len(runtime: Config | None, option: int | None, trace: Trace, align: int) -> tuple[int, str]:
+    """The max_model_len a plan serves, and why: the replayed config's (kept), --max-model-len,
+    or the trace's longest request (prompt and output), aligned."""
+    if runtime is not None:
+        if option is not None:
+            raise ValueError(
+                f"--max-model-len: the replayed config's cache.max_model_len ({runtime.cache.max_model_len}) "
+                "bounds the plan; change it in the config"
+            )
+        return runtime.cache.max_model_len, "the config's"
+    if option is not None:
+        return option, "--max-model-len"
+    longest = int((trace.prompt_lens + np.maximum(trace.output_lens, 1)).max())
+    return -(-longest // align) * align, "the longest request of the trace"
 
 
 def _plan_replayed(
