@@ -290,11 +290,16 @@ def plan_cmd(
     minimise the padding of the steps it runs; the plan then keeps the config's limits
     (max_model_len, max_num_seqs, max_num_batched_tokens) and says in one line each value it
     changes, and why. Requests longer than max_model_len are counted and left out."""
+    # a replay plans for the config's runtime: its limits, which the plan keeps
+    runtime = load_config(config) if config is not None or concurrency is not None or arrivals else None
+    base = runtime or load_config(None)
+    if runtime is not None and max_model_len is not None:
+        raise ValueError(
+            f"--max-model-len: the replayed config's cache.max_model_len ({runtime.cache.max_model_len}) "
+            "bounds the plan; change it in the config"
+        )
     loaded = _load(trace)
     load = _replay_load(loaded, concurrency, arrivals, step_seconds, token_seconds)
-    # a replay plans for the config's runtime: its limits, which the plan keeps
-    runtime = load_config(config) if config is not None or not load.all_at_once else None
-    base = runtime or load_config(None)
     model_len, why_len = _model_len(runtime, max_model_len, loaded, align)
     block = base.cache.block_size
     data, refused = _servable(loaded, model_len)
@@ -336,11 +341,6 @@ def _model_len(runtime: Config | None, option: int | None, trace: Trace, align: 
     """The max_model_len a plan serves, and why: the replayed config's (kept), --max-model-len,
     or the trace's longest request (prompt and output), aligned."""
     if runtime is not None:
-        if option is not None:
-            raise ValueError(
-                f"--max-model-len: the replayed config's cache.max_model_len ({runtime.cache.max_model_len}) "
-                "bounds the plan; change it in the config"
-            )
         return runtime.cache.max_model_len, "the config's"
     if option is not None:
         return option, "--max-model-len"
