@@ -185,7 +185,10 @@ def plan_replayed(
         pareto.append({"graphs": len(s), "buckets": list(s), "computed_tokens": stats.padded_total,
                        "padding_share": stats.padding_share, "padded_tokens": stats.padded_total,
                        "padding_ratio": stats.padding_ratio})  # fmt: skip
-    out = padding_stats(tokens, sets[-1]).to_json("calls", "tokens") | {
+    chosen = sets[-1]
+    if len(current) <= graphs and _padded(tokens, current) < _padded(tokens, chosen):
+        chosen = tuple(current)  # off --align's grid, the config's own set pads less: never advise worse
+    out = padding_stats(tokens, chosen).to_json("calls", "tokens") | {
         "max_num_batched_tokens": budget,
         "baseline": padding_stats(tokens, current).to_json("calls", "tokens"),
         "offline_optimum": None,
@@ -194,6 +197,10 @@ def plan_replayed(
     if offline[-1] == budget:
         out["offline_optimum"] = padding_stats(tokens, offline).to_json("calls", "tokens")
     return out
+
+
+def _padded(sizes: np.ndarray, buckets: Sequence[int]) -> float:
+    return padding_stats(sizes, buckets).padded_total
 
 
 def _plan_decode(fit: Trace, opts: PlanOptions) -> dict | None:
