@@ -1,7 +1,7 @@
 """Compile time against depth: ``nb compile`` of one grid for a 2-layer and a 30-layer model.
 
 Both models have the SmolLM2-135M width (random weights, built with transformers); the grid is
-the default shape of that issue's measurement (prefill 64/256, decode batches 1/8, contexts 256
+a small serving grid (prefill 64/256, decode batches 1/8, contexts 256
 and 512). Each cold run is a fresh ``nb compile --jobs 2`` process with a fresh graph cache and
 a fresh inductor cache, as on a new machine. Layer-granular artifacts compile one decoder layer
 per bucket whatever the depth, so the ratio should stay near 1 (0.1's whole-model graphs gave

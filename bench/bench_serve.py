@@ -17,7 +17,8 @@ every concurrency (default 1 and 8), ``--num-prompts-per-stream`` times the conc
 
 Printed per workload and concurrency: output tok/s, TTFT p50 and p99, TPOT p50, ITL p50 for each
 server and nb / vLLM (above 1 is better for tok/s, below 1 for the latencies), then whether the
-issue's targets hold at concurrency 8. Every client result is kept in ``WORK/bench_serve.json``.
+serving targets hold at concurrency 8 (throughput at least vLLM's, TTFT p99 and TPOT p50 at
+most). Every client result is kept in ``WORK/bench_serve.json``.
 ``--tiny`` runs a 2-layer twin with few prompts, to check that the harness works; its figures mean
 nothing. Timings vary by machine and load: run it on an idle machine.
 
@@ -155,7 +156,7 @@ def print_table(results: dict[str, dict[Load, dict]]) -> None:
 
 
 def print_targets(results: dict[str, dict[Load, dict]]) -> None:
-    """The issue's bar at concurrency 8: throughput at least vLLM's, TTFT p99 and TPOT p50 at most."""
+    """The serving bar at concurrency 8: throughput at least vLLM's, TTFT p99 and TPOT p50 at most."""
     if len(results) < 2:
         return
     nb, vllm = results["nb"], results["vLLM"]

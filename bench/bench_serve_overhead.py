@@ -148,7 +148,7 @@ def over_http(server: int, port: int, batch: list[list[int]], concurrency: int, 
         return sum(v - m0.get(k, 0.0) for k, v in m1.items() if k[0] == name)
 
     return Round(int(delta("nb:engine_steps_total")), delta("nb:engine_step_seconds_total"),
-                 delta("nb:engine_graph_seconds_total"), int(delta("nb:bucket_padded_tokens_total")),
+                 delta("nb:engine_graph_seconds_total"), int(delta("nb:bucket_computed_tokens_total")),
                  wall, tokens, sum(cpu.values()), cpu.get(str(server), 0.0), client)
 
 

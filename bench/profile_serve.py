@@ -192,7 +192,7 @@ def bucket_totals(w: Window) -> dict[str, dict[str, float]]:
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for (name, bucket), value in w.metrics.items():
         for metric, key in (("nb:bucket_calls_total", "calls"), ("nb:bucket_real_tokens_total", "real"),
-                            ("nb:bucket_padded_tokens_total", "padded")):
+                            ("nb:bucket_computed_tokens_total", "padded")):
             if name == metric and bucket:
                 kinds[bucket.split("_")[0]][key] += value
     return kinds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -76,11 +77,18 @@ def test_ls_lists_every_bucket_with_its_pieces(eager_dir, monkeypatch):
         "decode_b1_c128": ["layer_t1_b1_c128"],
         "decode_b2_c128": ["layer_t2_b2_c128"],
     }
-    assert set(rows) == set(expected)
+    assert set(rows) == {*expected, "shared *"}
     for bucket, layers in expected.items():
         cells = [c.strip() for c in rows[bucket].split("│")]
-        assert cells[2] == "ok" and sorted(cells[3].split()) == sorted(["embed", "head", *layers])
-    assert "4 of 4 buckets ok, 8 of 8 pieces" in said(result)
+        assert cells[2] == "ok" and sorted(cells[3].split()) == sorted(["embed*", "head*", *layers])
+    assert rows["shared *"].split("│")[3].split() == ["embed", "head"]
+    sizes = [float(line.split("│")[4].split()[0]) for line in rows.values()]
+    seconds = [float(line.split("│")[5]) for line in rows.values()]
+    text = said(result)
+    assert "4 of 4 buckets ok, 8 of 8 pieces ok" in text
+    total = re.search(r"the rows' pieces: ([\d.]+) MB, ([\d.]+) s of compile", text)
+    assert total and float(total[1]) == pytest.approx(sum(sizes), abs=0.051 * len(sizes))  # rows add up
+    assert float(total[2]) == pytest.approx(sum(seconds), abs=0.051 * len(seconds))
 
 
 def test_ls_of_a_directory_without_manifest_is_one_clear_error(tmp_path):
@@ -102,7 +110,7 @@ def test_generate_prints_tokens_and_stats(eager_dir):
         for line in result.output.splitlines()
         if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 5
     }
-    assert stats["prefill_s16"] == ["1", "5", "16", "220%"]  # both prompts packed into one call
+    assert stats["prefill_s16"] == ["1", "5", "16", "68.8%"]  # both prompts in one call, 11 of 16 padding
     assert stats["decode_b2_c128"][0] == "2"  # then both decode together, twice
 
 

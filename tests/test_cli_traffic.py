@@ -46,9 +46,11 @@ def plain_padding(prompts: list[int], buckets: list[int]) -> tuple[int, int, lis
     return real, padded, calls
 
 
-def prompts_of(path: Path) -> list[int]:
+def prompts_of(path: Path, max_model_len: int | None = None) -> list[int]:
+    """The trace's prompt lengths; with ``max_model_len``, of the requests a server runs."""
     with path.open(newline="") as f:
-        return [int(row["ContextTokens"]) for row in csv.DictReader(f)]
+        rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    return [p for p, o in rows if max_model_len is None or p + max(o, 1) <= max_model_len]
 
 
 def check_exact(section: dict, prompts: list[int]) -> None:
@@ -81,8 +83,9 @@ def test_inspect_json_is_exact_for_explicit_buckets() -> None:
     check_exact(doc["prefill"], prompts_of(CODE))
     assert doc["prefill"]["chunked_requests"] == sum(n > 4096 for n in prompts_of(CODE))
     decode = doc["decode"]
-    assert decode["buckets"] == [1, 2, 4, 8, 16, 32, 64] and decode["max_num_seqs"] == 64
-    assert decode["peak_batch"] <= 64 and decode["padding_ratio"] > 0
+    # the config's default max_num_seqs, the one nb plan and nb inspect use too
+    assert decode["buckets"] == [1, 2, 4] and decode["max_num_seqs"] == 4
+    assert decode["peak_batch"] <= 4 and decode["padding_share"] > 0
     assert doc["graphs"] is None
 
 
@@ -95,7 +98,9 @@ def test_inspect_reads_buckets_from_a_config_or_the_embedded_default(tmp_path: P
     doc = nb_json("inspect", "--trace", CONV, config)
     assert doc["prefill"]["buckets"] == [512, 1024, 2048, 4096]
     assert doc["decode"]["buckets"] == [1, 2, 4, 8] and doc["decode"]["peak_batch"] == 8
-    check_exact(doc["prefill"], prompts_of(CONV))
+    served = prompts_of(CONV, 256)  # the config's max_model_len: the default
+    check_exact(doc["prefill"], served)
+    assert doc["refused"] == {"requests": 19366 - len(served), "of": 19366, "max_model_len": 256}
     assert nb_json("inspect", "--trace", CONV)["prefill"]["buckets"] == [32, 64, 128]
 
 
@@ -217,15 +222,16 @@ def test_plan_under_a_compile_budget(tmp_path: Path) -> None:
 
 def test_plan_toml_snippet_is_a_valid_config() -> None:
     doc = nb_json(
-        "plan", "--trace", CONV, "--graphs", 6, "--align", 16, "--max-num-batched-tokens", 8192,
+        "plan", "--trace", CONV, "--graphs", 6, "--align", 16, "--max-num-batched-tokens", 2048,
         "--max-model-len", 4096,
     )
     snippet = tomllib.loads(doc["toml"])
-    buckets = parse_config({**snippet, "cache": {"max_model_len": 4096, "num_blocks": 4096}}).buckets
+    assert snippet["cache"]["max_model_len"] == 4096 and doc["refused"]["requests"] > 0
+    buckets = parse_config(snippet).buckets
     assert list(buckets.decode_context_length_buckets) == doc["context"]["buckets"]
     assert list(buckets.num_batched_tokens_buckets) == doc["prefill"]["buckets"]
     assert list(buckets.num_seqs_buckets) == doc["decode"]["buckets"]
-    assert buckets.max_num_batched_tokens == 8192 and doc["prefill"]["chunked_requests"] > 0
+    assert buckets.max_num_batched_tokens == 2048 and doc["prefill"]["chunked_requests"] > 0
     assert all(b % 16 == 0 for b in doc["prefill"]["buckets"])
 
 

@@ -225,6 +225,6 @@ def test_runtime_counters_equal_what_nb_inspect_predicts(compiled_dir, tiny_conf
     runtime = BucketRuntime.open(compiled_dir)
     gen = torch.Generator().manual_seed(0)
     greedy(runtime, [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompts], outputs)
-    measured = {name: vars(s) for name, s in runtime.stats.items() if s.calls}
+    measured = {name: s.to_json() for name, s in runtime.stats.items() if s.calls}
     assert measured == predicted
     assert any(s["real_tokens"] > s["calls"] * 8 for name, s in measured.items() if "prefill" in name)

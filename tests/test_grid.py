@@ -62,7 +62,7 @@ def test_validate_accepts_a_good_list():
         ([True, 4], None, "must be positive integers"),
         ([4, 2], None, r"must be strictly ascending, got \[4, 2\]"),
         ([2, 2, 4], None, "must be strictly ascending"),
-        ([1, 2, 4], 8, r"the last entry of b must equal 8, got \[1, 2, 4\]"),
+        ([1, 2, 4], 8, r"b's last entry must equal 8, got \[1, 2, 4\]"),
     ],
 )
 def test_validate_refuses_with_the_rule_broken(values, last, message):

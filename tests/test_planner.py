@@ -113,9 +113,12 @@ def test_chunking_example() -> None:
         "seq": 128,
         "calls": 3,
         "real_tokens": 145,
+        "computed_tokens": 384,
+        "padding_share": 239 / 384,  # padding / computed
         "padded_tokens": 384,
-        "padding_ratio": 239 / 145,
+        "padding_ratio": 239 / 145,  # the contract's padding / real
     }
+    assert doc["padding_share"] == (1920 - 1681) / 1920 and doc["computed_tokens"] == 1920
 
 
 def test_powers_of_two_baseline_covers_the_longest_prompt() -> None:
@@ -315,3 +318,12 @@ def test_replayed_plan_is_the_least_padding_with_the_budget_kept_largest(tokens,
 def test_replayed_plan_refuses_a_budget_off_the_alignment() -> None:
     with pytest.raises(PlanError, match="token budget 100 .* not a multiple of --align 64"):
         planner.plan_replayed(np.array([10, 20]), 2, 64, 100, (100,), (100,))
+
+
+def test_a_replay_plan_never_advises_worse_than_the_config_it_replays() -> None:
+    """Calls of 30 tokens: on --align 64's grid the best is 64, but the config's own 32 (off that
+    grid) pads less, so the plan keeps the config's set."""
+    tokens = np.full(10, 30)
+    doc = planner.plan_replayed(tokens, 3, 64, 128, [32, 64, 128], [64, 128])
+    assert doc["buckets"] == [32, 64, 128] and doc["padded_tokens"] == doc["baseline"]["padded_tokens"]
+    assert planner.plan_replayed(tokens, 3, 2, 128, [32, 64, 128], [64, 128])["buckets"] == [30, 128]

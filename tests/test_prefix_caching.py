@@ -148,7 +148,7 @@ def test_200_requests_of_a_mooncake_trace_replay_with_the_hits_and_calls_the_run
     params = [SamplingParams(max_tokens=int(o), ignore_eos=True) for o in trace.output_lens]
     generate(engine, prompts, params)
     pool = engine.pool
-    measured = {name: vars(s) for name, s in engine.stats.items() if s.calls}
+    measured = {name: s.to_json() for name, s in engine.stats.items() if s.calls}
     assert measured == predicted
     assert packed["prefix_cache"] == prefix_report(pool)
     assert pool.hits > 16 * len(prompts) // 2  # most of the shared system prompts were found

@@ -92,7 +92,7 @@ class Client:
         return done
 
     def measured(self) -> dict[str, dict]:
-        return {name: vars(s) for name, s in self.engine.stats.items() if s.calls}
+        return {name: s.to_json() for name, s in self.engine.stats.items() if s.calls}
 
     def real_tokens(self) -> int:
         return sum(s.real_tokens for s in self.engine.stats.values())

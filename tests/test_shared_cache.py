@@ -173,7 +173,7 @@ def test_dry_run_says_where_each_bucket_comes_from_and_writes_nothing(
     assert fresh.exit_code == 0, fresh.output
     assert said(fresh).count(
         " to compile "
-    ) == 4 and "8 of 8 pieces to compile, unknown (no history)" in said(fresh)
+    ) == 4 and "8 of 8 pieces to compile, time unknown (no history)" in said(fresh)
     assert not (tmp_path / "o").exists() and not (tmp_path / "c1").exists()
 
     assert (

@@ -49,6 +49,8 @@ class ErrorHandlingGroup(TyperGroup):
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:
+            raise  # the reader left (nb ... | head): click's main exits without a word
         except EXPECTED as e:
             raise fail(e) from None
         except Exception as e:

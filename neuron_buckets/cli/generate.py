@@ -64,12 +64,12 @@ def stream(engine: LLMEngine, order: list[int], as_text: bool, max_tokens: int) 
 
 def print_stats(engine: LLMEngine) -> None:
     table = Table(title="bucket counters")
-    for col in ("bucket", "calls", "real tokens", "padded tokens", "padding"):
+    for col in ("bucket", "calls", "real tokens", "computed tokens", "padding share"):
         table.add_column(col)
     counters = [*engine.stats.items(), *((f"draft {name}", s) for name, s in engine.draft_stats.items())]
     for label, s in counters:
         if s.calls:
-            cells = (s.calls, s.real_tokens, s.padded_tokens, f"{s.padding_ratio:.0%}")
+            cells = (s.calls, s.real_tokens, s.computed_tokens, f"{s.padding_share:.1%}")
             table.add_row(label, *map(str, cells))
     err.print(table)
     pool = engine.pool
@@ -181,5 +181,5 @@ def generate(
 
 def register(app: typer.Typer) -> None:
     """Add ``generate`` to the ``nb`` app."""
-    app.command()(generate)
+    app.command(short_help="Generate from an artifact: text or token ids in and out.")(generate)
 

@@ -30,6 +30,7 @@ app = typer.Typer(
     help="Compile fixed-shape LLM graphs, one set per bucket, over a paged block-KV cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: option names are never cut at 80 columns
 )
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="TOML config; default: the embedded default config")]
@@ -50,7 +51,7 @@ def _root(
     """A callback keeps ``nb`` a command group even while it has a single command."""
 
 
-@app.command()
+@app.command(short_help="The bucket grid a config compiles.")
 def grid(config: ConfigArg = None) -> None:
     """Show the bucket grid a config compiles: one row per bucket (its embed, layer and head
     pieces), and with a draft model the draft's buckets in a table of their own."""
@@ -85,7 +86,7 @@ CacheDirOpt = Annotated[
 ]
 
 
-@app.command("compile")
+@app.command("compile", short_help="Compile a config's buckets into an artifact directory.")
 def compile_(
     config: ConfigArg = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact directory")] = Path("nb-artifacts"),
@@ -158,9 +159,12 @@ def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
         table.add_row(b.bucket.name, b.place, estimate)
     console.print(table)
     counts = {p: sum(place == p for place in plan.places.values()) for p in PLACES}
-    total = "unknown (no history)" if plan.estimate_s is None else f"about {plan.estimate_s:.0f} s"
+    jobs = build.config.compile.jobs
+    total = "time unknown (no history)"
+    if (wall := plan.wall_s(jobs)) is not None:
+        total = f"about {wall:.0f} s with {jobs} jobs ({plan.estimate_s:.0f} s of compile in all)"
     console.print(
-        f"{counts['to compile']} of {len(plan.places)} pieces to compile, {total} of compile; "
+        f"{counts['to compile']} of {len(plan.places)} pieces to compile, {total}; "
         f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
         f"{counts['remote cache']} in the remote cache"
     )
@@ -168,29 +172,43 @@ def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
         print_dry_run(build.draft, cache)
 
 
-@app.command("ls")
+@app.command("ls", short_help="An artifact's buckets and pieces: sizes, compile times.")
 def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -> None:
-    """List an artifact directory's buckets and the pieces that run them: status, size, compile time."""
+    """List an artifact directory's buckets and the pieces that run them: status, size, compile
+    time. A piece several buckets run (marked *) is counted once, in the shared row, so the rows
+    add up to the total."""
     m = read_manifest(directory)
     b = m.backend
     table = Table(title=f"{directory}: {b.name} on {b.device}, torch {b.versions['torch']}")
     for col in ("bucket", "status", "pieces", "size", "compile s"):
         table.add_column(col, justify="right" if col in ("size", "compile s") else "left")
+    users: dict[str, int] = {}
     for r in m.buckets:
-        pieces = [m.pieces[k] for k in r.pieces.values() if k in m.pieces]
+        for k in set(r.pieces.values()) & m.pieces.keys():
+            users[k] = users.get(k, 0) + 1
+    shared = [m.pieces[k] for k, n in users.items() if n > 1]
+
+    def cells(pieces: list) -> tuple[str, str]:
+        return f"{sum(p.bytes for p in pieces) / 1e6:.1f} MB", f"{sum(p.compile_seconds for p in pieces):.1f}"
+
+    for r in m.buckets:
+        keys = [k for k in r.pieces.values() if k in m.pieces]
         ok = r.status == "ok"
         status = Text("ok", "green") if ok else Text.assemble(("failed", "red"), f" {r.error}")
-        size = sum(p.bytes for p in pieces) / 1e6
-        secs = sum(p.compile_seconds for p in pieces)
-        names = " ".join(p.name for p in pieces)
-        table.add_row(r.bucket.name, status, names, f"{size:.1f} MB", f"{secs:.1f}")
+        names = " ".join(m.pieces[k].name + ("*" if users[k] > 1 else "") for k in keys)
+        own = [m.pieces[k] for k in set(keys) if users[k] == 1]
+        table.add_row(r.bucket.name, status, names, *cells(own))
+    if shared:
+        table.add_section()
+        table.add_row("shared *", "", " ".join(sorted(p.name for p in shared)), *cells(shared))
     console.print(table)
+    counted = [m.pieces[k] for k in users]
     ok = [p for p in m.pieces.values() if p.status == "ok"]
     buckets_ok = sum(r.status == "ok" for r in m.buckets)
-    secs = sum(p.compile_seconds for p in m.pieces.values())
+    size, secs = cells(counted)
     console.print(
-        f"{buckets_ok} of {len(m.buckets)} buckets ok, {len(ok)} of {len(m.pieces)} pieces "
-        f"({sum(p.bytes for p in ok) / 1e6:.1f} MB, {secs:.0f} s of compile); "
+        f"{buckets_ok} of {len(m.buckets)} buckets ok, {len(ok)} of {len(m.pieces)} pieces ok; "
+        f"the rows' pieces: {size}, {secs} s of compile; "
         f"weights {m.weights.bytes / 1e6:.1f} MB, sha256 {m.weights.sha256[:12]}"
     )
     if (directory / DRAFT / MANIFEST).is_file():
@@ -198,7 +216,7 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
         console.print(f"draft model: {len(draft.buckets)} buckets in {DRAFT}/ (nb ls {directory / DRAFT})")
 
 
-@app.command()
+@app.command(short_help="Check an artifact's files, then each bucket against eager.")
 def verify(
     directory: Annotated[Path, typer.Argument(help="Artifact directory")],
     trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
@@ -224,7 +242,7 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help="Which backends and devices are usable here, and why not.")
 def doctor() -> None:
     """Which backends and devices are usable on this machine, and why not."""
     from neuron_buckets.cli.doctor import doctor_report

@@ -1,4 +1,8 @@
-"""A rich progress bar for ``nb compile``: pieces done, running and failed, elapsed time and ETA."""
+"""A rich progress bar for ``nb compile``: pieces done, running and failed, elapsed time and ETA.
+
+A piece reused from a cache takes no time, so it leaves the bar's total instead of advancing it:
+the ETA is then the rate of real compiles alone, not one that reused pieces made look fast.
+"""
 
 from __future__ import annotations
 
@@ -24,19 +28,21 @@ class CompileProgress:
 
     def __init__(self, total: int, console: Console) -> None:
         self.console = console
-        self.queued = self.failed = 0
+        self.queued = self.failed = self.reused = 0
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("[bold]compiling"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("running {task.fields[running]}  failed {task.fields[failed]}"),
+            TextColumn("reused {task.fields[reused]}  running {task.fields[running]}"),
+            TextColumn("failed {task.fields[failed]}"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=console,
         )
-        self.task = self.progress.add_task("compile", total=total, running=0, failed=0)
+        self.total = total
+        self.task = self.progress.add_task("compile", total=total, reused=0, running=0, failed=0)
 
     def __enter__(self) -> CompileProgress:
         self.progress.__enter__()
@@ -56,7 +62,8 @@ class CompileProgress:
             self.progress.log(Text.assemble(("damaged", "yellow"), f" {outcome.name}: {outcome.error}"))
         elif event == "done":
             if outcome.cached:
-                self.progress.update(self.task, advance=1)
+                self.reused += 1
+                self.progress.update(self.task, total=self.total - self.reused, reused=self.reused)
                 return
             self.queued -= 1
             if outcome.status == "ok":

@@ -45,8 +45,18 @@ def serve(
     key_metrics: Annotated[bool, typer.Option(help="Require the API key on /metrics too")] = False,
     allowed_host: Annotated[
         list[str] | None,
-        typer.Option(help="A Host name clients may use besides the loopback names (repeatable)"),
+        typer.Option(
+            metavar="HOST", help="A Host name clients may use besides the loopback names (repeatable)"
+        ),
     ] = None,
+    preload: Annotated[
+        bool,
+        typer.Option(
+            "--preload",
+            help="Load every graph before serving: start-up then takes as long as loading them all, "
+            "and no bucket's first request waits for its pieces to load",
+        ),
+    ] = False,
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
     try:
@@ -61,9 +71,11 @@ def serve(
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
     speculative = speculative_config(speculative_ngram, speculative_draft, config)
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
-    run_server(directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access)
+    run_server(
+        directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload
+    )
 
 
 def register(app: typer.Typer) -> None:
     """Add ``serve`` to the ``nb`` app."""
-    app.command("serve")(serve)
+    app.command("serve", short_help="Serve an artifact over the OpenAI API.")(serve)

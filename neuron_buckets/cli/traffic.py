@@ -11,16 +11,19 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
 
 from neuron_buckets.cli.console import err, int_list, out
 from neuron_buckets.config import Config, enumerate_grid, load_config
+from neuron_buckets.config.buckets import DEFAULT_MAX_NUM_SEQS
 from neuron_buckets.core.bucket import powers_of_two, validate_buckets
 from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
-from neuron_buckets.traffic.padding_stats import inspect_trace
-from neuron_buckets.traffic.planner import PlanOptions, plan, plan_replayed
+from neuron_buckets.traffic.padding_stats import inspect_trace, peak_blocks
+from neuron_buckets.traffic.planned_config import Limits, PlannedConfig
+from neuron_buckets.traffic.planner import DEFAULT_TOKEN_BUDGET, PlanOptions, plan, plan_replayed
 from neuron_buckets.traffic.replay_load import STEP_S, TOKEN_S, ReplayLoad
-from neuron_buckets.traffic.report import print_bucket_plan, print_inspect, toml_snippet
+from neuron_buckets.traffic.report import plan_header, print_bucket_plan, print_inspect
 from neuron_buckets.traffic.runtime_replay import (
     Replay,
     fit_requests,
@@ -31,9 +34,6 @@ from neuron_buckets.traffic.runtime_replay import (
 from neuron_buckets.traffic.speculation_cost import measured_speculation, planned_speculation
 from neuron_buckets.traffic.trace_prompts import trace_prompts
 from neuron_buckets.traffic.traces import Trace, load_trace
-
-DEFAULT_MAX_NUM_SEQS = 64  # decode slots when neither a config nor a manifest says
-
 
 TRACE_HELP = (
     "Trace file, CSV or JSONL, with ContextTokens/GeneratedTokens, input_length/output_length or "
@@ -119,22 +119,25 @@ def inspect(
     step_seconds: StepSecondsOpt = STEP_S,
     token_seconds: TokenSecondsOpt = TOKEN_S,
 ) -> None:
-    """Padding, decode batch sizes and compile cost of a bucket set on a trace; with a config, also
-    what the runtime does: the trace replayed through its scheduler and packing (``packed``; all
-    requests at once, or ``--concurrency`` / ``--arrivals``), and for a trace with ``hash_ids``
-    the prefix cache's hits, evictions and prefill tokens saved. What speculation costs in graphs
-    (``speculation``): measured with --manifest, counted in buckets with a config."""
+    """Padding, decode batch sizes and compile cost of a bucket set on a trace.
+
+    With a config, also what its runtime does: the trace replayed through its scheduler and
+    packing (all requests at once, or --concurrency, --arrivals), and for a trace with hash_ids
+    the prefix cache's hits, evictions and prefill tokens saved; and what speculation costs in
+    graphs (measured with --manifest, counted in buckets with a config). Requests longer than
+    the config's max_model_len are counted first and left out of every figure."""
     built = load_manifest_buckets(manifest) if manifest else None
-    prefill, num_seqs = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
+    prefill, num_seqs, limit = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
     replays = built is None and prefill_buckets is None and num_seqs_buckets is None
     if not replays and (concurrency is not None or arrivals):
         raise ValueError(
             "--concurrency and --arrivals replay a config's grid: pass a CONFIG, not --manifest or buckets"
         )
-    data = _load(trace)
+    data, refused = _servable(_load(trace), limit)
     load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
-    doc = inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
+    doc = {"refused": refused}  # first: every figure after it leaves these requests out
+    doc |= inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
     if replays:
         doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
     spec = measured_speculation(manifest) if manifest else planned_speculation(load_config(config))
@@ -143,9 +146,36 @@ def inspect(
     if plot is not None:
         from neuron_buckets.traffic.plot import plot_padding  # matplotlib: only when asked
 
-        plot_padding(plot, data.prompt_lens, doc["prefill"])
+        plot_padding(plot, data.prompt_lens, doc["prefill"], refused, _source(config, built, prefill_buckets))
         err.print(f"wrote {plot}", highlight=False)
     _emit(doc, as_json, print_inspect)
+
+
+def _source(config: Path | None, built: ManifestBuckets | None, prefill: str | None) -> str:
+    """Where the inspected buckets came from, for the plot's title."""
+    if prefill is not None:
+        return "--prefill-buckets"
+    if built is not None:
+        return "--manifest"
+    return config.name if config is not None else "embedded default config"
+
+
+def _servable(trace: Trace, max_model_len: int | None) -> tuple[Trace, dict]:
+    """The requests a server with ``max_model_len`` runs, and the ``refused`` report of the rest
+    (requests, of how many, the limit); every figure is then of the requests it runs."""
+    kept = trace if max_model_len is None else trace.servable(max_model_len)
+    refused = {"requests": len(trace) - len(kept), "of": len(trace), "max_model_len": max_model_len}
+    if refused["requests"]:
+        err.print(
+            f"{refused['requests']:,} of {len(trace):,} requests are longer than cache.max_model_len "
+            f"({max_model_len}, prompt + output): a server refuses them; they are left out",
+            highlight=False,
+        )
+    if not len(kept):
+        raise ValueError(
+            f"no request of the trace fits cache.max_model_len ({max_model_len}): raise it for this trace"
+        )
+    return kept, refused
 
 
 def _replay_load(
@@ -179,21 +209,24 @@ def _packed(
 
 def _bucket_sets(
     config: Path | None, built: ManifestBuckets | None, prefill: str | None, num_seqs: str | None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None]:
     """Prefill and num_seqs buckets from (in order of precedence) the options, the CONFIG, the
     manifest, or the embedded default config; a bare --prefill-buckets gets powers-of-two
-    num_seqs buckets up to DEFAULT_MAX_NUM_SEQS."""
+    num_seqs buckets up to DEFAULT_MAX_NUM_SEQS. Then the max_model_len they serve (None for
+    bare options: no limit is known)."""
+    limit = None
     if config is not None or (built is None and prefill is None):
-        b = load_config(config).buckets
+        cfg = load_config(config)
+        b, limit = cfg.buckets, cfg.cache.max_model_len
         base = (b.num_batched_tokens_buckets, b.num_seqs_buckets)
     elif built is not None:
-        base = (built.prefill, built.num_seqs)
+        base, limit = (built.prefill, built.num_seqs), built.cost.contexts[-1]
     else:
         base = ((), tuple(powers_of_two(1, DEFAULT_MAX_NUM_SEQS)))
     chosen_prefill = _ints("--prefill-buckets", prefill) if prefill else base[0]
     if not chosen_prefill:
         raise ValueError("the manifest has no single-row prefill buckets; pass --prefill-buckets")
-    return chosen_prefill, _ints("--num-seqs-buckets", num_seqs) if num_seqs else base[1]
+    return chosen_prefill, _ints("--num-seqs-buckets", num_seqs) if num_seqs else base[1], limit
 
 
 def plan_cmd(
@@ -206,7 +239,11 @@ def plan_cmd(
     align: Annotated[int, typer.Option("--align", min=1, help="Prefill buckets are multiples of this")] = 64,
     max_num_batched_tokens: Annotated[
         int | None,
-        typer.Option("--max-num-batched-tokens", min=1, help="Largest prefill bucket allowed"),
+        typer.Option(
+            "--max-num-batched-tokens", min=1,
+            help="Largest prefill bucket; longer prompts run in chunks (default: the CONFIG's, else "
+            f"{DEFAULT_TOKEN_BUDGET})",
+        ),
     ] = None,
     max_num_seqs: SeqsOpt = None,
     decode_graphs: Annotated[
@@ -225,7 +262,10 @@ def plan_cmd(
     ] = None,
     max_model_len: Annotated[
         int | None,
-        typer.Option("--max-model-len", min=1, help="Largest decode context; default: the longest request"),
+        typer.Option(
+            "--max-model-len", min=1,
+            help="Longest request (prompt + output) served; default: the config's, else the trace's longest",
+        ),
     ] = None,
     context_graphs: Annotated[
         int | None,
@@ -237,37 +277,75 @@ def plan_cmd(
     token_seconds: TokenSecondsOpt = TOKEN_S,
     replay_requests: ReplayRequestsOpt = 1000,
     trace_block_size: TraceBlockOpt = 512,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Also write the [cache] and [buckets] sections to this file")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Choose the prefill buckets, num_seqs buckets and decode context buckets that minimise
-    padding on a trace: each prompt alone (the offline per-request optimum), and with a CONFIG,
-    ``--concurrency`` or ``--arrivals`` the token buckets that minimise the padding of the steps
-    the config's runtime runs on the trace (``replay``), which the TOML snippet then takes; the
-    decode plans then default to the config's max_num_seqs and max_model_len."""
-    data = _load(trace)
-    load = _replay_load(data, concurrency, arrivals, step_seconds, token_seconds)
-    # a replay plans for the config's runtime: its decode slots and context unless told otherwise
-    runtime = load_config(config) if config is not None or not load.all_at_once else None
+    """Choose prefill, num_seqs and decode context buckets that minimise padding on a trace, and
+    print the [cache] and [buckets] sections that serve them (also written to --out).
+
+    Each prompt alone gives the offline per-request optimum. With a CONFIG, --concurrency or
+    --arrivals the trace is also replayed through that config's runtime, and the token buckets
+    minimise the padding of the steps it runs; the plan then keeps the config's limits
+    (max_model_len, max_num_seqs, max_num_batched_tokens) and says in one line each value it
+    changes, and why. Requests longer than max_model_len are counted and left out."""
+    # a replay plans for the config's runtime: its limits, which the plan keeps
+    runtime = load_config(config) if config is not None or concurrency is not None or arrivals else None
+    base = runtime or load_config(None)
+    if runtime is not None and max_model_len is not None:
+        raise ValueError(
+            f"--max-model-len: the replayed config's cache.max_model_len ({runtime.cache.max_model_len}) "
+            "bounds the plan; change it in the config"
+        )
+    loaded = _load(trace)
+    load = _replay_load(loaded, concurrency, arrivals, step_seconds, token_seconds)
+    model_len, why_len = _model_len(runtime, max_model_len, loaded, align)
+    block = base.cache.block_size
+    data, refused = _servable(loaded, model_len)
+    slots = max_num_seqs or base.buckets.max_num_seqs
+    # always a token budget: a prefill bucket attends over the whole context, so one as long as the
+    # longest prompt can need more memory than the host has
+    cap = runtime.buckets.max_num_batched_tokens if runtime else DEFAULT_TOKEN_BUDGET
     opts = PlanOptions(
         graphs=graphs,
         align=align,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs or (runtime.buckets.max_num_seqs if runtime else DEFAULT_MAX_NUM_SEQS),
+        max_num_batched_tokens=max_num_batched_tokens or cap,
+        max_num_seqs=slots,
         decode_graphs=decode_graphs,
         tokens_per_s=decode_rate,
         max_compile_seconds=max_compile_seconds,
         holdout_split=holdout_split,
-        max_model_len=max_model_len or (runtime.cache.max_model_len if runtime else None),
+        max_model_len=model_len,
         context_graphs=context_graphs,
     )
     cost = load_manifest_buckets(manifest).cost if manifest else None
     start = time.perf_counter()
-    doc = plan(data, opts, cost)
+    doc = {"refused": refused} | plan(data, opts, cost)
     if runtime is not None:
         doc["replay"] = _plan_replayed(runtime, data, opts, doc, load, replay_requests, trace_block_size)
     err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
-    doc["toml"] = toml_snippet(doc, trace.name)
+    budget = runtime.buckets.max_num_batched_tokens if runtime else doc["prefill"]["buckets"][-1]
+    limits = Limits(model_len, slots, budget, peak_blocks(data, decode_rate, slots, block), why_len)
+    header = plan_header(doc, trace.name, str(config) if config else "manifests/default.toml")
+    planned = PlannedConfig.of(base, doc, limits, header)
+    doc["config"] = {"cache": planned.cache, "buckets": planned.buckets, "changes": list(planned.changes)}
+    doc["toml"] = planned.toml()
+    if out is not None:
+        out.write_text(doc["toml"])
+        err.print(f"wrote {out}", highlight=False)
     _emit(doc, as_json, print_bucket_plan)
+
+
+def _model_len(runtime: Config | None, option: int | None, trace: Trace, align: int) -> tuple[int, str]:
+    """The max_model_len a plan serves, and why: the replayed config's (kept), --max-model-len,
+    or the trace's longest request (prompt and output), aligned."""
+    if runtime is not None:
+        return runtime.cache.max_model_len, "the config's"
+    if option is not None:
+        return option, "--max-model-len"
+    longest = int((trace.prompt_lens + np.maximum(trace.output_lens, 1)).max())
+    return -(-longest // align) * align, "the longest request of the trace"
 
 
 def _plan_replayed(
@@ -286,5 +364,5 @@ def _plan_replayed(
 
 def register(app: typer.Typer) -> None:
     """Add ``inspect`` and ``plan`` to the ``nb`` app."""
-    app.command("inspect")(inspect)
-    app.command("plan")(plan_cmd)
+    app.command("inspect", short_help="What a bucket set costs on a trace: padding, refusals.")(inspect)
+    app.command("plan", short_help="The buckets, and the config, that pad a trace least.")(plan_cmd)

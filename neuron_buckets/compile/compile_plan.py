@@ -9,6 +9,7 @@ history. Nothing is written, and no executor is started.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from dataclasses import dataclass
 
@@ -41,6 +42,17 @@ class CompilePlan:
         """All pieces to compile, each once; None when one of them has no history."""
         values = list(self.estimates.values())
         return None if None in values else sum(values)
+
+    def wall_s(self, jobs: int) -> float | None:
+        """The wall time of ``estimate_s`` on ``jobs`` parallel workers: each piece, longest
+        first, onto the worker free first (what a pool does); None without history. The sum
+        alone overstates a parallel compile by about the number of jobs."""
+        if self.estimate_s is None:
+            return None
+        free = [0.0] * max(1, jobs)
+        for seconds in sorted(self.estimates.values(), reverse=True):
+            heapq.heapreplace(free, free[0] + seconds)
+        return max(free)
 
 
 def _present(store: GraphStore, names: dict[str, dict], entry: StoreEntry | None) -> bool:

@@ -41,4 +41,5 @@ def directory_lock(directory: Path) -> Iterator[None]:
         holder.write_text(str(os.getpid()))
         yield
     finally:
+        holder.unlink(missing_ok=True)  # while still held: the next holder writes its own
         lock.release()

@@ -40,10 +40,11 @@ def remove_stale_temps(store: GraphStore, older_than_s: float = STALE_AFTER_S) -
 
 
 def prune_store(store: GraphStore, older_than_s: float | None = None,
-                max_bytes: int | None = None) -> list[StoreEntry]:
+                max_bytes: int | None = None, dry_run: bool = False) -> list[StoreEntry]:
     """Remove entries made more than ``older_than_s`` ago, then the oldest until the rest hold
     at most ``max_bytes``; also graphs that no record names once they are a day old (a publish
-    killed between its graph and its record) and stale temps. Returns the entries removed."""
+    killed between its graph and its record) and stale temps. Returns the entries removed, or
+    with ``dry_run`` those it would remove, removing nothing."""
     now = time.time()
     names = store.names()
     entries = sorted(store.entries(names), key=lambda e: e.created)
@@ -53,6 +54,8 @@ def prune_store(store: GraphStore, older_than_s: float | None = None,
     while max_bytes is not None and kept and total > max_bytes:
         doomed.append(victim := kept.pop(0))
         total -= victim.bytes
+    if dry_run:
+        return doomed
     for e in doomed:
         store.discard(e.key, e.ext, e)
     named = {e.graph_name for e in entries}  # the doomed ones' graphs are gone already

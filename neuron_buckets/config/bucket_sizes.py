@@ -12,15 +12,15 @@ from neuron_buckets.core.bucket import linear, powers_of_two, validate_buckets
 STRATEGY_KEYS = ("max", "min", "step", "strategy")
 
 
-def bucket_sizes(key: str, spec: Any, last: int) -> tuple[int, ...]:
+def bucket_sizes(key: str, spec: Any, last: int, last_key: str) -> tuple[int, ...]:
     """Explicit ints, or ``{strategy = powers_of_two | linear, min, max, step}`` (min 1, max
-    ``last``, step min), as ascending sizes that end at ``last``."""
+    ``last``, step min), as ascending sizes that end at ``last``, the setting ``last_key``."""
     if isinstance(spec, Mapping):
         spec = _expand(key, spec, last)
     elif isinstance(spec, str) or not isinstance(spec, Sequence):
         raise ConfigError(f"{key}: expected a list of ints or a strategy table, got {spec!r}")
     try:
-        return validate_buckets(key, spec, last)
+        return validate_buckets(key, spec, last, last_key)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

@@ -15,6 +15,8 @@ from neuron_buckets.config.bucket_sizes import bucket_sizes
 from neuron_buckets.config.setting import check_positive, check_types, setting
 from neuron_buckets.core.bucket import powers_of_two
 
+# Requests in one decode call when a config does not say: the config's default and ``nb plan``'s.
+DEFAULT_MAX_NUM_SEQS = 4
 # Below this, a smaller context saves less attention than another set of decode graphs costs.
 MIN_DEFAULT_CONTEXT = 256
 
@@ -32,7 +34,8 @@ def default_contexts(block_size: int, max_model_len: int) -> tuple[int, ...]:
 class BucketConfig:
     SECTION: ClassVar[str] = "buckets"
 
-    max_num_seqs: int = setting(4, graph=False)  # requests in a decode call or a packed prefill
+    # requests in a decode call or a packed prefill
+    max_num_seqs: int = setting(DEFAULT_MAX_NUM_SEQS, graph=False)
     max_num_batched_tokens: int = setting(128, graph=False)  # the token budget of a prefill step
     num_seqs_buckets: tuple[int, ...] | None = setting(None, graph=False)  # decode batch sizes
     num_batched_tokens_buckets: tuple[int, ...] | None = setting(None, graph=False)  # prefill tokens
@@ -45,10 +48,12 @@ class BucketConfig:
         check_types(self)
         check_positive(self, "max_num_seqs", "max_num_batched_tokens")
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
-        self._derive("num_seqs_buckets", seqs, tuple(powers_of_two(1, seqs)))
-        self._derive("num_batched_tokens_buckets", tokens, (tokens,))
+        self._derive("num_seqs_buckets", "max_num_seqs", tuple(powers_of_two(1, seqs)))
+        self._derive("num_batched_tokens_buckets", "max_num_batched_tokens", (tokens,))
 
-    def _derive(self, name: str, last: int, default: tuple[int, ...]) -> None:
-        spec = getattr(self, name)
-        sizes = default if spec is None else bucket_sizes(f"{self.SECTION}.{name}", spec, last)
+    def _derive(self, name: str, limit: str, default: tuple[int, ...]) -> None:
+        """The list ``name`` as given or ``default``, ending at the setting ``limit``."""
+        spec, last = getattr(self, name), getattr(self, limit)
+        key, limit_key = f"{self.SECTION}.{name}", f"{self.SECTION}.{limit}"
+        sizes = default if spec is None else bucket_sizes(key, spec, last, limit_key)
         object.__setattr__(self, name, sizes)

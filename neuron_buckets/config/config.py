@@ -29,7 +29,7 @@ class Config:
         if spec is None:
             contexts = default_contexts(c.block_size, c.max_model_len)
         else:
-            contexts = bucket_sizes(key, spec, c.max_model_len)
+            contexts = bucket_sizes(key, spec, c.max_model_len, "cache.max_model_len")
         for ctx in contexts:
             if ctx % c.block_size:
                 raise ConfigError(f"{key}: {ctx} is not a multiple of cache.block_size={c.block_size}")

@@ -72,8 +72,11 @@ def linear(lo: int, hi: int, step: int) -> list[int]:
     return sorted({*range(lo, hi, step), hi})
 
 
-def validate_buckets(name: str, buckets: Sequence[int], last: int | None = None) -> tuple[int, ...]:
-    """Apply the vLLM-neuron rules: non-empty, positive, strictly ascending, ending at ``last``."""
+def validate_buckets(
+    name: str, buckets: Sequence[int], last: int | None = None, last_name: str | None = None
+) -> tuple[int, ...]:
+    """Apply the vLLM-neuron rules: non-empty, positive, strictly ascending, ending at ``last``
+    (the value of the setting ``last_name``, which the error then names)."""
     values = tuple(buckets)
     if not values:
         raise ValueError(f"{name} must not be empty")
@@ -82,7 +85,8 @@ def validate_buckets(name: str, buckets: Sequence[int], last: int | None = None)
     if any(b <= a for a, b in zip(values, values[1:], strict=False)):
         raise ValueError(f"{name} must be strictly ascending, got {list(values)}")
     if last is not None and values[-1] != last:
-        raise ValueError(f"the last entry of {name} must equal {last}, got {list(values)}")
+        bound = f"{last_name} ({last})" if last_name else str(last)
+        raise ValueError(f"{name}'s last entry must equal {bound}, got {list(values)}")
     return values
 
 

@@ -122,10 +122,16 @@ class LLMEngine:
 
     @classmethod
     def open(
-        cls, directory: str | Path, device: str | None = None, speculative: SpeculativeConfig | None = None
+        cls,
+        directory: str | Path,
+        device: str | None = None,
+        speculative: SpeculativeConfig | None = None,
+        preload: bool = False,
     ) -> LLMEngine:
-        """An engine over an artifact directory: its runtime and its tokenizer (if it has one)."""
-        return cls(BucketRuntime.open(directory, device), Tokenizer.open(directory), speculative=speculative)
+        """An engine over an artifact directory: its runtime (every graph loaded now with
+        ``preload``) and its tokenizer (if it has one)."""
+        runtime = BucketRuntime.open(directory, device, preload=preload)
+        return cls(runtime, Tokenizer.open(directory), speculative=speculative)
 
     @property
     def max_model_len(self) -> int:

@@ -354,8 +354,10 @@ def run_server(
     shutdown_timeout: float = 30.0,
     speculative: SpeculativeConfig | None = None,
     access: ServerAccess | None = None,
+    preload: bool = False,
 ) -> None:
-    """Open the artifact (drafting as ``speculative`` says) and serve it until SIGINT or SIGTERM.
+    """Open the artifact (drafting as ``speculative`` says; with ``preload`` every graph loaded
+    before the first request, not by it) and serve it until SIGINT or SIGTERM.
 
     The address is taken first, so a port in use is one error line before any weight is read.
     On a signal uvicorn stops accepting connections and lets open responses finish for up to
@@ -370,7 +372,11 @@ def run_server(
     access = access or ServerAccess.for_bind(host, None, False, ())
     with sock:
         model_name = model_name or str(directory)
-        app = create_app(LLMEngine.open(directory, speculative=speculative), model_name, limits, access)
+        start = time.perf_counter()
+        engine = LLMEngine.open(directory, speculative=speculative, preload=preload)
+        loaded = f"{len(engine.runtime.loaded)} graphs" if preload else "graphs load on first use"
+        log.info("opened %s in %.1f s (%s)", directory, time.perf_counter() - start, loaded)
+        app = create_app(engine, model_name, limits, access)
         config = uvicorn.Config(
             app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, http=HeaderTimeoutH11
         )

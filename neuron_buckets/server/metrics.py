@@ -4,8 +4,8 @@ Dashboards and alerts written for ``vllm serve`` read the same series here: requ
 waiting, time to first token, time per output token, end-to-end latency, prompt and generation
 token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens)
 and speculative decoding's draft and acceptance counters, all labelled with ``model_name``. What
-vLLM has no name for is the point of nb: per-bucket calls, real and padded tokens and the padding
-ratio, the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
+vLLM has no name for is the point of nb: per-bucket calls, real and computed tokens and the
+padding share, the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
 compare with the same steps run in-process), and the steps speculation sat out because it did
 not pay (``nb:spec_decode_steps_off``). Both kinds of counter are read from the engine's own
 at scrape time (so they are exactly ``nb generate --stats``). Each server owns its registry, so
@@ -34,26 +34,30 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class BucketCollector(Collector):
-    """Per-bucket counters, read from the runtime's ``BucketStats`` when Prometheus scrapes."""
+    """Per-bucket counters, read from the runtime's ``BucketStats`` when Prometheus scrapes, in
+    the words every other output uses: calls, real tokens, computed tokens (real and padding) and
+    the padding share (padding / computed)."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, BucketStats]]) -> None:
-        self.stats = stats
+    def __init__(self, model_name: str, stats: Callable[[], Mapping[str, BucketStats]]) -> None:
+        self.model_name, self.stats = model_name, stats
 
     def collect(self) -> Iterator[Metric]:
-        calls = CounterMetricFamily("nb:bucket_calls", "Graph calls per bucket", labels=["bucket"])
-        real = CounterMetricFamily("nb:bucket_real_tokens", "Real tokens run per bucket", labels=["bucket"])
-        padded = CounterMetricFamily(
-            "nb:bucket_padded_tokens", "Positions computed per bucket, real and pad", labels=["bucket"]
+        labels = ["model_name", "bucket"]
+        calls = CounterMetricFamily("nb:bucket_calls", "Graph calls per bucket", labels=labels)
+        real = CounterMetricFamily("nb:bucket_real_tokens", "Real tokens run per bucket", labels=labels)
+        computed = CounterMetricFamily(
+            "nb:bucket_computed_tokens", "Positions computed per bucket: real and padding", labels=labels
         )
-        ratio = GaugeMetricFamily(
-            "nb:bucket_padding_ratio", "(padded - real) / real tokens per bucket", labels=["bucket"]
+        share = GaugeMetricFamily(
+            "nb:bucket_padding_share", "Padding / computed tokens per bucket (0 to 1)", labels=labels
         )
         for name, s in list(self.stats().items()):
-            calls.add_metric([name], s.calls)
-            real.add_metric([name], s.real_tokens)
-            padded.add_metric([name], s.padded_tokens)
-            ratio.add_metric([name], s.padding_ratio)
-        yield from (calls, real, padded, ratio)
+            key = [self.model_name, name]
+            calls.add_metric(key, s.calls)
+            real.add_metric(key, s.real_tokens)
+            computed.add_metric(key, s.computed_tokens)
+            share.add_metric(key, s.padding_share)
+        yield from (calls, real, computed, share)
 
 
 class EngineCounterCollector(Collector):
@@ -122,7 +126,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.model_name = model_name
-        self.registry.register(BucketCollector(bucket_stats))
+        self.registry.register(BucketCollector(model_name, bucket_stats))
         self.registry.register(EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats))
 
     def finished(self, reason: str | None) -> None:

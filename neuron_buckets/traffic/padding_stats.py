@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from neuron_buckets.core.bucket import validate_buckets
+from neuron_buckets.runtime.bucket_stats import padding_share
 from neuron_buckets.traffic.compile_cost import CompileCost
 from neuron_buckets.traffic.traces import Trace
 
@@ -43,16 +44,25 @@ class PaddingStats:
 
     @property
     def padding_ratio(self) -> float:
-        """Extra work over real work, (P - R) / R: 0.44 means 44% wasted compute."""
+        """Padding over real work, (P - R) / R: the contract's ratio (0.44: 44% extra compute)."""
         return (self.padded_total - self.real_total) / self.real_total
 
+    @property
+    def padding_share(self) -> float:
+        """Padding over computed work, (P - R) / P: the share of the compute that was padding."""
+        return padding_share(self.real_total, self.padded_total)
+
     def to_json(self, item: str, unit: str) -> dict:
-        """The ``--json`` document: ``{"buckets", item, "real_<unit>", "padded_<unit>", ...}``."""
+        """The ``--json`` document: ``{"buckets", item, "real_<unit>", "computed_<unit>",
+        "padding_share", ...}``, with the contract's ``padded_<unit>`` (= computed) and
+        ``padding_ratio`` beside them."""
         per_bucket = [
             {
                 "seq" if unit == "tokens" else "batch": b,
                 "calls": c,
                 f"real_{unit}": r,
+                f"computed_{unit}": p,
+                "padding_share": padding_share(r, p) if p else None,
                 f"padded_{unit}": p,
                 "padding_ratio": (p - r) / r if r else None,
             }
@@ -62,6 +72,8 @@ class PaddingStats:
             "buckets": list(self.buckets),
             item: self.items,
             f"real_{unit}": self.real_total,
+            f"computed_{unit}": self.padded_total,
+            "padding_share": self.padding_share,
             f"padded_{unit}": self.padded_total,
             "padding_ratio": self.padding_ratio,
             f"chunked_{item}": self.chunked,
@@ -137,15 +149,7 @@ class Concurrency:
 def replay_decode(trace: Trace, tokens_per_s: float, max_num_seqs: int) -> Concurrency:
     """Replay arrivals FIFO through ``max_num_seqs`` decode slots; a request holds its slot for
     ``output_tokens / tokens_per_s`` seconds. Prefill time is not modelled: decode dominates."""
-    if trace.arrivals is None:
-        raise ValueError("decode replay needs arrival times; this trace has no timestamp column")
-    if tokens_per_s <= 0 or max_num_seqs < 1:
-        raise ValueError(f"need tokens_per_s > 0 and max_num_seqs >= 1, got {tokens_per_s}, {max_num_seqs}")
-    order = np.argsort(trace.arrivals, kind="stable")
-    keep = order[trace.output_lens[order] > 0]
-    arrive = trace.arrivals[keep]
-    hold = trace.output_lens[keep] / tokens_per_s
-    start = _fifo_starts(arrive, hold, max_num_seqs)
+    keep, arrive, start, hold = _fifo_replay(trace, tokens_per_s, max_num_seqs)
     times, level = _concurrency(start, start + hold)
     seconds = np.bincount(level[:-1], weights=np.diff(times), minlength=max_num_seqs + 1)
     wait = start - arrive
@@ -156,6 +160,35 @@ def replay_decode(trace: Trace, tokens_per_s: float, max_num_seqs: int) -> Concu
         queued=int((wait > 0).sum()),
         mean_wait_s=float(wait.mean()) if len(wait) else 0.0,
     )
+
+
+def peak_blocks(trace: Trace, tokens_per_s: float, max_num_seqs: int, block_size: int) -> int:
+    """The most KV blocks the requests in flight hold at once, each its whole prompt and output
+    from start to end: with arrivals, over ``replay_decode``'s replay; without, the
+    ``max_num_seqs`` longest requests together (all at once). Block 0 not counted."""
+    need = -(-(trace.prompt_lens + np.maximum(trace.output_lens, 1)) // block_size)
+    if trace.arrivals is None:
+        return int(np.sort(need)[::-1][:max_num_seqs].sum())
+    keep, _, start, hold = _fifo_replay(trace, tokens_per_s, max_num_seqs)
+    if not len(keep):
+        return int(need.max())
+    return int(_concurrency(start, start + hold, need[keep])[1].max())
+
+
+def _fifo_replay(
+    trace: Trace, tokens_per_s: float, max_num_seqs: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The requests that decode (their indices, by arrival), their arrivals, start times in
+    the FIFO replay, and the seconds each holds its slot."""
+    if trace.arrivals is None:
+        raise ValueError("decode replay needs arrival times; this trace has no timestamp column")
+    if tokens_per_s <= 0 or max_num_seqs < 1:
+        raise ValueError(f"need tokens_per_s > 0 and max_num_seqs >= 1, got {tokens_per_s}, {max_num_seqs}")
+    order = np.argsort(trace.arrivals, kind="stable")
+    keep = order[trace.output_lens[order] > 0]
+    arrive = trace.arrivals[keep]
+    hold = trace.output_lens[keep] / tokens_per_s
+    return keep, arrive, _fifo_starts(arrive, hold, max_num_seqs), hold
 
 
 def _fifo_starts(arrive: np.ndarray, hold: np.ndarray, slots: int) -> np.ndarray:
@@ -174,12 +207,15 @@ def _fifo_starts(arrive: np.ndarray, hold: np.ndarray, slots: int) -> np.ndarray
     return start
 
 
-def _concurrency(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Event times in order and the number of running requests after each event (a request
-    ending at t frees its slot before one starting at t takes it)."""
+def _concurrency(
+    start: np.ndarray, end: np.ndarray, weight: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Event times in order and the number of running requests (or the sum of their ``weight``)
+    after each event (a request ending at t frees its slot before one starting at t takes it)."""
+    w = np.ones(len(start), np.int64) if weight is None else np.asarray(weight, np.int64)
     times = np.concatenate([end, start])
-    delta = np.concatenate([-np.ones(len(end), np.int64), np.ones(len(start), np.int64)])
-    order = np.lexsort((delta, times))
+    delta = np.concatenate([-w, w])
+    order = np.lexsort((np.sign(delta), times))
     return times[order], np.cumsum(delta[order])
 
 

@@ -31,13 +31,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neuron_buckets.config.buckets import default_contexts
+from neuron_buckets.config.buckets import DEFAULT_MAX_NUM_SEQS, default_contexts
 from neuron_buckets.core.bucket import powers_of_two
 from neuron_buckets.traffic.compile_cost import CompileCost
 from neuron_buckets.traffic.padding_stats import Concurrency, padding_stats, replay_decode
 from neuron_buckets.traffic.traces import Trace
 
 _BLOCK_ELEMENTS = 1 << 22  # bound on the (i, j) slab built per step: 32 MiB of float64
+# nb plan's token budget without a config: prompts beyond it run in chunks of it
+DEFAULT_TOKEN_BUDGET = 2048
+LIGHT_LOAD = (1, 2, 4)  # decode batches of a lightly loaded server: they get graphs of their own
 
 
 class PlanError(ValueError):
@@ -49,7 +52,7 @@ class PlanOptions:
     graphs: int  # at most this many prefill graphs
     align: int = 64  # prefill buckets are multiples of this (e.g. the block size)
     max_num_batched_tokens: int | None = None  # largest prefill bucket allowed; None: no cap
-    max_num_seqs: int = 64  # decode slots in the replay and cap of the num_seqs buckets
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # decode slots in the replay, the largest num_seqs bucket
     decode_graphs: int | None = None  # None: as many as the powers-of-two num_seqs set
     tokens_per_s: float = 30.0  # per-request decode rate in the replay
     max_compile_seconds: float | None = None  # budget for all graphs (needs a CompileCost)
@@ -179,9 +182,13 @@ def plan_replayed(
     pareto = []
     for s in distinct:
         stats = padding_stats(tokens, s)
-        pareto.append({"graphs": len(s), "buckets": list(s), "padded_tokens": stats.padded_total,
+        pareto.append({"graphs": len(s), "buckets": list(s), "computed_tokens": stats.padded_total,
+                       "padding_share": stats.padding_share, "padded_tokens": stats.padded_total,
                        "padding_ratio": stats.padding_ratio})  # fmt: skip
-    out = padding_stats(tokens, sets[-1]).to_json("calls", "tokens") | {
+    chosen = sets[-1]
+    if len(current) <= graphs and _padded(tokens, current) < _padded(tokens, chosen):
+        chosen = tuple(current)  # off --align's grid, the config's own set pads less: never advise worse
+    out = padding_stats(tokens, chosen).to_json("calls", "tokens") | {
         "max_num_batched_tokens": budget,
         "baseline": padding_stats(tokens, current).to_json("calls", "tokens"),
         "offline_optimum": None,
@@ -192,19 +199,39 @@ def plan_replayed(
     return out
 
 
+def _padded(sizes: np.ndarray, buckets: Sequence[int]) -> float:
+    return padding_stats(sizes, buckets).padded_total
+
+
 def _plan_decode(fit: Trace, opts: PlanOptions) -> dict | None:
     """num_seqs buckets minimising padded rows over the replayed decode steps (None without
-    arrivals); the largest is the replay's peak batch, at most ``max_num_seqs``."""
+    arrivals). The largest is ``max_num_seqs`` (a grid rule), and the batches a server meets
+    under light load (``LIGHT_LOAD``) always get their own graph while the graph count leaves
+    room: a lone request never pads to the busy hour's batch. ``why_not`` says when it does not."""
     if fit.arrivals is None:
         return None
     conc = replay_decode(fit, opts.tokens_per_s, opts.max_num_seqs)
     if conc.peak == 0:
         return None
-    baseline = tuple(powers_of_two(1, opts.max_num_seqs))
+    top = opts.max_num_seqs
+    baseline = tuple(powers_of_two(1, top))
     k = opts.decode_graphs or len(baseline)
-    batch = np.arange(1, conc.peak + 1)
-    buckets = optimal_sets(batch, k, 1, opts.max_num_seqs, conc.steps[1 : conc.peak + 1])[-1]
-    return _decode_json(conc, buckets, baseline)
+    light = [b for b in LIGHT_LOAD if b < top]
+    forced = light[: k - 1]
+    weights = conc.steps[1 : conc.peak + 1]
+    # a forced size outweighs every other item together, so each optimum holds it exactly
+    heavy = float(weights.sum()) * top + 1.0
+    sizes = np.concatenate([np.arange(1, conc.peak + 1), forced, [top]])
+    w = np.concatenate([weights, np.full(len(forced), heavy), [0.0]])
+    buckets = optimal_sets(sizes, k, 1, top, w)[-1]
+    doc = _decode_json(conc, buckets, baseline)
+    doc["why_not"] = None
+    if len(forced) < len(light):
+        doc["why_not"] = (
+            f"{k} decode graph(s) leave no graph for batches {light[len(forced):]}: they pad to the "
+            "next num_seqs bucket (raise --decode-graphs)"
+        )
+    return doc
 
 
 def decode_contexts(trace: Trace, max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -258,6 +285,8 @@ def _pareto_row(
     row = {
         "graphs": len(buckets),
         "buckets": list(buckets),
+        "computed_tokens": stats.padded_total,
+        "padding_share": stats.padding_share,
         "padded_tokens": stats.padded_total,
         "padding_ratio": stats.padding_ratio,
         "compile_seconds": None,

@@ -28,7 +28,7 @@ from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
-from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.runtime.bucket_stats import BucketStats, padding_share
 from neuron_buckets.traffic.replay_load import ALL_AT_ONCE, ReplayLoad
 
 
@@ -122,7 +122,7 @@ def packed_report(replay: Replay, requests: int, load: ReplayLoad) -> dict:
     """The ``packed`` section of ``nb inspect --json``: how the requests were replayed, and the
     runtime's counters per bucket."""
     counters = replay.stats
-    per_bucket = [{"bucket": name, **vars(c)} for name, c in counters.items() if c.calls]
+    per_bucket = [{"bucket": name, **c.to_json()} for name, c in counters.items() if c.calls]
     real = sum(c.real_tokens for c in counters.values())
     padded = sum(c.padded_tokens for c in counters.values())
     return {
@@ -132,6 +132,8 @@ def packed_report(replay: Replay, requests: int, load: ReplayLoad) -> dict:
         "replayed_seconds": replay.seconds,
         "per_bucket": per_bucket,
         "real_tokens": real,
+        "computed_tokens": padded,
+        "padding_share": padding_share(real, padded),
         "padded_tokens": padded,
         "padding_ratio": (padded - real) / max(real, 1),
     }

@@ -79,6 +79,12 @@ class Trace:
             raise TraceError(f"split {fraction} of {len(order)} requests leaves one side empty")
         return self._take(order[:cut]), self._take(order[cut:])
 
+    def servable(self, max_model_len: int) -> Trace:
+        """The requests a server with this ``max_model_len`` runs as recorded: prompt plus output
+        (at least one token) within it. It refuses the others, so figures leave them out."""
+        fits = self.prompt_lens + np.maximum(self.output_lens, 1) <= max_model_len
+        return self if fits.all() else self._take(np.flatnonzero(fits))
+
     def _take(self, idx: np.ndarray) -> Trace:
         arrivals = self.arrivals[idx] if self.arrivals is not None else None
         hashes = tuple(self.hash_ids[i] for i in idx) if self.hash_ids is not None else None

@@ -1,0 +1,70 @@
+"""The README as a user follows it: its "your own model" config compiles as written, its Runtime
+snippet runs on an artifact without a tokenizer, and its text stays readable (no line past 300
+characters, no note about where a change came from)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from neuron_buckets.cli import app
+from tests.conftest import save_tiny_llama
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def block(section: str, lang: str) -> str:
+    """The first ``lang`` code block under the README heading ``section``."""
+    body = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(rf"```{lang}\n(.*?)```", body, re.S)
+    assert match, f"no {lang} block under {section}"
+    return match[1]
+
+
+def test_the_own_model_config_compiles_as_written(tmp_path: Path) -> None:
+    config = block("Your own model", "toml")
+    assert len(config.strip().splitlines()) <= 3
+    name = re.search(r'path = "([^"]+)"', config)[1]
+    save_tiny_llama(tmp_path / name)  # the directory the config names, beside it
+    (tmp_path / "my-model.toml").write_text(config)
+    result = CliRunner().invoke(
+        app, ["compile", str(tmp_path / "my-model.toml"), "--dry-run", "--out", str(tmp_path / "art"),
+              "--cache-dir", str(tmp_path / "cache")],  # fmt: skip
+    )
+    assert result.exit_code == 0, result.output
+    assert "pieces to compile" in result.stdout
+    assert "cp manifests/default.toml my-model.toml" in README
+
+
+def test_quick_start_says_what_it_needs() -> None:
+    quick = README.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    assert "python3 -m venv .venv && . .venv/bin/activate" in quick
+    assert "7 GB" in quick and "make test" in quick
+    assert not re.search(r"\b\d+ pieces\b", README)  # piece counts drift: nb compile --dry-run says
+
+
+def test_no_line_is_long_and_no_text_names_an_issue() -> None:
+    paths = [ROOT / "README.md", ROOT / "docs" / "design.md", *ROOT.glob("bench/*.py")]
+    texts = {p: p.read_text() for p in paths}
+    for path, text in texts.items():
+        if path.name == "README.md":
+            long = [n for n, line in enumerate(text.splitlines(), 1) if len(line) > 300]
+            assert long == [], f"README lines over 300 characters: {long}"
+        assert not re.search(r"\bissues?\b", text, re.I), f"{path} names an issue"
+    assert "bench/RESULTS.md" in README
+
+
+@pytest.mark.slow
+def test_the_runtime_snippet_runs_on_an_artifact_without_a_tokenizer(compiled_dir: Path) -> None:
+    snippet = block("Runtime", "python").replace('"nb-artifacts"', repr(str(compiled_dir)))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - the README's own code
+    lines = printed.getvalue().splitlines()
+    assert lines[0].endswith("length") and lines[-1].startswith("{")
