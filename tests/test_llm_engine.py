@@ -15,7 +15,7 @@ from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.llm_engine import LLMEngine, generate
 from neuron_buckets.engine.sampling_params import SamplingParams
-from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime, CacheOwned
 from tests.conftest import TINY_CONFIG, first_new, write_config
 from tests.test_engine import make_prompts
 
@@ -152,3 +152,27 @@ def test_the_old_calls_say_in_one_line_what_to_write_instead(artifact):
     with pytest.raises(AttributeError, match=r"^'RequestOutput' object has no attribute 'tokenz'$"):
         _ = out.tokenz
     assert len(out.token_ids) == 2
+
+
+def test_generate_over_a_runtime_runs_on_its_engine_and_never_overwrites_that_engines_prefix_cache(artifact):
+    engine = LLMEngine.open(artifact)
+    assert engine.pool.enable_prefix_caching
+    p, q = make_prompts((40, 40), seed=11)
+    first = generate(engine, [p], FULL)[0].token_ids
+    cached = engine.pool.num_cached
+    assert cached >= 4  # p's full blocks stay named for the next request that starts with them
+    assert generate(engine.runtime, [q], FULL)[0].token_ids == generate(engine, [q], FULL)[0].token_ids
+    assert generate(engine, [p], FULL)[0].token_ids == first
+    assert engine.pool.hits >= cached * engine.pool.block_size  # p's second run read its cached blocks
+
+
+def test_a_second_engine_over_a_live_engines_runtime_is_refused_in_one_line(artifact):
+    runtime = BucketRuntime.open(artifact)
+    engine = LLMEngine(runtime)
+    with pytest.raises(CacheOwned, match=r"^\S+: this runtime's KV cache belongs to a live LLMEngine; use that "
+                                         r"engine \(generate\(engine, \.\.\.\)\), or open another runtime$"):
+        LLMEngine(runtime, pool=BlockPool(runtime.num_blocks, runtime.block_size))
+    assert runtime.owner is engine
+    del engine  # once the first is gone, nothing reads its blocks any more
+    assert runtime.owner is None
+    assert LLMEngine(runtime).runtime is runtime

@@ -84,7 +84,9 @@ class LLMEngine:
         artifact was configured (``cache.enable_prefix_caching``); pass a smaller one to bound
         the blocks in use. ``eos_token_ids`` defaults to the artifact's (from the model
         directory's generation_config.json or config.json; none for older artifacts).
-        ``speculative`` turns drafting on; its drafts must fit the artifact's decode rows."""
+        ``speculative`` turns drafting on; its drafts must fit the artifact's decode rows.
+        A runtime has one engine at a time (``BucketRuntime.claim``): a second one over it, while
+        the first lives, is refused with one line."""
         self.runtime, self.tokenizer = runtime, tokenizer
         self.pool = pool or BlockPool(
             runtime.num_blocks, runtime.block_size, runtime.manifest.decode.enable_prefix_caching,
@@ -119,6 +121,7 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
+        runtime.claim(self)  # last: an engine refused above never holds the cache
 
     @classmethod
     def open(
@@ -239,12 +242,16 @@ def generate(
 
     ``params`` is one SamplingParams for all (default: greedy, 16 tokens) or one per prompt.
     Every request is checked before any is added, so an impossible one fails before anything
-    runs. A runtime gets an engine of its own (no tokenizer: no text, no stop strings); an
-    engine's other requests advance too.
+    runs. A runtime runs on the engine that holds its cache, if one lives (a second engine with
+    a pool of its own would overwrite blocks the first one's prefix cache names), else on one of
+    its own (no tokenizer: no text, no stop strings); an engine's other requests advance too.
     """
     if isinstance(params, int):  # the 0.1 signature, generate(runtime, prompts, max_new_tokens)
         raise TypeError(f"generate() takes SamplingParams now: pass SamplingParams(max_tokens={params!r})")
-    engine = engine_or_runtime if isinstance(engine_or_runtime, LLMEngine) else LLMEngine(engine_or_runtime)
+    engine = engine_or_runtime
+    if not isinstance(engine, LLMEngine):
+        owner = engine.owner
+        engine = owner if isinstance(owner, LLMEngine) else LLMEngine(engine)
     params = SamplingParams() if params is None else params
     per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(per_prompt) != len(prompts):

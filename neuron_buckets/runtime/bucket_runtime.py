@@ -12,6 +12,7 @@ artifacts flow one way, from ``nb compile`` to here.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,10 @@ LIBRARIES = {"block_kv_cpu": block_kv_cpu.register}
 
 class ArtifactError(UserError, RuntimeError):
     """A graph or weights file that is missing or does not match its manifest entry."""
+
+
+class CacheOwned(UserError, RuntimeError):
+    """A second owner for a runtime whose KV cache another live owner (an engine) holds."""
 
 
 @contextmanager
@@ -85,6 +90,24 @@ class BucketRuntime:
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
         self._graphs: dict[str, GraphFn] = {}
         self.stats = {b.name: BucketStats() for b in self.records}
+        self._owner: weakref.ref[object] | None = None
+
+    @property
+    def owner(self) -> object | None:
+        """The live object that decides which blocks of the KV cache hold what (an engine and its
+        block pool), or None."""
+        return None if self._owner is None else self._owner()
+
+    def claim(self, owner: object) -> None:
+        """Make ``owner`` the one writer of the KV cache while it lives. A second owner would
+        hand out blocks the first one's prefix cache still names, and both would then read what
+        the other wrote, so it is refused."""
+        if (current := self.owner) is not None and current is not owner:
+            raise CacheOwned(
+                f"{self.directory}: this runtime's KV cache belongs to a live {type(current).__name__}; "
+                "use that engine (generate(engine, ...)), or open another runtime"
+            )
+        self._owner = weakref.ref(owner)
 
     @classmethod
     def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:
