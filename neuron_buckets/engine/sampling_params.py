@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from neuron_buckets.runtime.step_check import is_int
 
 INT64_MAX = 2**63 - 1
+# Below this a temperature is greedy, as in vLLM: dividing float32 logits by a value that small
+# overflows to inf, or underflows to a 0 divisor (NaN), and the "sample" is then a wrong token.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # below MIN_TEMPERATURE (0 included) = greedy (argmax)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -62,4 +65,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
