@@ -169,8 +169,8 @@ def test_generate_over_a_runtime_runs_on_its_engine_and_never_overwrites_that_en
 def test_a_second_engine_over_a_live_engines_runtime_is_refused_in_one_line(artifact):
     runtime = BucketRuntime.open(artifact)
     engine = LLMEngine(runtime)
-    with pytest.raises(CacheOwned, match=r"^\S+: this runtime's KV cache belongs to a live LLMEngine; use that "
-                                         r"engine \(generate\(engine, \.\.\.\)\), or open another runtime$"):
+    refused = r"^\S+: this runtime.s KV cache belongs to a live LLMEngine; use that engine \(generate\("
+    with pytest.raises(CacheOwned, match=refused + r"engine, \.\.\.\)\), or open another runtime$"):
         LLMEngine(runtime, pool=BlockPool(runtime.num_blocks, runtime.block_size))
     assert runtime.owner is engine
     del engine  # once the first is gone, nothing reads its blocks any more

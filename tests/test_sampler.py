@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neuron_buckets.engine.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
 from neuron_buckets.engine.rejection_sampler import accept_sampled, target_probs
+from neuron_buckets.engine.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
 from neuron_buckets.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 LOGITS = torch.tensor([3.0, 2.5, 2.2, 1.9, 1.5, 1.2, 0.8, 0.5, 0.1, -0.3, -1.0, -2.0])[torch.randperm(12)]
