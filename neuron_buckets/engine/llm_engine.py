@@ -61,6 +61,11 @@ from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.utils.errors import UserError
+
+
+class CacheOwned(UserError, RuntimeError):
+    """An engine that would share its runtime's KV cache with another one, refused."""
 
 
 def prefix_salt(manifest: Manifest) -> bytes:
@@ -85,8 +90,10 @@ class LLMEngine:
         the blocks in use. ``eos_token_ids`` defaults to the artifact's (from the model
         directory's generation_config.json or config.json; none for older artifacts).
         ``speculative`` turns drafting on; its drafts must fit the artifact's decode rows.
-        A runtime has one engine at a time (``BucketRuntime.claim``): a second one over it, while
-        the first lives, is refused with one line."""
+
+        A runtime's KV cache has one engine at a time, the newest: it is refused with one line
+        while the runtime's engine has unfinished requests, and the engine it replaces refuses
+        to run from then on (its prefix cache names blocks the new one reuses)."""
         self.runtime, self.tokenizer = runtime, tokenizer
         self.pool = pool or BlockPool(
             runtime.num_blocks, runtime.block_size, runtime.manifest.decode.enable_prefix_caching,
@@ -121,7 +128,10 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
-        runtime.claim(self)  # last: an engine refused above never holds the cache
+        if isinstance(previous := runtime.owner, LLMEngine) and previous.has_unfinished:
+            raise CacheOwned(f"{runtime.directory}: this runtime's engine still has requests; add these "
+                             "to it (generate(engine, ...)), or open another runtime")
+        runtime.claim(self)  # last: an engine refused above never takes the cache
 
     @classmethod
     def open(
@@ -168,6 +178,7 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """Queue a request; its id. It waits, never refused, while the pool is busy."""
+        self._check_owner()
         ids = self.check_request(prompt_token_ids, params)
         rid, self._next_id = self._next_id, self._next_id + 1
         request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
@@ -189,6 +200,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if not self.scheduler.busy:
             return outputs
+        self._check_owner()
         start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
         graph_start = time.perf_counter()
@@ -206,6 +218,11 @@ class LLMEngine:
         if self.gate is not None:
             self.gate.observe(seconds, self.spec_stats.num_accepted_tokens - accepted)
         return outputs
+
+    def _check_owner(self) -> None:
+        if self.runtime.owner is not self:
+            raise CacheOwned(f"{self.runtime.directory}: a newer engine took this engine's runtime, and "
+                             "its KV cache with it; use that engine")
 
     def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:
         """The tokens of each segment that returned logits: one from a segment's last token's, or

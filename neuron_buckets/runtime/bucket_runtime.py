@@ -45,10 +45,6 @@ class ArtifactError(UserError, RuntimeError):
     """A graph or weights file that is missing or does not match its manifest entry."""
 
 
-class CacheOwned(UserError, RuntimeError):
-    """A second owner for a runtime whose KV cache another live owner (an engine) holds."""
-
-
 @contextmanager
 def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Path]:
     """``verified_copy`` of an artifact file that nb loads as code (a graph, a kernel library),
@@ -94,19 +90,14 @@ class BucketRuntime:
 
     @property
     def owner(self) -> object | None:
-        """The live object that decides which blocks of the KV cache hold what (an engine and its
-        block pool), or None."""
+        """The live object that decides which blocks of the KV cache hold what (an engine, by its
+        block pool), or None. Two at once would each hand out blocks the other's requests or
+        prefix cache still use, so there is one, and the engine enforces it."""
         return None if self._owner is None else self._owner()
 
     def claim(self, owner: object) -> None:
-        """Make ``owner`` the one writer of the KV cache while it lives. A second owner would
-        hand out blocks the first one's prefix cache still names, and both would then read what
-        the other wrote, so it is refused."""
-        if (current := self.owner) is not None and current is not owner:
-            raise CacheOwned(
-                f"{self.directory}: this runtime's KV cache belongs to a live {type(current).__name__}; "
-                "use that engine (generate(engine, ...)), or open another runtime"
-            )
+        """Make ``owner`` the one that decides the KV cache's blocks (held weakly: the runtime
+        outlives its engines)."""
         self._owner = weakref.ref(owner)
 
     @classmethod
