@@ -221,9 +221,9 @@ def test_text_is_tokenized_off_the_engine_thread_and_bad_text_is_a_400(text_arti
     threads: list[str] = []
     real = Tokenizer.encode
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         threads.append(threading.current_thread().name)
-        return real(self, text)
+        return real(self, text, add_special_tokens)
 
     monkeypatch.setattr(Tokenizer, "encode", encode)
     with serving(LLMEngine.open(text_artifact)) as (base, _):
