@@ -248,7 +248,7 @@ def test_nb_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(compi
     from neuron_buckets.cli import app
     from tests.conftest import error_line
 
-    refused = CliRunner().invoke(app, ["serve", "x", "--key-metrics"], env={"NB_API_KEY": ""})
+    refused = CliRunner().invoke(app, ["serve", "x", "--key-metrics"], env={"NB_API_KEY": None})  # unset
     assert "--key-metrics needs --api-key" in error_line(refused)
     cmd = [sys.executable, "-m", "neuron_buckets.cli", "serve", str(compiled_dir), "--host", "0.0.0.0",
            "--port", "0"]
