@@ -5,10 +5,10 @@ missing or wrong one gets a 401. It is compared in constant time, so response ti
 leak how much of a guess was right. An empty key would turn the check off and a key of other
 characters than printable ASCII could never arrive intact in a header, so both are refused at
 start. With a key, the API's description (``/openapi.json``, ``/docs``, ``/redoc``) needs it
-too. ``/health`` is always open (a load balancer's probe has no
-key). ``/metrics`` is open unless ``key_metrics``: it holds counts and latencies, never text or
-token ids, Prometheus scrapers are usually set up without credentials, and vLLM leaves it open
-too; a deployment that counts its traffic as secret keys it.
+too. ``/health`` is always open (a load balancer's probe has no key). ``/metrics`` is open unless
+``key_metrics``: it holds counts and latencies, never text or token ids, Prometheus scrapers are
+usually set up without credentials, and vLLM leaves it open too; a deployment that counts its
+traffic as secret keys it.
 
 A server on a loopback address is reachable from any web page the user opens, through DNS
 rebinding: the page's own name resolves to 127.0.0.1, and the browser sends the page's name as
