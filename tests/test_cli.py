@@ -114,6 +114,16 @@ def test_generate_prints_tokens_and_stats(eager_dir):
     assert stats["decode_b2_c128"][0] == "2"  # then both decode together, twice
 
 
+def test_generate_with_a_temperature_or_top_p_that_underflows_in_float32_prints_greedys_tokens(eager_dir):
+    args = ("generate", eager_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--ignore-eos")
+    greedy = nb(*args, "--seed", "1")
+    assert greedy.exit_code == 0, greedy.output
+    for knobs in (("--temperature", "1e-45"), ("--temperature", "1", "--top-p", "1e-50")):
+        result = nb(*args, "--seed", "1", *knobs)
+        assert result.exit_code == 0, result.output
+        assert result.stdout == greedy.stdout, knobs
+
+
 def test_generate_stats_print_the_prefix_cache_hit_rate(eager_dir):
     # 40 tokens take the whole first step (budget 32); the second prompt enters the next step and
     # finds the first one's four full blocks cached

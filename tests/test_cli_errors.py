@@ -193,3 +193,38 @@ def test_a_bad_trace_is_one_error_line_naming_the_file(tmp_path, text, message):
     trace.write_text(text)
     line = error_line(nb("inspect", "--trace", trace, "--prefill-buckets", "128"))
     assert line.startswith(f"error: {trace}: ") and message in line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("generate", "art", "--prompt-ids", "1", "--speculative-ngram", "-1"),
+         "Invalid value for '--speculative-ngram': Input should be greater than or equal to 0"),
+        (("cache", "prune", "--older-than-days", "-1"),
+         "Invalid value for '--older-than-days': Input should be greater than or equal to 0"),
+        (("serve", "art", "--port", "70000"), "Invalid value for '--port'"),
+        (("generate",), "Missing argument"),
+    ],
+    ids=["negative-speculative-ngram", "negative-days", "port", "missing-argument"],
+)
+def test_a_bad_option_value_is_one_error_line_not_a_usage_box(args, message):
+    assert message in error_line(nb(*args))
+
+
+def test_an_unreachable_store_url_is_one_line_naming_it():
+    assert "graph store ftp://no-such-host.invalid/x: " in error_line(nb("cache", "pull", "ftp://no-such-host.invalid/x"))
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        ((), {"NB_API_KEY": ""}, "error: the API key is empty: give one, or unset NB_API_KEY to serve"),
+        (("--api-key", ""), {}, "error: the API key is empty"),
+        (("--api-key", "cl\u00e9"), {}, "error: the API key must be printable ASCII without spaces"),
+        (("--api-key", "a key"), {}, "error: the API key must be printable ASCII without spaces"),
+    ],
+    ids=["empty-variable", "empty-option", "not-ascii", "a-space"],
+)
+def test_an_api_key_that_would_turn_auth_off_or_never_match_is_refused_at_start(tmp_path, args, env, message):
+    result = runner.invoke(app, ["serve", str(tmp_path), *args], env=env)
+    assert error_line(result).startswith(message)

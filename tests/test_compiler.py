@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -591,3 +592,36 @@ def test_unset_fresh_layers_are_compiled_only_where_attention_reads_the_whole_ta
     compiler = Compiler(config, tmp_path / "out", tmp_path / "cache")
     roles = {role for pieces in compiler.plan.bucket_pieces.values() for role in pieces}
     assert ("fresh_layer" in roles) == fresh
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("cpp.cxx", "/tmp/evil"),
+        ("cuda.cuda_cxx", "/tmp/evil"),
+        ("aot_inductor.custom_op_libs", ["/tmp/evil.so"]),
+        ("aot_inductor.aoti_shim_library_path", "/tmp"),
+        ("cutlass.compile_opt_level", "-fplugin=/tmp/evil.so"),
+        ("cuda.cutlass_dir", "/tmp"),
+        ("fx_graph_remote_cache", True),
+        ("trace.debug_dir", "/tmp"),
+        ("post_grad_custom_post_pass", "os.system"),
+    ],
+)
+def test_inductor_flags_naming_programs_paths_or_code_are_refused(hf_model_dir, tmp_path, flag, value):
+    from neuron_buckets.backends.inductor import InductorBackend
+
+    refused = rf"^compile.flags \['{re.escape(flag)}'\] name a program, path, library or code to load"
+    with pytest.raises(ValueError, match=refused):
+        InductorBackend().resolved_flags({flag: value, "max_autotune": False})
+    text = TINY_CONFIG + f"\n[compile.flags]\n\"{flag}\" = {json.dumps(value)}\n"
+    config = load_config(write_config(tmp_path, hf_model_dir, text))
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        Compiler(config, tmp_path / "out", tmp_path / "cache")
+
+
+def test_harmless_inductor_flags_are_still_taken():
+    from neuron_buckets.backends.inductor import FIXED_CONFIGS, InductorBackend
+
+    flags = {"max_autotune": False, "cpp.simdlen": None, "freezing": False}
+    assert InductorBackend().resolved_flags(flags) == {**flags, **FIXED_CONFIGS}

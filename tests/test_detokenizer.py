@@ -61,3 +61,16 @@ def test_a_stop_string_is_cut_and_never_streamed(tokenizer, data):
     assert detok.stopped_by == stop and stop not in seen[-1]
     assert full.startswith(seen[-1] + stop)  # cut right where the stop string first completed
     assert all(seen[-1].startswith(s) for s in seen)  # nothing that was cut had been shown
+
+
+def test_stop_strings_are_looked_for_in_the_new_text_and_the_few_characters_before_it(tokenizer, monkeypatch):
+    windows: list[int] = []
+    search = Detokenizer._search
+    monkeypatch.setattr(Detokenizer, "_search", lambda self, w: windows.append(len(w)) or search(self, w))
+    detok = Detokenizer(tokenizer, stop=["fox!", "zzz"])
+    ids = tokenizer.encode(" hello world" * 200 + " fox!")[1:]
+    seen = run(detok, ids)
+    text = tokenizer.decode(ids)
+    assert detok.stopped_by == "fox!" and seen[-1] == text[: text.index("fox!")]
+    longest_token = max(len(tokenizer.decode([t])) for t in ids)
+    assert len(windows) >= 400 and max(windows) <= detok.hold + longest_token

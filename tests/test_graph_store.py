@@ -161,8 +161,9 @@ def test_prune_removes_graphs_no_record_names_only_once_they_are_old(tmp_path):
         ("foo://bucket/x", "graph store foo://bucket/x: Protocol not known: foo"),
         ("s3://", "graph store s3://: the URL names no bucket or path"),
         ("gcs://bucket/x", "graph store gcs://bucket/x: "),
+        ("ftp://no-such-host.invalid/x", "graph store ftp://no-such-host.invalid/x: "),
     ],
-    ids=["unknown-protocol", "no-bucket", "protocol-not-installed"],
+    ids=["unknown-protocol", "no-bucket", "protocol-not-installed", "protocol-connects-as-made"],
 )
 def test_a_bad_url_is_one_error_naming_the_store(location, message):
     with pytest.raises(StoreError) as refused:

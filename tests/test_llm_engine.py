@@ -13,7 +13,7 @@ import pytest
 
 from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.engine.block_pool import BlockPool
-from neuron_buckets.engine.llm_engine import LLMEngine, generate
+from neuron_buckets.engine.llm_engine import CacheOwned, LLMEngine, generate
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import TINY_CONFIG, first_new, write_config
@@ -152,3 +152,36 @@ def test_the_old_calls_say_in_one_line_what_to_write_instead(artifact):
     with pytest.raises(AttributeError, match=r"^'RequestOutput' object has no attribute 'tokenz'$"):
         _ = out.tokenz
     assert len(out.token_ids) == 2
+
+
+def test_generate_over_a_runtime_runs_on_its_engine_and_never_overwrites_that_engines_prefix_cache(artifact):
+    engine = LLMEngine.open(artifact)
+    assert engine.pool.enable_prefix_caching
+    p, q = make_prompts((40, 40), seed=11)
+    first = generate(engine, [p], FULL)[0].token_ids
+    cached = engine.pool.num_cached
+    assert cached >= 4  # p's full blocks stay named for the next request that starts with them
+    assert generate(engine.runtime, [q], FULL)[0].token_ids == generate(engine, [q], FULL)[0].token_ids
+    assert generate(engine, [p], FULL)[0].token_ids == first
+    assert engine.pool.hits >= cached * engine.pool.block_size  # p's second run read its cached blocks
+
+
+def test_a_runtime_has_one_engine_the_newest_and_the_one_it_replaced_refuses_to_run(artifact):
+    runtime = BucketRuntime.open(artifact)
+    first = LLMEngine(runtime)
+    first.add_request(PROMPTS[0], FULL)
+    busy = r"^\S+: this runtime's engine still has requests; add these to it \(generate\(engine, \.\.\.\)\), "
+    with pytest.raises(CacheOwned, match=busy + "or open another runtime$"):
+        LLMEngine(runtime, pool=BlockPool(runtime.num_blocks, runtime.block_size))
+    assert runtime.owner is first
+    while first.has_unfinished:
+        first.step()
+    second = LLMEngine(runtime)  # the first one is idle: the newest engine takes the cache
+    assert runtime.owner is second
+    taken = r"^\S+: a newer engine took this engine's runtime, and its KV cache with it; use that engine$"
+    with pytest.raises(CacheOwned, match=taken):
+        first.add_request(PROMPTS[0], FULL)
+    with pytest.raises(CacheOwned, match=taken):
+        generate(first, [PROMPTS[0]], FULL)
+    on_runtime = generate(runtime, [PROMPTS[0]], FULL)[0].token_ids  # runs on the runtime's engine
+    assert on_runtime == generate(second, [PROMPTS[0]], FULL)[0].token_ids

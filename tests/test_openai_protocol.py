@@ -6,7 +6,12 @@ import pytest
 from pydantic import ValidationError
 
 from neuron_buckets.engine.sampling_params import SamplingParams
-from neuron_buckets.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from neuron_buckets.server.openai_protocol import (
+    IGNORED,
+    UNSUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 
 def test_fields_map_to_the_engine_parameters_and_chat_without_max_tokens_fills_the_room():
@@ -46,3 +51,116 @@ def test_null_means_the_default_as_openai_clients_send_it():
 def test_what_would_change_the_answer_and_is_not_implemented_is_refused_by_name(fields, message):
     with pytest.raises(ValidationError, match=message):
         CompletionRequest.model_validate({"prompt": "x", **fields})
+
+
+# vLLM's request fields (vllm/entrypoints/openai/protocol.py: CompletionRequest and
+# ChatCompletionRequest, which follow OpenAI's own and add vLLM's sampling and extra parameters),
+# and the OpenAI chat fields vLLM does not declare.
+VLLM_COMPLETION_FIELDS = (
+    "model", "prompt", "prompt_embeds", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+    "temperature", "top_p", "user",
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs",
+    "add_special_tokens", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "priority", "request_id",
+    "logits_processors", "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+)
+VLLM_CHAT_FIELDS = (
+    "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_p", "tools", "tool_choice", "reasoning_effort",
+    "include_reasoning", "parallel_tool_calls", "user",
+    "best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty",
+    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+    "bad_words",
+    "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
+    "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend",
+    "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
+    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+)
+OPENAI_CHAT_FIELDS = (
+    "functions", "function_call", "metadata", "store", "service_tier", "modalities", "audio",
+    "prediction", "web_search_options", "verbosity", "safety_identifier", "prompt_cache_key",
+)
+MESSAGES = [{"role": "user", "content": "hi"}]
+ENDPOINTS = {
+    "completions": (CompletionRequest, {"prompt": "x"}, VLLM_COMPLETION_FIELDS),
+    "chat": (ChatCompletionRequest, {"messages": MESSAGES}, VLLM_CHAT_FIELDS + OPENAI_CHAT_FIELDS),
+}
+
+
+class NotOff:
+    """A value no field takes as "not used"."""
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_every_vllm_field_is_implemented_refused_by_name_or_harmless_for_a_stated_reason(endpoint):
+    model, base, fields = ENDPOINTS[endpoint]
+    assert not UNSUPPORTED.keys() & IGNORED.keys()
+    for name in fields:
+        if name in model.model_fields:  # implemented (an endpoint's own field wins over the tables)
+            assert name not in IGNORED
+            continue
+        assert name in UNSUPPORTED or name in IGNORED, f"{endpoint}: {name} is neither implemented nor listed"
+        if name in UNSUPPORTED:
+            with pytest.raises(ValidationError, match=rf"{name}=.* is not supported by nb serve"):
+                model.model_validate({**base, name: NotOff()})
+            model.model_validate({**base, name: None})  # null is "not used"
+        elif name in IGNORED:
+            assert IGNORED[name] and model.model_validate({**base, name: "anything"})
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields",
+    [
+        ("completions", {"min_tokens": 5}),
+        ("completions", {"bad_words": ["a"]}),
+        ("completions", {"allowed_token_ids": [1, 2]}),
+        ("completions", {"guided_json": {"type": "object"}}),
+        ("completions", {"use_beam_search": True}),
+        ("completions", {"max_completion_tokens": 3}),
+        ("chat", {"functions": [{"name": "f", "parameters": {}}]}),
+        ("chat", {"response_format": {"type": "json_object"}}),
+        ("chat", {"include_stop_str_in_output": True}),
+        ("chat", {"logprobs": True}),
+    ],
+)
+def test_fields_that_change_the_answer_are_refused_by_name_on_either_endpoint(endpoint, fields):
+    model, base, _ = ENDPOINTS[endpoint]
+    name = next(iter(fields))
+    with pytest.raises(ValidationError, match=rf"{name}=.* is not supported by nb serve"):
+        model.model_validate({**base, **fields})
+
+
+def test_values_that_mean_not_used_are_accepted_as_clients_send_them():
+    off = {"n": 1, "logprobs": False, "response_format": {"type": "text"}, "tool_choice": "auto", "tools": [],
+           "skip_special_tokens": True, "min_tokens": 0, "parallel_tool_calls": True, "user": "me"}
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, **off})
+    assert body.sampling_params(8).max_tokens == 8
+
+
+@pytest.mark.parametrize(
+    "fields, where",
+    [
+        ({"temperature": True}, "temperature"),
+        ({"top_p": False}, "top_p"),
+        ({"min_p": "0.5"}, "min_p"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"ignore_eos": "true"}, "ignore_eos"),
+        ({"speculative": 0}, "speculative"),
+        ({"add_special_tokens": "no"}, "add_special_tokens"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"seed": True}, "seed"),
+    ],
+)
+def test_booleans_are_not_numbers_and_strings_are_not_booleans(fields, where):
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "x", **fields})
+    assert [".".join(map(str, err["loc"])) for err in e.value.errors()] == [where]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1}
+    assert ChatCompletionRequest.model_validate(chat).temperature == 1.0  # an integer is a number

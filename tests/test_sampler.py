@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from neuron_buckets.engine.rejection_sampler import accept_sampled, target_probs
 from neuron_buckets.engine.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
-from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 LOGITS = torch.tensor([3.0, 2.5, 2.2, 1.9, 1.5, 1.2, 0.8, 0.5, 0.1, -0.3, -1.0, -2.0])[torch.randperm(12)]
 DRAWS = 20_000
@@ -134,3 +135,45 @@ def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
     alone = [draw([0], [mine])[0] for _ in range(3)]
     batched = draw([1, 0, 2, 3], [others[0], mine, others[1], others[2]])[1]
     assert alone == [alone[0]] * 3 and batched == alone[0]
+
+
+# Values that float32 rounds to 0 (or divides into inf): each must give the argmax, never a NaN row.
+UNDERFLOWING = {
+    "temperature-1e-45": SamplingParams(temperature=1e-45, seed=1),
+    "temperature-1e-38": SamplingParams(temperature=1e-38, seed=1),
+    "temperature-floor": SamplingParams(temperature=MIN_TEMPERATURE, seed=1),
+    "top-p-1e-50": SamplingParams(temperature=1.0, top_p=1e-50, seed=1),
+    "top-p-1e-50-top-k": SamplingParams(temperature=1.0, top_p=1e-50, top_k=5, seed=1),
+    "min-p-1": SamplingParams(temperature=1.0, min_p=1.0, seed=1),
+    "all-of-them": SamplingParams(temperature=1e-45, top_p=1e-50, min_p=1.0, seed=1),
+}
+
+
+def distinct_logits(rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of 256 distinct integer logits, exact in float16 and bfloat16 too (no ties to break)."""
+    gen = torch.Generator().manual_seed(5)
+    return torch.stack([torch.randperm(256, generator=gen) - 128 for _ in range(rows)]).to(dtype)
+
+
+def test_temperatures_below_the_floor_are_greedy():
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 2).greedy
+    assert SamplingParams(temperature=1e-300).greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("params", UNDERFLOWING.values(), ids=UNDERFLOWING.keys())
+def test_values_that_underflow_in_float32_give_the_argmax_on_every_sampling_path(dtype, params):
+    logits = distinct_logits(3, dtype)
+    best = logits.float().argmax(-1).tolist()
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert sample(logits, [params] * 3, gens, [[]] * 3) == best
+    mixed = [params, SamplingParams(), SamplingParams(temperature=0.5, top_k=3, seed=2)]
+    assert sample(logits, mixed, gens, [[]] * 3)[:2] == best[:2]
+    if params.greedy:  # the engine verifies a greedy request's drafts by the argmax, never by probs
+        return
+    probs = target_probs(logits, params)  # the speculative path's distributions
+    assert probs.isfinite().all() and probs.argmax(-1).tolist() == best and (probs.amax(-1) > 0.999).all()
+    assert accept_sampled(probs[:2], [best[0]], None, gens[0]) == best[:2]  # the top token, kept
+    worst = int(logits[0].float().argmin())
+    assert accept_sampled(probs[:2], [worst], None, gens[0]) == [best[0]]  # rejected, then the top one

@@ -16,6 +16,7 @@ def test_lists_from_json_become_tuples_and_one_stop_string_a_tuple_of_one():
 TOP_K = r"top_k must be an integer in \[0, 2\*\*63\) \(0 = off\), got "
 SEED = r"seed must be an integer in \[-2\*\*63, 2\*\*64\) or None, got "
 STOP_IDS = r"stop_token_ids must be integers in \[0, 2\*\*63\), got "
+STOP = "stop: at most 64 strings of 4096 characters in all, got "
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,9 @@ STOP_IDS = r"stop_token_ids must be integers in \[0, 2\*\*63\), got "
         ({"stop": ["ok", ""]}, r"stop strings must be non-empty strings, got \[''\]"),
         ({"ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
         ({"speculative": "no"}, "speculative must be true or false, got 'no'"),
+        ({"stop": ["ab"] * 65}, STOP + "65 with 130 characters"),
+        ({"stop": ["x" * 4000, "y" * 97]}, STOP + "2 with 4097 characters"),
+        ({"stop": "x" * (1 << 20)}, STOP + "1 with 1048576 characters"),
     ],
 )
 def test_a_value_out_of_range_is_one_line(fields, message):

@@ -221,9 +221,9 @@ def test_text_is_tokenized_off_the_engine_thread_and_bad_text_is_a_400(text_arti
     threads: list[str] = []
     real = Tokenizer.encode
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         threads.append(threading.current_thread().name)
-        return real(self, text)
+        return real(self, text, add_special_tokens)
 
     monkeypatch.setattr(Tokenizer, "encode", encode)
     with serving(LLMEngine.open(text_artifact)) as (base, _):
@@ -248,7 +248,7 @@ def test_nb_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(compi
     from neuron_buckets.cli import app
     from tests.conftest import error_line
 
-    refused = CliRunner().invoke(app, ["serve", "x", "--key-metrics"], env={"NB_API_KEY": ""})
+    refused = CliRunner().invoke(app, ["serve", "x", "--key-metrics"], env={"NB_API_KEY": None})  # unset
     assert "--key-metrics needs --api-key" in error_line(refused)
     cmd = [sys.executable, "-m", "neuron_buckets.cli", "serve", str(compiled_dir), "--host", "0.0.0.0",
            "--port", "0"]

@@ -147,10 +147,10 @@ def test_sampled_requests_speculate_and_a_request_may_opt_out(runtime):
     always = replace(SPEC, auto_off=False)  # which steps draft, and so the random stream, is fixed
     once, again = (run(LLMEngine(runtime, speculative=always), PROMPTS[:1], [sampled])[0] for _ in "ab")
     assert once.token_ids == again.token_ids  # a seed still decides the tokens
-    engine = LLMEngine(runtime, speculative=SPEC)
     off = greedy_params(20, 20, 20, speculative=False)
     penalised = [SamplingParams(max_tokens=20, repetition_penalty=1.3, ignore_eos=True)] * 3
     plain = run(LLMEngine(runtime), PROMPTS, penalised)
+    engine = LLMEngine(runtime, speculative=SPEC)  # the runtime's engine from here on
     assert [o.token_ids for o in run(engine, PROMPTS, penalised)] == [o.token_ids for o in plain]
     run(engine, PROMPTS, off)
     assert engine.spec_stats.num_drafts == 0
@@ -263,12 +263,16 @@ class MarkovRuntime:
     exact distribution of every generated token is known: ``e_last @ P^t`` for the t-th."""
 
     block_size, num_blocks, max_model_len = 4, 8192, 64
+    owner: object | None = None  # the engine over it
 
     def __init__(self, probs: torch.Tensor, k: int) -> None:
         self.log_p = probs.log()
         self.manifest = SimpleNamespace(text=None)
         self.buckets = SimpleNamespace(token_budget=512, max_rows=64, decode_seq=1 + k)
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, len(probs))
+
+    def claim(self, owner: object) -> None:
+        self.owner = owner
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         last = [t for s in plan for t in list(s.token_ids)[len(s.token_ids) - s.num_samples :]]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,18 @@ from neuron_buckets.traffic.traces import TraceError, load_trace
 
 # The Azure LLM inference traces ship with the tests (CC-BY 4.0, see data/traces/PROVENANCE.md).
 TRACES = Path(__file__).parent / "data" / "traces"
+
+
+def tar_of(name: str, data: bytes) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+TAR = tar_of("trace.csv", b"input_length,output_length\n5,1\n")  # what a .tar.gz of a trace holds
 CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"
 
 
@@ -177,8 +191,11 @@ def test_gzip_traces_load_like_plain_ones(tmp_path: Path) -> None:
         (b"PK\x03\x04" + bytes(40), "is a zip archive; nb reads CSV or JSONL traces, plain or gzip"),
         (b"\x28\xb5\x2f\xfd" + bytes(40), "is a zstd archive"),
         (b"input_length,output_length\n\xff\xfe5,1\n", r"not UTF-8 text \(at byte 27\); nb reads CSV"),
+        (gzip.compress(TAR), "is a tar archive; nb reads CSV or JSONL traces, plain or gzip"),
+        (TAR, "is a tar archive"),
+        (b"input_length,output_length\n5,1\0\0\n", r"binary data, not text \(a NUL byte at 30\); nb reads"),
     ],
-    ids=["damaged-gzip", "zip", "zstd", "binary"],
+    ids=["damaged-gzip", "zip", "zstd", "binary", "tar-gz", "tar", "nul"],
 )
 def test_other_formats_are_refused_by_name(tmp_path: Path, data: bytes, message: str) -> None:
     f = tmp_path / "trace.gz"

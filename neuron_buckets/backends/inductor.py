@@ -27,6 +27,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -51,6 +52,20 @@ FIXED_CONFIGS = {
     "cpp.dynamic_threads": True,
     "cpp.threads": MAX_THREADS,
 }
+# The words of an inductor option's name that mark it as naming a program, a path, a library or
+# code to load, or a cache of code built elsewhere: from a config file (data) such an option could
+# run any program at compile time (``cpp.cxx`` is the C++ compiler inductor calls), so these are
+# refused, by their words, so that options later torch releases add are refused too.
+CODE_WORDS = frozenset({
+    "cxx", "dir", "path", "logpath", "home", "lib", "libs", "library", "shim", "shims", "remote", "upload",
+    "custom", "hook", "hooks", "fn", "class", "external",
+})
+CODE_ENDINGS = ("opt_level", "_output")  # compiler command-line flags; a file to write
+
+
+def runs_code(option: str) -> bool:
+    """Whether an inductor option names a program, path, library or code (``CODE_WORDS``)."""
+    return bool(CODE_WORDS.intersection(re.split(r"[._]", option))) or option.endswith(CODE_ENDINGS)
 
 
 @functools.cache
@@ -128,6 +143,9 @@ class InductorBackend:
 
         A misspelt option fails here, once, instead of in every bucket after its export.
         """
+        if code := sorted(filter(runs_code, flags)):
+            raise ValueError(f"compile.flags {code} name a program, path, library or code to load, which "
+                             "a config file may not: nb refuses them")
         if flags and (unknown := sorted(set(flags) - set(_probe()["options"]))):
             raise ValueError(
                 f"compile.flags {unknown} are not torch._inductor.config options (torch {torch.__version__})"

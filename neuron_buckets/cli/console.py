@@ -34,13 +34,15 @@ def fail(message: object, code: int = 2) -> typer.Exit:
 EXPECTED = (UserError, ValueError, OSError)
 
 
+def is_click_error(e: BaseException, *names: str) -> bool:
+    """Whether ``e`` is one of click's exceptions ``names``, raised by click itself, by typer, or
+    by the copy of click that newer typer releases carry."""
+    return any(c.__name__ in names and c.__module__.endswith(".exceptions") for c in type(e).__mro__)
+
+
 def is_click_flow(e: BaseException) -> bool:
-    """click's own control flow (exit, usage error, abort), raised by click itself, by typer, or
-    by the copy of click that newer typer releases carry: click prints and exits for those."""
-    return any(
-        c.__name__ in ("Exit", "ClickException", "Abort") and c.__module__.endswith(".exceptions")
-        for c in type(e).__mro__
-    )
+    """click's own control flow (exit, help, abort): click prints and exits for those."""
+    return is_click_error(e, "Exit", "ClickException", "Abort")
 
 
 class ErrorHandlingGroup(TyperGroup):
@@ -54,6 +56,9 @@ class ErrorHandlingGroup(TyperGroup):
         except EXPECTED as e:
             raise fail(e) from None
         except Exception as e:
+            # a bad option value or a missing argument: one line too, not click's usage box
+            if is_click_error(e, "UsageError") and not is_click_error(e, "NoArgsIsHelpError"):
+                raise fail(e.format_message()) from None
             if is_click_flow(e):
                 raise
             err.print(traceback.format_exc(), highlight=False, soft_wrap=True, end="")

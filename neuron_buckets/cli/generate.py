@@ -128,7 +128,7 @@ def generate(
     prompt_ids: Annotated[list[str] | None, typer.Option(help=f"Prompt token ids, {IDS}")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template to each --prompt")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 16,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="below 1e-5 (0 included) = greedy")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 = off")] = 0,
     top_p: Annotated[float, typer.Option(help="Keep the fewest most likely tokens of this mass")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Keep tokens of at least this fraction of the top one")] = 0.0,

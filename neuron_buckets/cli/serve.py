@@ -7,6 +7,7 @@ absence is one line saying what to install.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +17,7 @@ from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt,
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
+API_KEY_ENV = "NB_API_KEY"
 
 
 def serve(
@@ -39,7 +41,7 @@ def serve(
     ] = 30.0,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="NB_API_KEY", show_default=False,
+        typer.Option(envvar=API_KEY_ENV, show_default=False,
                      help="Require 'Authorization: Bearer KEY' on every /v1 route (env NB_API_KEY)"),
     ] = None,
     key_metrics: Annotated[bool, typer.Option(help="Require the API key on /metrics too")] = False,
@@ -66,7 +68,9 @@ def serve(
         if e.name not in SERVE_EXTRA:
             raise
         raise UserError(f"nb serve needs {e.name}: pip install 'neuron-buckets[serve]'") from None
-    if key_metrics and not api_key:
+    if api_key is None and os.environ.get(API_KEY_ENV) == "":  # click reads an empty variable as unset
+        api_key = ""
+    if key_metrics and api_key is None:
         raise UserError("--key-metrics needs --api-key (or NB_API_KEY)")
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
     speculative = speculative_config(speculative_ngram, speculative_draft, config)

@@ -54,7 +54,7 @@ class GraphStore:
                 fs, root = fsspec.url_to_fs(self.location, skip_instance_cache=True, use_listings_cache=False)
             else:
                 fs, root = LocalFileSystem(), str(Path(self.location).absolute())
-        except (ValueError, ImportError, TypeError) as e:
+        except Exception as e:  # the protocol's own too: an ftp:// store connects as it is made
             raise self.error(_why(e)) from None
         if not root.strip("/"):
             raise self.error("the URL names no bucket or path")

@@ -52,7 +52,11 @@ class Detokenizer:
     def _extend(self, new: str) -> None:
         start = max(len(self.text) - self.hold, 0)  # a stop string may begin in earlier text
         self.text += new
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if hits:
-            at, self.stopped_by = min(hits)
-            self.text = self.text[:at]
+        if hit := self._search(self.text[start:]):
+            at, self.stopped_by = hit
+            self.text = self.text[: start + at]
+
+    def _search(self, window: str) -> tuple[int, str] | None:
+        """The first stop string in ``window``, the new text and the ``hold`` characters before it:
+        what a token costs grows with the stop strings, never with the text before them."""
+        return min(((i, s) for s in self.stop if (i := window.find(s)) >= 0), default=None)

@@ -61,6 +61,11 @@ from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.utils.errors import UserError
+
+
+class CacheOwned(UserError, RuntimeError):
+    """An engine that would share its runtime's KV cache with another one, refused."""
 
 
 def prefix_salt(manifest: Manifest) -> bytes:
@@ -84,7 +89,11 @@ class LLMEngine:
         artifact was configured (``cache.enable_prefix_caching``); pass a smaller one to bound
         the blocks in use. ``eos_token_ids`` defaults to the artifact's (from the model
         directory's generation_config.json or config.json; none for older artifacts).
-        ``speculative`` turns drafting on; its drafts must fit the artifact's decode rows."""
+        ``speculative`` turns drafting on; its drafts must fit the artifact's decode rows.
+
+        A runtime's KV cache has one engine at a time, the newest: it is refused with one line
+        while the runtime's engine has unfinished requests, and the engine it replaces refuses
+        to run from then on (its prefix cache names blocks the new one reuses)."""
         self.runtime, self.tokenizer = runtime, tokenizer
         self.pool = pool or BlockPool(
             runtime.num_blocks, runtime.block_size, runtime.manifest.decode.enable_prefix_caching,
@@ -119,6 +128,10 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
+        if isinstance(previous := runtime.owner, LLMEngine) and previous.has_unfinished:
+            raise CacheOwned(f"{runtime.directory}: this runtime's engine still has requests; add these "
+                             "to it (generate(engine, ...)), or open another runtime")
+        runtime.claim(self)  # last: an engine refused above never takes the cache
 
     @classmethod
     def open(
@@ -171,6 +184,7 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """Queue a request; its id. It waits, never refused, while the pool is busy."""
+        self._check_owner()
         ids = self.check_request(prompt_token_ids, params)
         rid, self._next_id = self._next_id, self._next_id + 1
         request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
@@ -192,6 +206,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if not self.scheduler.busy:
             return outputs
+        self._check_owner()
         start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
         graph_start = time.perf_counter()
@@ -209,6 +224,11 @@ class LLMEngine:
         if self.gate is not None:
             self.gate.observe(seconds, self.spec_stats.num_accepted_tokens - accepted)
         return outputs
+
+    def _check_owner(self) -> None:
+        if self.runtime.owner is not self:
+            raise CacheOwned(f"{self.runtime.directory}: a newer engine took this engine's runtime, and "
+                             "its KV cache with it; use that engine")
 
     def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:
         """The tokens of each segment that returned logits: one from a segment's last token's, or
@@ -245,12 +265,16 @@ def generate(
 
     ``params`` is one SamplingParams for all (default: greedy, 16 tokens) or one per prompt.
     Every request is checked before any is added, so an impossible one fails before anything
-    runs. A runtime gets an engine of its own (no tokenizer: no text, no stop strings); an
-    engine's other requests advance too.
+    runs. A runtime runs on the engine that holds its cache, if one lives (a second engine with
+    a pool of its own would overwrite blocks the first one's prefix cache names), else on one of
+    its own (no tokenizer: no text, no stop strings); an engine's other requests advance too.
     """
     if isinstance(params, int):  # the 0.1 signature, generate(runtime, prompts, max_new_tokens)
         raise TypeError(f"generate() takes SamplingParams now: pass SamplingParams(max_tokens={params!r})")
-    engine = engine_or_runtime if isinstance(engine_or_runtime, LLMEngine) else LLMEngine(engine_or_runtime)
+    engine = engine_or_runtime
+    if not isinstance(engine, LLMEngine):
+        owner = engine.owner
+        engine = owner if isinstance(owner, LLMEngine) else LLMEngine(engine)
     params = SamplingParams() if params is None else params
     per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(per_prompt) != len(prompts):

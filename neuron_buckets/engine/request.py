@@ -28,6 +28,7 @@ class Request:
     generator: torch.Generator | None = None  # None for greedy requests, which draw nothing
     detokenizer: Detokenizer | None = None  # None without a tokenizer: no text, no stop strings
     eos_token_ids: Collection[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()  # the params', as a set: one lookup per token
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V the cache holds
     draft_cached: int = 0  # tokens a draft model computed into its own cache (may pass the valid ones)
@@ -57,7 +58,10 @@ class Request:
                 generator.manual_seed(params.seed)
         detokenizer = Detokenizer(tokenizer, params.stop) if tokenizer else None
         ids = list(prompt_token_ids)
-        return cls(request_id, ids, len(ids), params, generator, detokenizer, eos_token_ids)
+        return cls(
+            request_id, ids, len(ids), params, generator, detokenizer, eos_token_ids,
+            stop_token_ids=frozenset(params.stop_token_ids),
+        )
 
     @property
     def final_cached(self) -> int:
@@ -87,7 +91,7 @@ class Request:
         token (not text) or a stop string (cut from the text), "length" at ``max_tokens``."""
         self.token_ids.append(token)
         p = self.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in self.stop_token_ids:
             self.stop_reason = token
         elif self.detokenizer is not None:
             self.stop_reason = self.detokenizer.push(token)

@@ -6,8 +6,12 @@ and min-p are tensor operations over all rows of a kind at once (greedy; with to
 which sort candidates; without, which sort nothing). Only the random draw is per row: each
 sampled row takes exactly one uniform number from its own request's generator and inverts its
 distribution's CDF with it, so a seeded request draws the same numbers, and therefore the same
-tokens, whatever else is in the batch. Greedy rows (temperature 0) take the argmax and draw
-nothing.
+tokens, whatever else is in the batch. Greedy rows (temperature below ``MIN_TEMPERATURE``) take
+the argmax and draw nothing.
+
+Logits of any dtype are sampled in float32, and no filter may leave a row empty: top-p and min-p
+always keep the most likely token (a top_p that rounds to 0 in float32 would otherwise mask
+every token, and the draw of an empty row falls on the last id).
 """
 
 from __future__ import annotations
@@ -67,15 +71,17 @@ def filtered_probs(
     renormalised: (probabilities, their token ids; None: the whole vocabulary in order).
 
     top-k keeps exactly k tokens; top-p the fewest leading tokens whose mass reaches p (the
-    token that crosses p included); min-p the tokens of at least min_p times the top probability.
-    Without top-k and top-p nothing is sorted.
+    token that crosses p included, so the first always); min-p the tokens of at least min_p times
+    the top probability (so the top one always). Without top-k and top-p nothing is sorted.
     """
-    scaled = logits / temperature[:, None]
+    scaled = logits.float() / temperature[:, None]
     masked = bool(((top_k > 0) | (top_p < 1)).any())
     if masked:
         probs, ids = sorted_candidates(scaled, top_k, top_p)
         before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1), 0.0)
+        cut = (before >= top_p[:, None]) & (top_p[:, None] < 1)
+        cut[:, 0] = False  # the most likely token, whatever p rounds to
+        probs = probs.masked_fill(cut, 0.0)
     else:
         probs, ids = scaled.softmax(dim=-1), None
     if bool((min_p > 0).any()):

@@ -12,12 +12,20 @@ from dataclasses import dataclass
 from neuron_buckets.runtime.step_check import is_int
 
 INT64_MAX = 2**63 - 1
+# Below this a temperature is greedy, as in vLLM: dividing float32 logits by a value that small
+# overflows to inf, or underflows to a 0 divisor (NaN), and the "sample" is then a wrong token.
+MIN_TEMPERATURE = 1e-5
+# Each token's new text is searched for every stop string, from as far back as the longest one
+# could begin: a cost per token that grows with the stop strings (never with the text), bounded
+# here so that one request's stop list cannot slow the requests that share its steps.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # below MIN_TEMPERATURE (0 included) = greedy (argmax)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -55,6 +63,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers in [0, 2**63), got {bad[:5]}")
         if bad := [s for s in self.stop if not isinstance(s, str) or not s]:
             raise ValueError(f"stop strings must be non-empty strings, got {bad[:5]}")
+        if len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters "
+                             f"in all, got {len(self.stop)} with {sum(map(len, self.stop))} characters")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not isinstance(self.speculative, bool):
@@ -62,4 +73,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE

@@ -50,9 +50,10 @@ class Tokenizer:
             why = " ".join(str(e).split()) or type(e).__name__
             raise UserError(f"{folder}: transformers cannot read the tokenizer ({files}): {why}") from None
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, with the special tokens (a BOS) the tokenizer adds to a prompt."""
-        return self.hf.encode(unicode_text(text, "prompt"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``, with the special tokens (a BOS) the tokenizer adds to a prompt
+        unless ``add_special_tokens`` is false."""
+        return self.hf.encode(unicode_text(text, "prompt"), add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``; special tokens (BOS, EOS, padding) are not text and are skipped."""
@@ -62,11 +63,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_special_tokens: bool = False) -> list[int]:
         """The prompt ids of a conversation, ready for the assistant's turn.
 
         The template writes its own special tokens (a BOS among them), so the rendered text is
-        encoded without adding more.
+        encoded without adding more unless ``add_special_tokens`` asks for them.
         """
         if not self.has_chat_template:
             raise UserError("this model's tokenizer has no chat template; send plain prompts instead")
@@ -79,7 +80,7 @@ class Tokenizer:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except (TemplateError, OverflowError) as e:  # roles out of order, the sandbox's refusals
             raise UserError(f"the chat template refused these messages: {e}") from None
-        return self.hf.encode(text, add_special_tokens=False)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
 
 def unicode_text(text: str, what: str) -> str:

@@ -12,6 +12,7 @@ artifacts flow one way, from ``nb compile`` to here.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +87,19 @@ class BucketRuntime:
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
         self._graphs: dict[str, GraphFn] = {}
         self.stats = {b.name: BucketStats() for b in self.records}
+        self._owner: weakref.ref[object] | None = None
+
+    @property
+    def owner(self) -> object | None:
+        """The live object that decides which blocks of the KV cache hold what (an engine, by its
+        block pool), or None. Two at once would each hand out blocks the other's requests or
+        prefix cache still use, so there is one, and the engine enforces it."""
+        return None if self._owner is None else self._owner()
+
+    def claim(self, owner: object) -> None:
+        """Make ``owner`` the one that decides the KV cache's blocks (held weakly: the runtime
+        outlives its engines)."""
+        self._owner = weakref.ref(owner)
 
     @classmethod
     def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:

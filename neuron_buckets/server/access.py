@@ -2,10 +2,13 @@
 
 The key is vLLM's ``--api-key``: OpenAI clients send it as ``Authorization: Bearer KEY``, and a
 missing or wrong one gets a 401. It is compared in constant time, so response timing does not
-leak how much of a guess was right. ``/health`` is always open (a load balancer's probe has no
-key). ``/metrics`` is open unless ``key_metrics``: it holds counts and latencies, never text or
-token ids, Prometheus scrapers are usually set up without credentials, and vLLM leaves it open
-too; a deployment that counts its traffic as secret keys it.
+leak how much of a guess was right. An empty key would turn the check off and a key of other
+characters than printable ASCII could never arrive intact in a header, so both are refused at
+start. With a key, the API's description (``/openapi.json``, ``/docs``, ``/redoc``) needs it
+too. ``/health`` is always open (a load balancer's probe has no key). ``/metrics`` is open unless
+``key_metrics``: it holds counts and latencies, never text or token ids, Prometheus scrapers are
+usually set up without credentials, and vLLM leaves it open too; a deployment that counts its
+traffic as secret keys it.
 
 A server on a loopback address is reachable from any web page the user opens, through DNS
 rebinding: the page's own name resolves to 127.0.0.1, and the browser sends the page's name as
@@ -53,6 +56,15 @@ class ServerAccess:
     key_metrics: bool = False  # /metrics needs the key too
     allowed_hosts: frozenset[str] | None = LOOPBACK_NAMES  # None: any Host
 
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            return
+        if not self.api_key:
+            raise ValueError("the API key is empty: give one, or unset NB_API_KEY to serve without a key")
+        if not all("!" <= c <= "~" for c in self.api_key):
+            raise ValueError("the API key must be printable ASCII without spaces, as an Authorization "
+                             "header carries it")
+
     @classmethod
     def for_bind(
         cls, host: str, api_key: str | None, key_metrics: bool, extra_hosts: tuple[str, ...]
@@ -61,7 +73,7 @@ class ServerAccess:
         binds only against ``extra_hosts``, when given."""
         extra = frozenset(h.lower() for h in extra_hosts)
         hosts = LOOPBACK_NAMES | extra if is_loopback(host) else (extra or None)
-        return cls(api_key or None, key_metrics, hosts)
+        return cls(api_key, key_metrics, hosts)
 
     async def check_host(self, request: Request) -> None:
         header = request.headers.get("host")

@@ -35,7 +35,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -188,17 +189,18 @@ class OpenAIServer:
             raise HTTPException(404, f"the model {body.model!r} does not exist; this server serves "
                                      f"{self.model_name!r}")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
+    def encode(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, list):
+            return body.prompt
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer: send the prompt as a list of token ids")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(body.prompt, body.add_special_tokens)
 
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
-        return self.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+        messages = [m.as_template_input() for m in body.messages]
+        return self.tokenizer.apply_chat_template(messages, body.add_special_tokens)
 
     async def prepare(self, body: SamplingRequest, encode: Encode) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the request's parameters, checked as the engine checks them, on the
@@ -263,7 +265,7 @@ class OpenAIServer:
             return None  # a token that adds no text yet (part of a character, a held stop string)
 
         return await self.respond(
-            body, partial(self.encode, body.prompt), request, event,
+            body, partial(self.encode, body), request, event,
             usage_event=lambda usage: Completion(**header, choices=[], usage=usage),
             final=lambda out: Completion(
                 **header, choices=[choice(out.text, out.token_ids, out)], usage=Usage.of(out)
@@ -311,9 +313,15 @@ def create_app(
         await asyncio.to_thread(server.loop.stop)
         server.encoder.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="nb serve", lifespan=lifespan, dependencies=[Depends(access.check_host)])
+    # FastAPI's own description routes take no dependencies, so they are off and served below,
+    # behind the key like /v1.
+    app = FastAPI(
+        title="nb serve", lifespan=lifespan, dependencies=[Depends(access.check_host)],
+        openapi_url=None, docs_url=None, redoc_url=None,
+    )
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(access.check_key)])
+    described = APIRouter(dependencies=[Depends(access.check_key)], include_in_schema=False)
 
     for exc_type in (*STATUS, HTTPException, RequestValidationError):
         app.add_exception_handler(exc_type, on_error)
@@ -341,7 +349,20 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
         return await server.chat_completion(body, request)
 
+    @described.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @described.get("/docs")
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @described.get("/redoc")
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
     app.include_router(v1)
+    app.include_router(described)
     return app
 
 

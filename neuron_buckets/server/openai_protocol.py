@@ -3,13 +3,16 @@
 Field names, defaults and response shapes follow the OpenAI API as vLLM serves it, so existing
 clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchanged; vLLM's own
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids``) are accepted too, and nb's ``speculative: false`` opts a request out of
-the server's drafting. Unknown fields are ignored, as OpenAI does, except the
-ones that would change the answer and that nb does not implement (``n`` > 1, log probabilities,
-penalties, ``echo``...): those are refused by name rather than silently dropped.
+``add_special_tokens``, ``return_token_ids``) are accepted too, and nb's ``speculative: false``
+opts a request out of the server's drafting. Every other OpenAI or vLLM field is in one of two
+tables, shared by completions and chat: ``UNSUPPORTED``, the fields that would change the answer
+and that nb does not implement, refused by name unless they hold a value that means "not used";
+and ``IGNORED``, the fields accepted because they never change the answer, each with the reason.
+Fields in neither table are ignored, as vLLM does.
 
-Integers are strict: JSON's ``true`` is not the number 1 (pydantic's lax mode would take it as
-one), so ``max_tokens: true`` and ``prompt: [true, 1]`` are refused by name.
+Types are strict: JSON's ``true`` is not the number 1 (pydantic's lax mode would take it as one),
+and ``"yes"`` is not a boolean, so ``temperature: true``, ``stream: "yes"`` and ``prompt: [true, 1]``
+are refused by name.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
 
 Int = Annotated[int, Strict()]  # no bools, no numeric strings
+STRICT = ConfigDict(strict=True)  # no bools as numbers, no strings as booleans
 
-# A field nb does not implement, and the values that mean "not used" (sent by many clients);
-# null always does. Chat's ``logprobs`` is a boolean (false: off), completions' a count.
+# The fields nb does not implement, and the values that mean "not used" (sent by many clients);
+# null always does. A field one endpoint implements is declared on its model, so it never reaches
+# this table there: ``max_completion_tokens`` is chat's, refused on completions. Chat's
+# ``logprobs`` is a boolean (false: off), completions' a count.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI's
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
@@ -36,9 +43,63 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
-    "suffix": (),
+    "suffix": ("",),
+    "max_completion_tokens": (),
     "tools": ([],),
-    "response_format": (),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+    # vLLM's
+    "prompt_embeds": (),
+    "use_beam_search": (False,),
+    "min_tokens": (0,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structural_tag": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "include_reasoning": (True,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "mm_processor_kwargs": ({},),
+    "priority": (0,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": ({},),
+}
+
+# The fields accepted and ignored, and why ignoring them never changes the answer.
+IGNORED: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "metadata": "tags for stored completions, and nb stores none",
+    "store": "whether the provider keeps the completion, and nb keeps none",
+    "service_tier": "the provider's pricing and latency tier",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring",
+    "prompt_cache_key": "a routing hint for the provider's prompt cache; nb's prefix cache needs none",
+    "parallel_tool_calls": "read only with tools, which are refused",
+    "length_penalty": "read only by beam search, which is refused",
+    "request_id": "names vLLM's response; nb names its own",
 }
 
 
@@ -50,13 +111,15 @@ def means_off(value: Any, offs: tuple[Any, ...]) -> bool:
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """What completions and chat completions share: the model, sampling and streaming fields."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: Int | None = Field(None, ge=1)
@@ -118,6 +181,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     return_token_ids: bool = False
 
     @model_validator(mode="after")
@@ -132,11 +196,15 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
+
     role: str
     content: str | list[TextPart] | None = None
 
@@ -151,6 +219,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
+    add_special_tokens: bool = False  # vLLM's: special tokens beyond those the template writes
 
     @model_validator(mode="after")
     def _newer_name(self) -> ChatCompletionRequest:

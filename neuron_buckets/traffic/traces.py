@@ -41,6 +41,7 @@ OTHER_ARCHIVES = (
     (b"\x28\xb5\x2f\xfd", "zstd"),
     (b"7z\xbc\xaf\x27\x1c", "7z"),
 )
+TAR_MAGIC, TAR_MAGIC_AT = b"ustar", 257
 FORMATS = "nb reads CSV or JSONL traces, plain or gzip-compressed"
 # The most a compressed trace may expand to. Public traces are tens of MB; a 1.5 MB gzip "bomb"
 # holds a GiB of zeros, and parsing what it expands to takes several times that in memory.
@@ -123,6 +124,10 @@ def _read_text(path: Path) -> str:
                              f"decompress it yourself if it really is a trace that large")
     elif kind := next((name for magic, name in OTHER_ARCHIVES if data.startswith(magic)), None):
         raise TraceError(f"{path} is a {kind} archive; {FORMATS}")
+    if data[TAR_MAGIC_AT : TAR_MAGIC_AT + len(TAR_MAGIC)] == TAR_MAGIC:  # a .tar, or the inside of a .tar.gz
+        raise TraceError(f"{path} is a tar archive; {FORMATS}")
+    if (nul := data.find(b"\0")) >= 0:  # valid UTF-8, but no text: its "columns" would be binary
+        raise TraceError(f"{path}: binary data, not text (a NUL byte at {nul}); {FORMATS}")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
