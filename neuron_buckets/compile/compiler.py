@@ -121,7 +121,7 @@ def cache_geometry(model: LlamaConfig, config: Config) -> CacheGeometry:
 
 def fresh_layers(config: Config) -> bool:
     """Whether packed buckets get a fresh layer: as set, else where the attention's cost follows the
-    block table's width (flex). The C++ attention of float32 on a CPU reads each segment's context
+    block table's width (flex). The C++ attention on a CPU reads each segment's context
     alone, so a table of no columns gains nothing there (measured 0.99-1.04x the layer piece)."""
     if config.compile.fresh_layers is not None:
         return config.compile.fresh_layers
@@ -248,7 +248,7 @@ class Compiler:
         self.manifest.weights = WeightsInfo(WEIGHTS, sha256_file(path), path.stat().st_size, fingerprint)
 
     def _write_libraries(self) -> None:
-        """Build the C++ kernel the float32 CPU graphs call and copy it into ``kernels/``, so that a
+        """Build the C++ kernel the CPU graphs call and copy it into ``kernels/``, so that a
         serving host needs no compiler; a copy whose bytes already match is kept."""
         c = self.config
         if not (self.backend.cpu_kernels and block_kv_cpu.applies(c.compile.device, c.cache.dtype)):
