@@ -16,11 +16,12 @@ buffers by ``cpp.threads`` and corrupts the heap when it runs on more threads th
 ``cpp.threads`` is ``MAX_THREADS`` and a runtime never uses more. Both are fixed: a user flag
 cannot change them.
 
-Projections: float32 CPU graphs call oneDNN over weights the runtime packs once as it loads them
-(``model/linear.py``; ``pack`` here). Measured on the bench model (30 layers, 2-core AMD EPYC,
-2026-12-01, a busy machine, old and new graphs interleaved in one process): against aten's mm over
-dense weights, a 512-token prefill call took 0.74x the time (median; 0.88x on one thread) and a
-batch-8 decode step at context 400 0.55x (0.68x on one thread).
+Projections: float32 CPU graphs (and bfloat16 ones, where the CPU has native bfloat16) call
+oneDNN over weights the runtime packs once as it loads them (``model/linear.py``; ``pack`` here).
+Measured on the bench model (30 layers, 2-core AMD EPYC, 2026-12-01, a busy machine, old and new
+graphs interleaved in one process): against aten's mm over dense weights, a 512-token prefill call
+took 0.74x the time (median; 0.88x on one thread) and a batch-8 decode step at context 400 0.55x
+(0.68x on one thread).
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
 
 MAX_THREADS = 256
-# What float32 CPU projections call, so that a graph from before the weights were packed (aten's
-# mm over dense weights) is refused with one line instead of failing on a packed weight.
+# What CPU projections call, so that a graph from before the weights of its dtype were packed
+# (aten's mm over dense weights) is refused with one line instead of failing on a packed weight.
 PROJECTIONS = "onednn-packed" if torch.backends.mkldnn.is_available() else "aten"
+if linear.available(torch.bfloat16, "cpu"):
+    PROJECTIONS += "+bfloat16"
 FIXED_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,
     "cpp.dynamic_threads": True,
