@@ -348,6 +348,18 @@ def assert_half_agrees(args: tuple, window: int | None, dtype: torch.dtype) -> N
     torch.testing.assert_close(got, block_kv_attention(*half, 0.3, window), rtol=tol, atol=tol)
 
 
+def test_the_cpu_kernel_applies_on_a_cpu_to_one_dtype_it_reads():
+    """What picks the kernel (``fast_attention``) and mixed steps (the runtime): one dtype of
+    ``DTYPES``, by torch dtype or config name, on a CPU only."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert block_kv_cpu.applies("cpu", dtype, dtype)
+        assert block_kv_cpu.applies("cpu", str(dtype).removeprefix("torch."))
+        assert not block_kv_cpu.applies("cuda", dtype, dtype)
+        assert not block_kv_cpu.applies("xla", dtype)
+    assert not block_kv_cpu.applies("cpu", torch.bfloat16, torch.float32)  # q and cache must agree
+    assert not block_kv_cpu.applies("cpu", torch.float64)
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 @settings(max_examples=25, deadline=None)
 @given(

@@ -12,7 +12,10 @@ wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote
 piece attends to. Mixed steps (``mix_decode``, on): when the plan has prefill chunks, its decode
 rows ride in the last call of the first wave if they all fit there (rows and tokens) on the bucket
 that call takes anyway, so the step streams the weights once; a decode-only step, or rows that
-would grow the call's bucket, take the decode graphs. By measurement on CPU (float32, the C++
+would grow the call's bucket, take the decode graphs. The runtime mixes only where the attention is
+the C++ kernel (a CPU, any dtype it reads), which reads each rider's own context: flex attention
+reads every segment over the whole table, so there a ride costs more than the decode call it
+saves. By measurement on CPU (float32, the C++
 attention): one call of a 504-token chunk and 8 rows took 0.95x (AVX2; 0.98x on AVX-512) the
 packed call plus the decode call, while 8 rows in a 64-token packed call took 196 ms against 83
 in their decode graph; under ``bench_serve``'s random load at concurrency 8, 22 of 133 decode
