@@ -1,4 +1,4 @@
-// Block-KV attention on the CPU in float32: the contract of block_kv_torch.block_kv_attention for
+// Block-KV attention on the CPU, its caches in float32, bfloat16 or float16, computed in float32: the contract of block_kv_torch.block_kv_attention for
 // every step nb runs (decode rows, speculative rows, packed prefill chunks), reading each cached K
 // and V vector in place through the block table. block_kv_cpu.py defines the op's schema, builds
 // this file and documents why it exists.
@@ -16,6 +16,9 @@
 //   Keys past the tile's last token, or outside a sliding window, are never computed.
 // Positions at or past a context's length are never read, so whatever the cache holds there (the
 // null block, stale or NaN data) cannot reach an output. A query that sees no key gets zeros.
+// Half-precision caches are read in place and widened to float32 as they are read (a block of a
+// short segment, a gathered chunk of a long one), so every product and sum runs in float32; the
+// step's own queries, keys and values are widened once on entry, and the output rounded once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 // The BLAS torch links (MKL in its x86 wheels), through its Fortran interface.
@@ -56,6 +60,23 @@ inline void gemm_nn_add(int m, int n, int k, const float* a, int lda, const floa
   const char t = 'N';
   const float one = 1.f;
   sgemm_(&t, &t, &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+// dst[0:n] = src[0:n] widened to float32 (a copy for float32 itself).
+template <typename C>
+inline void to_float(const C* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<C, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    using Half = at::vec::Vectorized<C>;  // twice as many lanes as a float32 register
+    int64_t i = 0;
+    for (; i + Half::size() <= n; i += Half::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<C>(Half::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + Vec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -186,12 +207,16 @@ struct Task {
 
 struct Scratch {  // one thread's buffers
   Softmax sm;
-  std::vector<float> scores, queries, keys, values, kt;
+  std::vector<float> scores, queries, keys, values, kt, block_k, block_v;
   std::vector<const float*> rows;
 };
 
+// C: the caches' element type; the step's tensors and the output are float32 here.
+template <typename C>
 struct Attention {
-  const float *q, *k_own, *v_own, *k_cache, *v_cache;
+  static constexpr bool kWide = std::is_same_v<C, float>;  // read the cache in place, no widening
+  const float *q, *k_own, *v_own;
+  const C *k_cache, *v_cache;
   const int64_t *table, *lens, *segments;
   float* out;
   int64_t batch, seq, heads, dim, kv_heads, group, block, rows, cols;
@@ -217,7 +242,8 @@ struct Attention {
   void run_long(const Task& t, Scratch& w) const;
 };
 
-std::vector<Task> Attention::tasks(int threads) const {
+template <typename C>
+std::vector<Task> Attention<C>::tasks(int threads) const {
   std::vector<Task> runs;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t* seg = segments + b * seq;
@@ -260,7 +286,8 @@ std::vector<Task> Attention::tasks(int threads) const {
   return out;
 }
 
-void Attention::run_short(const Task& t, Scratch& w) const {
+template <typename C>
+void Attention<C>::run_short(const Task& t, Scratch& w) const {
   const int64_t span = (t.h1 - t.h0) * group, queries = t.tokens * span;  // query heads, queries
   const int64_t key_stride = kv_heads * dim;  // between slots of a block
   // query i = (token s0 + i / span, head h0 * group + i % span), reading kv head offsets[i] / dim;
@@ -279,6 +306,7 @@ void Attention::run_short(const Task& t, Scratch& w) const {
   w.rows.resize(stride);
   w.kt.resize(((dim + Vec::size() - 1) / Vec::size()) * Vec::size() * Vec::size());
   w.sm.reset(queries, dim);
+  if constexpr (!kWide) w.block_k.resize(block * key_stride), w.block_v.resize(block * key_stride);
   auto update = [&](int64_t n) {  // fold n keys whose values are w.rows into every query
     for (int64_t i = 0; i < queries; ++i) {
       float* s = w.scores.data() + i * stride;
@@ -291,16 +319,29 @@ void Attention::run_short(const Task& t, Scratch& w) const {
     const int64_t base = slot(t.row, j * block) * key_stride;
     if ((j + 1) * block < t.context) {  // the next block's K and V, while this one is computed
       const int64_t next = slot(t.row, (j + 1) * block) * key_stride;
-      for (int64_t x = 0; x < block * key_stride; x += 64 / sizeof(float)) {
+      for (int64_t x = 0; x < block * key_stride; x += 64 / sizeof(C)) {
         __builtin_prefetch(k_cache + next + x);
         __builtin_prefetch(v_cache + next + x);
       }
     }
-    for (int64_t u = 0; u < n; ++u) w.rows[u] = v_cache + base + u * key_stride;
+    // The block's first slot of K and V, slots key_stride apart: in place, or widened (the task's
+    // kv heads of the n slots in context only).
+    const float *k_block, *v_block;
+    if constexpr (kWide) {
+      k_block = k_cache + base, v_block = v_cache + base;
+    } else {
+      const int64_t from = t.h0 * dim, width = (t.h1 - t.h0) * dim;
+      for (int64_t u = 0; u < n; ++u) {
+        to_float(k_cache + base + u * key_stride + from, w.block_k.data() + u * key_stride + from, width);
+        to_float(v_cache + base + u * key_stride + from, w.block_v.data() + u * key_stride + from, width);
+      }
+      k_block = w.block_k.data(), v_block = w.block_v.data();
+    }
+    for (int64_t u = 0; u < n; ++u) w.rows[u] = v_block + u * key_stride;
     for (int64_t t0 = 0; t0 < n; t0 += Vec::size()) {  // Vec::size() slots at a time
       const int m = static_cast<int>(std::min<int64_t>(Vec::size(), n - t0));
       for (int64_t kh = t.h0; kh < t.h1; ++kh) {
-        const float* keys = k_cache + base + t0 * key_stride + kh * dim;
+        const float* keys = k_block + t0 * key_stride + kh * dim;
         for (int64_t d = 0; d < dim; d += Vec::size())
           transpose(keys + d, key_stride, w.kt.data() + d * Vec::size(), Vec::size(), m,
                     static_cast<int>(std::min<int64_t>(Vec::size(), dim - d)));
@@ -328,7 +369,8 @@ void Attention::run_short(const Task& t, Scratch& w) const {
   for (int64_t i = 0; i < queries; ++i) w.sm.write(i, out_at(t.b, t.s0 + i / span) + (t.h0 * group + i % span) * dim);
 }
 
-void Attention::run_long(const Task& t, Scratch& w) const {
+template <typename C>
+void Attention<C>::run_long(const Task& t, Scratch& w) const {
   const int64_t kh = t.h0, m = (t.e - t.a) * group;  // query row i: token a + i / group, head kh * group + i % group
   w.queries.resize(m * dim);
   w.scores.resize(m * kChunk);
@@ -361,8 +403,8 @@ void Attention::run_long(const Task& t, Scratch& w) const {
     for (int64_t x = x0; x < x0 + n;) {  // gathered block by block: the run of slots in one block
       const int64_t run = std::min(block - x % block, x0 + n - x), base = slot(t.row, x) * key_stride + kh * dim;
       for (int64_t r = 0; r < run; ++r) {
-        std::memcpy(w.keys.data() + (x - x0 + r) * dim, k_cache + base + r * key_stride, dim * sizeof(float));
-        std::memcpy(w.values.data() + (x - x0 + r) * dim, v_cache + base + r * key_stride, dim * sizeof(float));
+        to_float(k_cache + base + r * key_stride, w.keys.data() + (x - x0 + r) * dim, dim);
+        to_float(v_cache + base + r * key_stride, w.values.data() + (x - x0 + r) * dim, dim);
       }
       x += run;
     }
@@ -383,31 +425,9 @@ at::Tensor token_rows(const at::Tensor& t) {
   return t.stride(3) == 1 && t.stride(2) == t.size(3) ? t : t.contiguous();
 }
 
-at::Tensor block_kv_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                              const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& table_in, const at::Tensor& lens_in,
-                              const at::Tensor& segments_in, double scale,
-                              std::optional<int64_t> window) {
-  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
-                "nb::block_kv_attention takes float32 CPU tensors");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  const at::Tensor q = token_rows(q_in), k_own = token_rows(k_in), v_own = token_rows(v_in);
-  const at::Tensor table = table_in.to(at::kLong).contiguous(), lens = lens_in.to(at::kLong).contiguous();
-  const at::Tensor segments = segments_in.to(at::kLong).contiguous();
-  const int64_t batch = q.size(0), rows = table.size(0);
-  TORCH_CHECK(rows == batch || batch == 1, batch, " step rows over ", rows,
-              " block-table rows: need one each, or one packed row");
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  Attention att{q.data_ptr<float>(), k_own.data_ptr<float>(), v_own.data_ptr<float>(),
-                k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
-                lens.data_ptr<int64_t>(), segments.data_ptr<int64_t>(), out.data_ptr<float>(),
-                batch, q.size(1), q.size(2), q.size(3), k_own.size(2), q.size(2) / k_own.size(2),
-                k_cache.size(1), rows, table.size(1),
-                q.stride(0), q.stride(1), k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
-                static_cast<float>(scale), window, rows != batch};
-
-  // Longest first, each to the least loaded thread; then one parallel region, a thread's list each.
+// Longest task first, each to the least loaded thread; then one parallel region, a thread's list each.
+template <typename C>
+void run(const Attention<C>& att) {
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   std::vector<Task> tasks = att.tasks(threads);
   std::sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
@@ -423,7 +443,43 @@ at::Tensor block_kv_attention(const at::Tensor& q_in, const at::Tensor& k_in, co
     for (int64_t thread = begin; thread < end; ++thread)
       for (const Task& t : lists[thread]) t.tokens <= kShortTokens ? att.run_short(t, w) : att.run_long(t, w);
   });
-  return out;
+}
+
+at::Tensor block_kv_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& table_in, const at::Tensor& lens_in,
+                              const at::Tensor& segments_in, double scale,
+                              std::optional<int64_t> window) {
+  const at::ScalarType dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "nb::block_kv_attention takes float32, bfloat16 or float16 tensors");
+  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(),
+                "nb::block_kv_attention takes CPU tensors of one dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  // The step's own tensors in float32 (themselves when they already are), token rows contiguous.
+  const at::Tensor q = token_rows(q_in.to(at::kFloat)), k_own = token_rows(k_in.to(at::kFloat));
+  const at::Tensor v_own = token_rows(v_in.to(at::kFloat));
+  const at::Tensor table = table_in.to(at::kLong).contiguous(), lens = lens_in.to(at::kLong).contiguous();
+  const at::Tensor segments = segments_in.to(at::kLong).contiguous();
+  const int64_t batch = q.size(0), rows = table.size(0);
+  TORCH_CHECK(rows == batch || batch == 1, batch, " step rows over ", rows,
+              " block-table rows: need one each, or one packed row");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  auto attend = [&](auto* cache_type) {
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    run(Attention<C>{q.data_ptr<float>(), k_own.data_ptr<float>(), v_own.data_ptr<float>(),
+                     static_cast<const C*>(k_cache.const_data_ptr()), static_cast<const C*>(v_cache.const_data_ptr()),
+                     table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), segments.data_ptr<int64_t>(),
+                     out.data_ptr<float>(), batch, q.size(1), q.size(2), q.size(3), k_own.size(2),
+                     q.size(2) / k_own.size(2), k_cache.size(1), rows, table.size(1), q.stride(0), q.stride(1),
+                     k_own.stride(0), k_own.stride(1), v_own.stride(0), v_own.stride(1),
+                     static_cast<float>(scale), window, rows != batch});
+  };
+  if (dtype == at::kBFloat16) attend(static_cast<at::BFloat16*>(nullptr));
+  else if (dtype == at::kHalf) attend(static_cast<at::Half*>(nullptr));
+  else attend(static_cast<float*>(nullptr));
+  return out.to(dtype);
 }
 
 }  // namespace

@@ -1,13 +1,12 @@
-"""Block-KV attention in float32 on the CPU, for every step: a C++ kernel, ``nb::block_kv_attention``.
+"""Block-KV attention on the CPU, for every step: a C++ kernel, ``nb::block_kv_attention``.
 
 Decode rows: a decode step reads every cached K and V vector of its rows once, so its attention
 is bound by memory. Inductor's loops over ``block_kv_paged`` compute one 64-wide dot product per
 score, reduced across the vector register each time, with the query's rotation recomputed inside
 it. ``block_kv_cpu.cpp`` walks each row's blocks in order (all kv heads of a slot at once, the next
 block prefetched), transposes each block's keys so that a query's scores are broadcast
-multiply-adds with no reduction across the register, and keeps an online softmax per query.
-Measured on the bench model (30 layers, 8 rows at context 400, 2-core AMD EPYC with AVX-512,
-2026-12-02): 0.54 ms a layer in the step, against 0.72 ms for the inductor kernel it replaced.
+multiply-adds with no reduction across the register, and keeps an online softmax per query
+(faster than the inductor kernel it replaced; CHANGELOG has the figures).
 
 Prompt chunks: their attention is compute, about a tenth of a prefill layer's work. Flex
 attention's CPU template ran it at about 50 GFLOP/s of useful work (AVX-512), a third of the GEMM
@@ -17,6 +16,12 @@ its x86 wheels) with an online softmax between; keys past the tile's last token 
 window are never computed, and the context is gathered from its blocks, never past its length.
 
 Both keep the golden's contract, masking and NaN safety (``block_kv_torch``), tested against it.
+
+bfloat16 and float16 models take the same kernel: the cache is read in its own dtype (half the
+bytes a decode row streams) and widened to float32 block by block, so scores, softmax and sums run
+in float32 and only the output is rounded. The torch paths it replaces there (flex attention and
+its helpers) are generic CPU templates that a half-precision step with context ran several times
+slower than this kernel.
 
 The op is declared here (schema and shape function), so any process can trace and compile graphs
 that call it. Its CPU kernel is C++, vectorised with ATen's ``Vectorized`` for the instruction set
@@ -56,11 +61,14 @@ def _block_kv_attention_fake(q: Tensor, *_: object) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what the kernel reads, each computed in float32
+
+
 def applies(device: torch.device | str, *dtypes: torch.dtype | str) -> bool:
-    """Whether attention on ``device`` over tensors of ``dtypes`` runs in this kernel: float32 on a
-    CPU (dtypes as torch dtypes, or their names as a config writes them)."""
+    """Whether attention on ``device`` over tensors of ``dtypes`` runs in this kernel: one of
+    ``DTYPES`` on a CPU (dtypes as torch dtypes, or their names as a config writes them)."""
     names = {str(d).removeprefix("torch.") for d in dtypes}
-    return torch.device(device).type == "cpu" and names == {"float32"}
+    return torch.device(device).type == "cpu" and len(names) == 1 and names <= set(DTYPES)
 
 
 def registered() -> bool:

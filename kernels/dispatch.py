@@ -2,7 +2,8 @@
 
 The model calls ``write_kv_cache`` and ``block_kv_attention`` from here. By default (``DEFAULT``)
 the cache write is the golden of ``block_kv_torch`` and the attention a fast path
-(``fast_attention``): in float32 on a CPU the C++ kernel of ``block_kv_cpu`` for every step, else
+(``fast_attention``): on a CPU (float32, bfloat16, float16) the C++ kernel of ``block_kv_cpu`` for
+every step, else
 ``block_kv_flex`` (block-sparse flex attention for long rows, the in-place reads of
 ``block_kv_paged`` for decode rows, the fused SDPA call of ``block_kv_sdpa`` between). Both agree
 with the golden within float tolerance and compile to far less work; ``GOLDEN`` is the
@@ -35,8 +36,9 @@ class KernelSet:
 
 
 def fast_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
-    """The golden's attention, fast: the C++ kernel where it applies (float32 on a CPU: decode rows
-    and prompt chunks alike, each segment at its own cost, measured faster than flex on both), else
+    """The golden's attention, fast: the C++ kernel where it applies (a CPU, in float32 or half
+    precision: decode rows and prompt chunks alike, each segment at its own cost, faster than flex
+    on both), else
     the torch paths of ``block_kv_flex``. The choice is made at trace time, on dtypes and device."""
     kernel = block_kv_cpu if block_kv_cpu.applies(q.device, q.dtype, k_cache.dtype) else block_kv_flex
     return kernel.block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window)

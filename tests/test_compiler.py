@@ -577,7 +577,8 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     ("dtype", "setting", "fresh"),
     [
         ("float32", "", False),  # the C++ attention reads each context alone: nothing to gain
-        ("bfloat16", "", True),  # flex reads the whole table: the fresh layer pays
+        ("bfloat16", "", False),  # and reads half precision alike
+        ("bfloat16", 'device = "cuda"', True),  # flex reads the whole table: the fresh layer pays
         ("float32", "fresh_layers = true", True),
         ("bfloat16", "fresh_layers = false", False),
     ],

@@ -327,6 +327,76 @@ def test_the_fast_paths_agree_with_the_golden_on_one_packed_row(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# Half-precision caches through the C++ kernel, against the golden in the same dtype: the kernel
+# sums in float32 and rounds once, the golden rounds its probabilities first, so they differ by a
+# few units in the last place of the output (bfloat16 keeps 8 bits, float16 11).
+HALF = [torch.bfloat16, torch.float16]
+HALF_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def in_dtype(args: tuple, dtype: torch.dtype) -> tuple:
+    """Kernel args with q, K, V and both caches in ``dtype`` (the step and the rest as they are)."""
+    return (*(t.to(dtype) for t in args[:5]), *args[5:])
+
+
+def assert_half_agrees(args: tuple, window: int | None, dtype: torch.dtype) -> None:
+    """The C++ kernel over ``args`` in ``dtype``: finite, in ``dtype``, within its tolerance of the golden."""
+    half = in_dtype(args, dtype)
+    got = block_kv_cpu.block_kv_attention(*half, 0.3, window)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    tol = HALF_TOLERANCE[dtype]
+    torch.testing.assert_close(got, block_kv_attention(*half, 0.3, window), rtol=tol, atol=tol)
+
+
+def test_the_cpu_kernel_applies_on_a_cpu_to_one_dtype_it_reads():
+    """What picks the kernel (``fast_attention``) and mixed steps (the runtime): one dtype of
+    ``DTYPES``, by torch dtype or config name, on a CPU only."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert block_kv_cpu.applies("cpu", dtype, dtype)
+        assert block_kv_cpu.applies("cpu", str(dtype).removeprefix("torch."))
+        assert not block_kv_cpu.applies("cuda", dtype, dtype)
+        assert not block_kv_cpu.applies("xla", dtype)
+    assert not block_kv_cpu.applies("cpu", torch.bfloat16, torch.float32)  # q and cache must agree
+    assert not block_kv_cpu.applies("cpu", torch.float64)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+    seq=st.integers(1, 6),
+    fill=st.sampled_from([float("nan"), 1e30]),
+    window=st.sampled_from([None, 1, 4, 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_kernel_reads_half_precision_decode_rows(dtype, lens, seq, fill, window, seed):
+    """Decode and speculative rows over bfloat16 and float16 caches, poison in the null block and
+    past every context (1e30 is infinite in float16), windows: the golden's output in that dtype."""
+    bs = 8
+    q, k_act, v_act, k_cache, v_cache, table, _, _ = paged_case(lens, seq, bs, 5, KVH * 3, seed)
+    k_cache, v_cache = poisoned(k_cache, v_cache, table, lens, bs, fill)
+    step = AttentionStep(remap_null_block_to_sentinel(table), torch.tensor(lens),
+                         torch.zeros(len(lens), seq, dtype=torch.int64))
+    assert_half_agrees((q, k_act, v_act, k_cache, v_cache, step), window, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@settings(max_examples=12, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+    counts=st.lists(st.integers(1, 200), min_size=3, max_size=3),
+    pads=st.integers(0, 40),
+    fill=st.sampled_from([float("nan"), 1e30]),
+    window=st.sampled_from([None, 1, 17, 100]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_kernel_reads_half_precision_packed_rows(dtype, lens, counts, pads, fill, window, seed):
+    """One packed row in bfloat16 and float16: prompt chunks with context (the GEMM path), decode
+    rows riding behind them (the per-key path), pads, windows, poison past every context."""
+    args, _ = packed_case(lens, counts[: len(lens)], pads, seed, fill, bs=16, max_blocks=20)
+    assert_half_agrees(args, window, dtype)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     lens=st.lists(st.integers(0, 600), min_size=1, max_size=3),

@@ -40,16 +40,39 @@ def _layer(dtype: torch.dtype) -> LayerWeights:
                         down=t(16, 24), qkv_bias=t(32))
 
 
-def test_pack_packs_the_float32_projections_only() -> None:
-    dense = _layer(torch.float32)
+NATIVE_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pack_packs_the_projections_only(dtype: torch.dtype) -> None:
+    """float32 always; bfloat16 where oneDNN has native bfloat16 kernels (else nothing to pack)."""
+    dense = _layer(dtype)
     packed = linear.pack(dense)
     for name in ("input_norm", "post_norm", "qkv_bias"):
         assert getattr(packed, name) is getattr(dense, name)
+    if dtype == torch.bfloat16 and not NATIVE_BF16:
+        assert packed == dense
+        return
     for name in linear.PROJECTIONS:
-        assert getattr(packed, name).is_mkldnn
+        assert getattr(packed, name).is_mkldnn and getattr(packed, name).dtype == dtype
         assert torch.equal(getattr(packed, name).to_dense(), getattr(dense, name))
-    bf16 = _layer(torch.bfloat16)  # bfloat16's F.linear is oneDNN's already: nothing to pack
-    assert linear.pack(bf16) == bf16
+
+
+def test_float16_stays_dense_where_onednn_has_no_native_float16() -> None:
+    fp16 = _layer(torch.float16)
+    assert (linear.pack(fp16) == fp16) != torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="this CPU has no native bfloat16 for oneDNN")
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 40), k=st.sampled_from([16, 64]), n=st.sampled_from([8, 96]), bias=st.booleans())
+def test_a_packed_bfloat16_weight_computes_f_linear(tokens: int, k: int, n: int, bias: bool) -> None:
+    """Both sum in float32 and round once: equal to a unit in the last place of bfloat16."""
+    gen = torch.Generator().manual_seed(tokens * k + n)
+    x, w = torch.randn(tokens, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, linear.PACK_TOKENS)
+    torch.testing.assert_close(linear.linear(x, packed, b), F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
 
 
 class Projection(nn.Module):

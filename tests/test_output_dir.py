@@ -170,7 +170,8 @@ def test_an_edited_manifest_cannot_point_pruning_at_other_files(tmp_path):
 
 
 def test_a_kernel_library_this_run_no_longer_builds_is_pruned(tmp_path):
-    """A float32 artifact recompiled in bfloat16 calls no C++ kernel: its old library goes."""
+    """An artifact recompiled where its graphs call no C++ kernel (another backend): its old
+    library goes."""
     library = tmp_path / "kernels" / "block_kv_cpu.so"
     library.parent.mkdir()
     library.write_bytes(b"old build")

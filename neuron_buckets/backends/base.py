@@ -50,7 +50,7 @@ class Backend(Protocol):
     dynamic_shapes: bool  # whether embed and head compile once for every token count
     # whether packed prefill buckets also get a layer piece over no context (``model/pieces.py``)
     fresh_prefill: bool
-    # whether its graphs run the model's default torch kernels, whose float32 CPU decode attention
+    # whether its graphs run the model's default torch kernels, whose CPU attention
     # is the C++ op of ``kernels/block_kv_cpu.py`` (the artifact then carries its library)
     cpu_kernels: bool
 

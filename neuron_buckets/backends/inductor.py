@@ -14,8 +14,9 @@ attention template sizes per-thread scratch buffers by ``cpp.threads`` and corru
 when it runs on more threads than that, so ``cpp.threads`` is ``MAX_THREADS`` and a runtime
 never uses more. Both are fixed: a user flag cannot change them.
 
-Projections: float32 CPU graphs call oneDNN over weights the runtime packs once as it loads them
-(``model/linear.py``; ``pack`` here): a packed weight is read in the layout oneDNN's kernels
+Projections: float32 CPU graphs (and bfloat16 ones, where the CPU has native bfloat16) call
+oneDNN over weights the runtime packs once as it loads them (``model/linear.py``; ``pack``
+here): a packed weight is read in the layout oneDNN's kernels
 want, instead of being reordered on every call as aten's mm over dense weights does, which
 pays for prefill calls and decode steps alike (CHANGELOG has the figures).
 """
@@ -44,9 +45,11 @@ from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
 
 MAX_THREADS = 256
-# What float32 CPU projections call, so that a graph from before the weights were packed (aten's
-# mm over dense weights) is refused with one line instead of failing on a packed weight.
+# What CPU projections call, so that a graph from before the weights of its dtype were packed
+# (aten's mm over dense weights) is refused with one line instead of failing on a packed weight.
 PROJECTIONS = "onednn-packed" if torch.backends.mkldnn.is_available() else "aten"
+if linear.available(torch.bfloat16, "cpu"):
+    PROJECTIONS += "+bfloat16"
 FIXED_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,
     "cpp.dynamic_threads": True,

@@ -73,7 +73,7 @@ class ArtifactWriter:
         self.manifest.weights = WeightsInfo(WEIGHTS, sha256_file(path), path.stat().st_size, fingerprint)
 
     def _write_libraries(self) -> None:
-        """Build the C++ kernel the float32 CPU graphs call and copy it into ``kernels/``, so that a
+        """Build the C++ kernel the CPU graphs call and copy it into ``kernels/``, so that a
         serving host needs no compiler; a copy whose bytes already match is kept."""
         c = self.plan.config
         if not (self.plan.backend.cpu_kernels and block_kv_cpu.applies(c.compile.device, c.cache.dtype)):

@@ -47,7 +47,7 @@ def cache_geometry(model: LlamaConfig, config: Config) -> CacheGeometry:
 
 def fresh_layers(config: Config) -> bool:
     """Whether packed buckets get a fresh layer: as set, else where the attention's cost follows the
-    block table's width (flex). The C++ attention of float32 on a CPU reads each segment's context
+    block table's width (flex). The C++ attention on a CPU reads each segment's context
     alone, so a table of no columns gains it nothing."""
     if config.compile.fresh_layers is not None:
         return config.compile.fresh_layers

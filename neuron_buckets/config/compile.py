@@ -25,7 +25,7 @@ class CompileConfig:
     retries: int = setting(2, graph=False)  # times a piece whose worker or node died is compiled again
     # packed prefill buckets also get a layer piece over no context, for calls with nothing cached
     # (where the backend has them: inductor, eager); unset: only where attention reads the whole
-    # block table (flex), not in float32 on a CPU, whose C++ attention reads each context alone
+    # block table (flex), not on a CPU, whose C++ attention reads each context alone
     fresh_layers: bool | None = setting(None, graph=False)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The model's projections: ``F.linear``, or oneDNN's fp32 kernel over weights packed at load.
+"""The model's projections: ``F.linear``, or oneDNN's kernels over weights packed at load.
 
 ``F.linear`` on float32 CPU tensors is MKL's sgemm, which on AMD runs far below the machine's
 AVX-512 rate; oneDNN generates its kernels for the CPU it runs on, and reads a weight packed once
@@ -8,10 +8,15 @@ op opaque to inductor, whose schema is oneDNN's ``mkldnn::_linear_pointwise``, s
 calls that op's C shim directly (``C_SHIMS``) and a loaded graph needs nothing registered from
 Python. It computes the same product over a dense weight or over the packed one ``pack`` makes;
 the runtime packs the layers' projections once, as it loads them, and keeps no dense copy. The head
-reads the tied embedding, which the embed piece reads densely, so it stays dense: at 8 rows over a
-49152 x 576 head (2-core AMD EPYC, busy), oneDNN took 23 ms over the dense weight, 19 over a packed
-copy and F.linear 40 on one thread (24, 24 and 93 on two), and a packed copy would hold the
-embedding twice.
+reads the tied embedding, which the embed piece reads densely, so it stays dense: a packed copy
+would hold the embedding twice for a gain smaller than the weight streaming it adds (CHANGELOG has
+the figures).
+
+bfloat16 takes the same path where oneDNN has native bfloat16 kernels (AVX512-BF16, AMX): its
+``F.linear`` is oneDNN already, but over the plain layout a small batch reads the weight in a
+shape oneDNN's kernels stream poorly, so the packed layout pays most at decode. float16 stays
+``F.linear``: oneDNN packs it only on CPUs with native float16 arithmetic (AVX512-FP16), where
+nb has not measured it.
 """
 
 from __future__ import annotations
@@ -59,10 +64,12 @@ _tracing_onednn = False
 
 
 def available(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether oneDNN computes this dtype's projections here: float32 on a CPU (bfloat16's
-    ``F.linear`` is already oneDNN's)."""
-    cpu = torch.device(device).type == "cpu"
-    return cpu and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether oneDNN computes this dtype's projections over packed weights here: float32 on a
+    CPU, and bfloat16 where the CPU has oneDNN's native bfloat16 kernels."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    native_bf16 = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 or native_bf16
 
 
 @contextmanager

@@ -81,7 +81,7 @@ class BucketRuntime:
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
         try:
-            self.buckets = BucketSet.of(self.records)
+            self.buckets = BucketSet.of(self.records, mix_decode=block_kv_cpu.applies(device, geo.dtype))
         except ValueError as e:
             raise ArtifactError(f"{directory}: {e}") from None
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)

@@ -14,7 +14,10 @@ rows ride in the last call of the first wave if they all fit there (rows and tok
 that call takes anyway, so the step streams the weights once; a decode-only step, or rows that
 would grow the call's bucket, take the decode graphs: riding saves a second pass over the
 weights, but rows that grow a call's bucket cost that call more than their own decode graph
-would (README, "Mixed steps"; CHANGELOG has the figures).
+would. The runtime mixes only where the attention is the C++ kernel (a CPU, any dtype it reads),
+which reads each rider's own context: flex attention reads every segment over the whole table,
+so there a ride costs more than the decode call it saves (docs/design.md, "Mixed steps";
+CHANGELOG has the figures).
 """
 
 from __future__ import annotations
