@@ -87,9 +87,14 @@ def planned_grid(workloads: list[Workload], max_model_len: int) -> dict[str, str
 
 
 def compile_artifact(root: Path, name: str, **fields: object) -> Path:
-    """``nb compile`` of one config into ``root/name`` (graphs cached under ``root/cache``)."""
+    """``nb compile`` of ``CONFIG`` filled with ``fields`` into ``root/name``."""
+    return compile_config(root, name, CONFIG.format(**{"contexts": "", **fields}))
+
+
+def compile_config(root: Path, name: str, text: str) -> Path:
+    """``nb compile`` of a config's TOML ``text`` into ``root/name`` (graphs cached in ``root/cache``)."""
     config = root / f"{name}.toml"
-    config.write_text(CONFIG.format(**{"contexts": "", **fields}))
+    config.write_text(text)
     out = root / name
     env = {**os.environ, "NB_CACHE_DIR": str(root / "cache")}
     start = time.perf_counter()
