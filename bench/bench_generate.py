@@ -129,11 +129,11 @@ def nb_generate(artifact: Path, wl: Workload, repeats: int) -> tuple[list[list[i
     return tokens, statistics.median(runs), startup
 
 
-def decode_step_ms(artifact: Path, context: int, repeats: int) -> float:
-    """One decode step of 8 requests whose real context is ``context`` tokens."""
+def decode_step_ms(artifact: Path, context: int, repeats: int, batch: int = 8) -> float:
+    """One decode step of ``batch`` requests whose real context is ``context`` tokens."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-(context + 1) // runtime.block_size)
-    rows = [DecodeRow([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(8)]
+    rows = [DecodeRow([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(batch)]
     return median_ms(lambda: runtime.decode(rows), repeats)
 
 

@@ -37,6 +37,7 @@ row: run it on an idle machine.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -144,15 +145,17 @@ def cells(args: argparse.Namespace) -> list[Cell]:
     return out
 
 
-def checkpoint(args: argparse.Namespace, shape: str) -> Path:
-    layers = args.layers or SHAPES[shape].num_layers
-    return build_checkpoint(args.models / f"{shape}-{layers}layers-bfloat16", SHAPES[shape], layers,
-                            dtype="bfloat16", tokenizer=True)
-
-
-def nb_artifact(args: argparse.Namespace, model: Path, shape: str, dtype: str) -> Path:
-    text = args.limits.nb_config(model, SHAPES[shape], dtype, args.nb_buckets)
-    return compile_config(args.work, f"{model.name}-{dtype}", text)
+def matrix_artifact(
+    models: Path, work: Path, shape: str, layers: int | None, dtype: str, buckets: str = ""
+) -> tuple[Path, Path]:
+    """(the checkpoint, nb's artifact) of one (shape, dtype), built or compiled if absent."""
+    layers = layers or SHAPES[shape].num_layers
+    name = f"{shape}-{layers}layers"
+    model = build_checkpoint(models / f"{name}-bfloat16", SHAPES[shape], layers, dtype="bfloat16",
+                             tokenizer=True)
+    text = ServeLimits().nb_config(model, SHAPES[shape], dtype, buckets)
+    grid = f"-{hashlib.sha256(buckets.encode()).hexdigest()[:8]}" if buckets else ""  # a grid of its own
+    return model, compile_config(work, f"{name}-{dtype}{grid}", text)
 
 
 def num_prompts(args: argparse.Namespace, cell: Cell) -> int:
@@ -206,8 +209,7 @@ def row(args: argparse.Namespace, cell: Cell, nb: dict, vllm: dict) -> list[str]
 def run_group(args: argparse.Namespace, group: list[Cell]) -> None:
     """Both servers under one (shape, dtype)'s cells; their rows into the results file."""
     shape, dtype = group[0].shape, group[0].dtype
-    model = checkpoint(args, shape)
-    artifact = nb_artifact(args, model, shape, dtype)
+    model, artifact = matrix_artifact(args.models, args.work, shape, args.layers, dtype, args.nb_buckets)
     print(f"{SHAPES[shape].name}, {model.name}, {dtype}: {len(group)} cells; "
           f"KV {args.limits.kv_cell(SHAPES[shape], dtype)}", flush=True)
     results: dict[str, dict[Cell, dict]] = {}
