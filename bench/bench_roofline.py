@@ -1,7 +1,7 @@
 """How far nb's graph calls are from this machine's limits, per model shape and dtype.
 
-For each ``--shapes`` x ``--dtypes`` (``real_models.SHAPES``; default the SmolLM2-135M shape in
-float32), measured here:
+For each ``--shapes`` x ``--dtypes`` (default: every shape of ``real_models.SHAPES``, in float32
+and in bfloat16), measured here:
 - the GEMM rate of that dtype at the prefill layer's four shapes for a 512-token call (qkv, o,
   gate_up, down as nb fuses them), all cores, in torch's ``F.linear`` and in the prepacked-weight
   kernels of MKL (float32 only; what inductor calls after freezing) and oneDNN (what vLLM CPU
@@ -223,8 +223,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(parser, "nb-bench-matrix", "3 repeats")  # bench_matrix's folder: its artifacts
     parser.set_defaults(layers=None)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["smollm2-135m"])
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPE_BYTES), default=["float32"])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPE_BYTES), default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--chunk", type=int, default=300,
                         help="tokens of the arriving prompt in the mixed step")

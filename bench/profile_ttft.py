@@ -62,7 +62,8 @@ class StepRecord:
 @dataclass
 class Tracked:
     prompt_len: int
-    arrival: float
+    arrival: float  # when its stream sent it
+    added: float  # when the engine took it: between two steps
     first_token: float = 0.0
 
 
@@ -103,30 +104,27 @@ def drive(engine: LLMEngine, work: list[list[int]], concurrency: int, output_len
     tracked: dict[int, Tracked] = {}
     queue = list(reversed(work))
 
-    def add(arrival: float) -> None:
-        prompt = queue.pop()
-        tracked[engine.add_request(prompt, params)] = Tracked(len(prompt), arrival)
+    def add(arrival: float, prompt: list[int]) -> None:
+        tracked[engine.add_request(prompt, params)] = Tracked(len(prompt), arrival, time.perf_counter())
 
-    for _ in range(min(concurrency, len(work))):
-        add(time.perf_counter())
-    landing: list[float] = []  # arrivals during the step now running: they join after it
-    while engine.has_unfinished or landing:
-        joining, landing = landing, []
-        for arrival in joining:
-            add(arrival)
+    arrived = [(time.perf_counter(), queue.pop()) for _ in range(min(concurrency, len(work)))]
+    while engine.has_unfinished or arrived:
+        if not engine.has_unfinished:  # an idle engine takes them at once
+            for arrival, prompt in arrived:
+                add(arrival, prompt)
+            arrived = []
         steps.append(StepRecord(time.perf_counter()))
         outputs = engine.step()
         steps[-1].end = now = time.perf_counter()
+        for arrival, prompt in arrived:  # they reached the server while this step ran
+            add(arrival, prompt)
+        arrived = []
         for out in outputs:
             t = tracked[out.request_id]
             if not t.first_token and out.token_ids:
                 t.first_token = now
-            if out.finished and queue:
-                landing.append(now)
-        if not engine.has_unfinished:  # an idle engine takes the next request at once
-            joining, landing = landing, []
-            for arrival in joining:
-                add(arrival)
+            if out.finished and queue:  # its stream sends the next request now
+                arrived.append((now, queue.pop()))
     return tracked, steps
 
 
@@ -141,13 +139,13 @@ def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], bu
     t = tracked[rid]
     parts = dict.fromkeys(PARTS, 0.0)
     counts = {"chunks": 0, "riders": 0, "other prompts packed": 0}
-    last_end, first = t.arrival, True
+    last_end = t.arrival
     for step in (s for s in steps if s.end > t.arrival and s.start < t.first_token):
         parts["gaps between steps"] += max(0.0, step.start - last_end)
         last_end = step.end
         mine = [i for i, (r, _, ctx) in enumerate(step.segments) if r == rid and ctx < t.prompt_len]
         seconds = step.end - max(step.start, t.arrival)
-        if first and step.start <= t.arrival:
+        if step.start < t.added:
             parts["running step"] += seconds
         elif not mine:
             tokens = sum(n for _, n, _ in step.segments)
@@ -167,7 +165,6 @@ def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], bu
                 else:
                     parts["own: other calls"] += sec
             parts["own: rest of step"] += (step.end - step.start) - in_calls
-        first = False
     parts["gaps between steps"] += max(0.0, t.first_token - last_end)
     return parts, counts
 
