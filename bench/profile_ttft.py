@@ -8,7 +8,8 @@ arrives as a step ends joins the engine one step later: that is how arrivals are
 graph call is timed (``BucketRuntime._run_call`` wrapped) with the plan segments it computes.
 
 A measured request's TTFT (arrival to the end of the step that samples its first token) is cut into:
-- **running step**: the step that was already running when it arrived;
+- **running step**: the step that was already running when it arrived, split by whether it ran a
+  prompt's call (another arrival's prefill) or decode rows only;
 - **queued, budget**: later steps without its prompt whose chunks and rows filled the step budget or
   its rows (other prompts went first);
 - **queued, prefix wait**: later steps without its prompt that had room for it: it was passed over
@@ -45,8 +46,9 @@ from workloads import TOKEN_LOW  # noqa: E402
 from neuron_buckets import LLMEngine, SamplingParams  # noqa: E402
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 
-PARTS = ("running step", "queued, budget", "queued, prefix wait", "own: prefill call, riders in it",
-         "own: prefill call, no riders", "own: other calls", "own: rest of step", "gaps between steps")
+PARTS = ("running step, a prompt's call", "running step, decode only", "queued, budget",
+         "queued, prefix wait", "own: prefill call, riders in it", "own: prefill call, no riders",
+         "own: other calls", "own: rest of step", "gaps between steps")
 
 
 @dataclass
@@ -146,7 +148,8 @@ def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], bu
         mine = [i for i, (r, _, ctx) in enumerate(step.segments) if r == rid and ctx < t.prompt_len]
         seconds = step.end - max(step.start, t.arrival)
         if step.start < t.added:
-            parts["running step"] += seconds
+            prompt = any(kind == "prefill" for kind, _, _ in step.calls)
+            parts["running step, a prompt's call" if prompt else "running step, decode only"] += seconds
         elif not mine:
             tokens = sum(n for _, n, _ in step.segments)
             full = tokens >= budget or len(step.segments) >= max_rows
