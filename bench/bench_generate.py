@@ -87,9 +87,14 @@ def planned_grid(workloads: list[Workload], max_model_len: int) -> dict[str, str
 
 
 def compile_artifact(root: Path, name: str, **fields: object) -> Path:
-    """``nb compile`` of one config into ``root/name`` (graphs cached under ``root/cache``)."""
+    """``nb compile`` of ``CONFIG`` filled with ``fields`` into ``root/name``."""
+    return compile_config(root, name, CONFIG.format(**{"contexts": "", **fields}))
+
+
+def compile_config(root: Path, name: str, text: str) -> Path:
+    """``nb compile`` of a config's TOML ``text`` into ``root/name`` (graphs cached in ``root/cache``)."""
     config = root / f"{name}.toml"
-    config.write_text(CONFIG.format(**{"contexts": "", **fields}))
+    config.write_text(text)
     out = root / name
     env = {**os.environ, "NB_CACHE_DIR": str(root / "cache")}
     start = time.perf_counter()
@@ -124,11 +129,11 @@ def nb_generate(artifact: Path, wl: Workload, repeats: int) -> tuple[list[list[i
     return tokens, statistics.median(runs), startup
 
 
-def decode_step_ms(artifact: Path, context: int, repeats: int) -> float:
-    """One decode step of 8 requests whose real context is ``context`` tokens."""
+def decode_step_ms(artifact: Path, context: int, repeats: int, batch: int = 8) -> float:
+    """One decode step of ``batch`` requests whose real context is ``context`` tokens."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-(context + 1) // runtime.block_size)
-    rows = [PrefillChunk([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(8)]
+    rows = [PrefillChunk([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(batch)]
     return median_ms(lambda: runtime.decode(rows), repeats)
 
 

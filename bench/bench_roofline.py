@@ -1,42 +1,46 @@
-"""How far nb's graph calls are from this machine's limits: the "before" (and "after") table.
+"""How far nb's graph calls are from this machine's limits, per model shape and dtype.
 
-Measured here, on the SmolLM2-135M shape (float32):
-- the fp32 GEMM rate at the prefill layer's four shapes for a 512-token call (qkv 576 -> 576 +
-  2 x 192, o 576 -> 576, gate and up 576 -> 2 x 1536, down 1536 -> 576), all cores, in torch's
-  ``F.linear`` and in the prepacked-weight kernels of MKL (what inductor calls after freezing)
-  and oneDNN (what vLLM CPU calls); the four together, each in its fastest kernel, are the
-  ceiling of a layer's dense work;
+For each ``--shapes`` x ``--dtypes`` (default: every shape of ``real_models.SHAPES``, in float32
+and in bfloat16), measured here:
+- the GEMM rate of that dtype at the prefill layer's four shapes for a 512-token call (qkv, o,
+  gate_up, down as nb fuses them), all cores, in torch's ``F.linear`` and in the prepacked-weight
+  kernels of MKL (float32 only; what inductor calls after freezing) and oneDNN (what vLLM CPU
+  and nb's packed linears call); the four together, each in its fastest kernel, are the ceiling of
+  a layer's dense work;
 - memory bandwidth, from streaming a tensor larger than any cache (a copy, counted as bytes read
-  plus written, and a sum, bytes read); the floor of a decode step is the bytes of the model's
-  weights (every layer and the LM head) over the read bandwidth, since each step reads them all;
-- nb's per-call times through ``BucketRuntime`` on an artifact of the offline bench's default grid
-  (``bench_generate.py``'s ``art512``): one packed 512-token prefill (two 256-token prompts) and
-  one batch-8 decode step at context 400, with the prefill's dense GFLOP/s (2 x tokens x the
-  linear layers' weights) against the GEMM rate, and the decode's time against the memory floor.
-  The prefill's share of the GEMM rate is the time of the layers' GEMMs alone (each in its
-  fastest kernel, once per layer) over the call's, both run back to back in each of ``--repeats``
-  rounds, the median: this machine's speed drifts by more than 10% within minutes. Also printed:
-  the call's rate over the rate each GEMM reaches repeating alone, measured minutes earlier (the
-  four in sequence, as a layer runs them, took 5-15% longer than that here, 2026-12-02);
-- the rule for mixed steps, measured: a 504-token chunk beside 8 decode rows as one packed call
-  against the same work as a packed call plus a decode call, and 8 decode rows alone in their
-  decode graph against the smallest packed call.
+  plus written, and a sum, bytes read);
+- the floors of a decode step of ``B`` rows: memory, the bytes of the weights in that dtype (every
+  layer and the LM head) over the read bandwidth, since each step reads them all; compute, its
+  dense FLOP (2 x B x the weights that multiply) over the prefill GEMM rate; and, for reference,
+  the same GEMMs run alone at ``B`` rows (what the BLAS reaches streaming those weights);
+- nb's per-call times through ``BucketRuntime`` on the artifact ``bench_matrix.py`` serves for that
+  shape and dtype (its limits, ``serve_limits.py``, and nb's default grid; compiled if absent):
+  one packed 512-token prefill (two 256-token prompts), its dense GFLOP/s against the GEMM rate
+  (the share is the layers' GEMMs alone over the call, both run back to back in each of
+  ``--repeats`` rounds, the median: this machine's speed drifts by more than 10% within
+  minutes); decode steps of 4 and 8 rows at context 400 against max(memory floor, compute floor),
+  and the batch-8 step over the batch-4 step;
+- the rule for mixed steps: a ``--chunk``-token arrival with ``--riders`` decode rows riding in its
+  prefill call, against the chunk's call alone plus the rows' decode call (alternating rounds), and
+  the rows alone in their decode graph against the smallest packed call.
 
-``--tiny`` runs a 2-layer twin to check the script; its figures mean nothing. Run it on an idle
+``--tiny`` runs 2-layer twins to check the script; its figures mean nothing. Run it on an idle
 machine: every figure is a rate of this machine at this moment.
 
-    python bench/bench_roofline.py [--layers 30] [--work DIR]
+    python bench/bench_roofline.py [--shapes llama-3.2-1b --dtypes bfloat16] [--work DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import struct
 import sys
 import time
 from collections.abc import Callable
+from math import prod
 from pathlib import Path
 
 import torch
@@ -44,8 +48,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import compile_artifact, decode_step_ms, median_ms, prefill_call  # noqa: E402
-from real_models import SMOLLM2_135M, add_size_args, build_smollm  # noqa: E402
+from bench_generate import decode_step_ms, median_ms, prefill_call  # noqa: E402
+from bench_matrix import matrix_artifact  # noqa: E402
+from real_models import SHAPES, Shape, add_size_args  # noqa: E402
+from serve_limits import DTYPE_BYTES  # noqa: E402
 from workloads import TOKEN_LOW, Workload  # noqa: E402
 
 from neuron_buckets.core.padding import pad_prefill  # noqa: E402
@@ -53,22 +59,22 @@ from neuron_buckets.core.step_plan import Segment  # noqa: E402
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 
 TOKENS = 512  # the step budget: a full prefill call
-DECODE_BATCH, DECODE_CONTEXT = 8, 400  # decode_step_ms runs 8 rows
+DECODE_BATCHES, DECODE_CONTEXT = (4, 8), 400
 
 
-def layer_gemms() -> dict[str, tuple[int, int]]:
+def layer_gemms(shape: Shape) -> dict[str, tuple[int, int]]:
     """(in, out) features of each linear layer of one decoder layer, as nb fuses them."""
-    d, ffn = int(SMOLLM2_135M["hidden_size"]), int(SMOLLM2_135M["intermediate_size"])
-    kv = int(SMOLLM2_135M["num_key_value_heads"]) * int(SMOLLM2_135M["head_dim"])
-    return {"qkv": (d, d + 2 * kv), "o": (d, d), "gate_up": (d, 2 * ffn), "down": (ffn, d)}
+    d, ffn, hd = shape.get("hidden_size"), shape.get("intermediate_size"), shape.get("head_dim")
+    q, kv = shape.get("num_attention_heads") * hd, shape.get("num_key_value_heads") * hd
+    return {"qkv": (d, q + 2 * kv), "o": (q, d), "gate_up": (d, 2 * ffn), "down": (ffn, d)}
 
 
-def gemm_kernels(tokens: int, k: int, n: int) -> dict[str, Callable[[], Tensor]]:
-    """One ``tokens x k -> n`` fp32 GEMM three ways: torch's ``F.linear``, and the prepacked-weight
-    kernels inductor (MKL, after freezing) and vLLM CPU (oneDNN) call, where this torch has them."""
-    x, w = torch.randn(tokens, k), torch.randn(n, k)
+def gemm_kernels(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[], Tensor]]:
+    """One ``tokens x k -> n`` GEMM in ``dtype`` three ways: torch's ``F.linear``, and the
+    prepacked-weight kernels of MKL (float32 only) and oneDNN, where this torch has them."""
+    x, w = torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     out = {"F.linear": lambda: F.linear(x, w)}
-    if torch.backends.mkl.is_available():
+    if torch.backends.mkl.is_available() and dtype == torch.float32:
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, tokens)
         out["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, tokens)
     if torch.backends.mkldnn.is_available():
@@ -86,50 +92,43 @@ def bandwidth_gbs(nbytes: int, repeats: int) -> tuple[float, float]:
     return 2 * nbytes / copy_ms / 1e6, nbytes / sum_ms / 1e6
 
 
-def weight_bytes(model: Path) -> int:
-    """Bytes of every tensor in the checkpoint: a tied embedding is stored once, read by the head.
+def weight_elements(model: Path) -> int:
+    """Elements of every tensor in the checkpoint: a tied embedding is stored once, read by the head.
 
-    A safetensors file is an 8-byte header length, the JSON header, then the tensors' bytes.
+    A safetensors file is an 8-byte header length, then a JSON header that gives each tensor's shape.
     """
     total = 0
     for path in model.glob("*.safetensors"):
         with path.open("rb") as f:
-            (header,) = struct.unpack("<Q", f.read(8))
-        total += path.stat().st_size - 8 - header
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
     return total
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_size_args(parser, "nb-bench-generate", "3 repeats")  # bench_generate's folder: its art512
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
-    if args.tiny:
-        args.layers, args.repeats = 2, 3
-    return args
-
-
-def gemm_rate(repeats: int) -> tuple[float, float, Callable[[], object]]:
-    """Print each GEMM's rate per kernel; (FLOP of one layer's four GEMMs, the GFLOP/s they reach
-    when each repeats alone in its fastest kernel, a call running each once in that kernel): the
-    ceiling of a prefill layer's dense work."""
-    print(f"\nfp32 GEMM at the prefill layer's shapes, {TOKENS} tokens, GFLOP/s:")
+def gemm_rate(shape: Shape, dtype: torch.dtype, tokens: int, repeats: int, show: bool = True
+              ) -> tuple[float, float, Callable[[], object]]:
+    """(FLOP of one layer's four GEMMs at ``tokens`` rows, the GFLOP/s they reach when each repeats
+    alone in its fastest kernel, a call running each once in that kernel); each GEMM's rate per
+    kernel printed if ``show``. At 512 rows: the ceiling of a prefill layer's dense work."""
     layer_flop, best_ms = 0.0, 0.0
     per_kernel: dict[str, float] = {}
     fastest: list[Callable[[], Tensor]] = []
-    for name, (k, n) in layer_gemms().items():
-        flop = 2.0 * TOKENS * k * n
-        kernels = gemm_kernels(TOKENS, k, n)
+    for name, (k, n) in layer_gemms(shape).items():
+        flop = 2.0 * tokens * k * n
+        kernels = gemm_kernels(tokens, k, n, dtype)
         times = {kernel: median_ms(fn, repeats) for kernel, fn in kernels.items()}
         layer_flop, best_ms = layer_flop + flop, best_ms + min(times.values())
         fastest.append(kernels[min(times, key=times.__getitem__)])
         for kernel, ms in times.items():
             per_kernel[kernel] = per_kernel.get(kernel, 0.0) + ms
-        rates = ", ".join(f"{kernel} {flop / ms / 1e6:6.1f}" for kernel, ms in times.items())
-        print(f"  {name:8s}{TOKENS} x {k:4d} -> {n:4d}: {rates}")
-    rates = ", ".join(f"{kernel} {layer_flop / ms / 1e6:6.1f}" for kernel, ms in per_kernel.items())
+        if show:
+            rates = ", ".join(f"{kernel} {flop / ms / 1e6:6.1f}" for kernel, ms in times.items())
+            print(f"  {name:8s}{tokens} x {k:5d} -> {n:5d}: {rates}")
     rate = layer_flop / best_ms / 1e6
-    print(f"  a layer's four GEMMs ({layer_flop / 1e9:.2f} GFLOP): {rates}; fastest of each {rate:.1f}")
+    if show:
+        rates = ", ".join(f"{kernel} {layer_flop / ms / 1e6:6.1f}" for kernel, ms in per_kernel.items())
+        print(f"  a layer's four GEMMs ({layer_flop / 1e9:.2f} GFLOP): {rates}; fastest of each {rate:.1f}")
     return layer_flop, rate, lambda: [gemm() for gemm in fastest]
 
 
@@ -149,86 +148,142 @@ def alternating_ms(
     return out
 
 
-def memory_floor_ms(model: Path, layers: int, repeats: int) -> float:
-    """Print the bandwidths; the milliseconds the model's weights take to be read once."""
+def memory_floor_ms(model: Path, dtype: str, repeats: int) -> tuple[float, int]:
+    """Print the bandwidths; (the milliseconds the weights in ``dtype`` take to be read once, their
+    elements)."""
     copy_gbs, read_gbs = bandwidth_gbs(1 << 30, repeats)
-    weights = weight_bytes(model)
+    elements = weight_elements(model)
+    weights = elements * DTYPE_BYTES[dtype]
     floor = weights / read_gbs / 1e6
     print(f"\nmemory, a 1 GiB tensor: copy {copy_gbs:.1f} GB/s (read + written), "
           f"sum {read_gbs:.1f} GB/s (read)")
-    print(f"  weights, {layers} layers + LM head: {weights / 1e6:.0f} MB; a decode step's floor "
-          f"{floor:.1f} ms at the read rate")
-    return floor
+    print(f"  weights in {dtype}, every layer + LM head: {weights / 1e6:.0f} MB; read once in {floor:.1f} ms")
+    return floor, elements
 
 
-def mixed_step_ms(artifact: Path, repeats: int) -> dict[str, float]:
-    """The mixed-step rule's timings (ms) on one runtime: a chunk filling the budget beside
-    ``DECODE_BATCH`` decode rows in one call and in two (alternating, with their ratio per round),
-    and the rows alone in a decode graph and in the smallest packed bucket."""
+def decode_floors(
+    shape: Shape, layers: int, dtype: torch.dtype, rate: float, memory_ms: float, elements: int, repeats: int,
+) -> dict[int, float]:
+    """Print each decode batch's floors; max(memory floor, compute floor) per batch."""
+    untied = 0 if shape.fields.get("tie_word_embeddings") else 1  # an untied embedding is only gathered from
+    dense = elements - untied * shape.get("vocab_size") * shape.get("hidden_size")
+    floors = {}
+    for batch in DECODE_BATCHES:
+        compute_ms = 2.0 * batch * dense / rate / 1e6
+        floors[batch] = max(memory_ms, compute_ms)
+        alone = decode_gemms_ms(shape, layers, dtype, batch, repeats)
+        print(f"  decode batch {batch}: compute floor {compute_ms:.1f} ms ({2 * batch * dense / 1e9:.1f} "
+              f"GFLOP at {rate:.0f} GFLOP/s), memory floor {memory_ms:.1f} ms -> floor {floors[batch]:.1f} "
+              f"ms; the same GEMMs alone at {batch} rows {alone:.1f} ms")
+    return floors
+
+
+def decode_gemms_ms(shape: Shape, layers: int, dtype: torch.dtype, batch: int, repeats: int) -> float:
+    """Every layer's four GEMMs and the LM head at ``batch`` rows, each in its fastest kernel."""
+    _, _, gemms = gemm_rate(shape, dtype, batch, repeats, show=False)
+    x = torch.randn(batch, shape.get("hidden_size"), dtype=dtype)
+    w = torch.randn(shape.get("vocab_size"), shape.get("hidden_size"), dtype=dtype)
+    return median_ms(lambda: ([gemms() for _ in range(layers)], F.linear(x, w)), max(3, repeats // 2))
+
+
+def mixed_step_ms(artifact: Path, chunk_tokens: int, riders: int, repeats: int) -> dict[str, float]:
+    """The mixed-step rule's timings (ms) on one runtime: a ``chunk_tokens`` arrival beside
+    ``riders`` decode rows in one call and in two (alternating, with their ratio per round), and the
+    rows alone in a decode graph and in the smallest packed bucket."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-(DECODE_CONTEXT + 1) // runtime.block_size)
     rows = [Segment(i, [5], DECODE_CONTEXT, tuple(range(1 + i * per, 1 + (i + 1) * per)), 1)
-            for i in range(DECODE_BATCH)]  # fmt: skip
-    first = 1 + DECODE_BATCH * per
-    chunk = Segment(DECODE_BATCH, list(range(TOKEN_LOW, TOKEN_LOW + TOKENS - DECODE_BATCH)), 0,
-                    tuple(range(first, first + TOKENS // runtime.block_size)), 1)  # fmt: skip
+            for i in range(riders)]  # fmt: skip
+    first = 1 + riders * per
+    chunk = Segment(riders, list(range(TOKEN_LOW, TOKEN_LOW + chunk_tokens)), 0,
+                    tuple(range(first, first + -(-chunk_tokens // runtime.block_size))), 1)  # fmt: skip
     smallest = runtime.buckets.prefill[0]
     packed_rows = pad_prefill(
         rows, smallest,
         runtime.block_size, runtime.buckets.samples(smallest),
     )
+    calls = [c.bucket.name for c in runtime.buckets.calls((chunk, *rows))]
     rounds = alternating_ms(
         lambda: runtime.run_plan((chunk, *rows)),
         lambda: (runtime.run_plan((chunk,)), runtime.run_plan(tuple(rows))),
         repeats,
     )
     return {
-        "mixed, one packed call": statistics.median(one for one, _ in rounds),
-        "mixed, packed + decode call": statistics.median(two for _, two in rounds),
-        "one call / two calls, per round": statistics.median(one / two for one, two in rounds),
+        f"riding, one step ({' + '.join(calls)})": statistics.median(one for one, _ in rounds),
+        "chunk's call + decode call": statistics.median(two for _, two in rounds),
+        "one step / two calls, per round": statistics.median(one / two for one, two in rounds),
+        "chunk's call alone": median_ms(lambda: runtime.run_plan((chunk,)), repeats),
         "decode rows, decode graph": median_ms(lambda: runtime.run_plan(tuple(rows)), repeats),
-        f"decode rows, packed {smallest.name}": median_ms(
-            lambda: runtime.run(smallest, packed_rows), repeats
-        ),
+        f"decode rows, packed {smallest.name}": median_ms(lambda: runtime.run(smallest, packed_rows),
+                                                          repeats),
     }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_size_args(parser, "nb-bench-matrix", "3 repeats")  # bench_matrix's folder: its artifacts
+    parser.set_defaults(layers=None)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPE_BYTES), default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--chunk", type=int, default=300,
+                        help="tokens of the arriving prompt in the mixed step")
+    parser.add_argument("--riders", type=int, default=4, help="decode rows riding beside it")
+    args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.repeats = 2, 3
+    args.work.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def roofline(args: argparse.Namespace, key: str, dtype_name: str) -> None:
+    """Every figure of one shape in one dtype."""
+    shape, dtype = SHAPES[key], getattr(torch, dtype_name)
+    layers = args.layers or shape.num_layers
+    print(f"\n== {shape.name} shape, {layers} layers, {dtype_name}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; medians of {args.repeats} runs")
+    print(f"{dtype_name} GEMM at the prefill layer's shapes, {TOKENS} tokens, GFLOP/s:")
+    layer_flop, rate, layer_gemm = gemm_rate(shape, dtype, TOKENS, args.repeats)
+    model, artifact = matrix_artifact(args.models, args.work, key, layers, dtype_name)
+    memory_ms, elements = memory_floor_ms(model, dtype_name, max(3, args.repeats // 2))
+    floors = decode_floors(shape, layers, dtype, rate, memory_ms, elements, args.repeats)
+
+    halves = Workload("prefill512", [list(range(TOKEN_LOW, TOKEN_LOW + TOKENS // 2))] * 2, 1)
+    prefill, bucket = prefill_call(artifact, halves)
+    rounds = alternating_ms(prefill, lambda: [layer_gemm() for _ in range(layers)], args.repeats)
+    prefill_ms = statistics.median(nb for nb, _ in rounds)
+    shares = sorted(gemm / nb for nb, gemm in rounds)  # the GEMMs alone / the call: its GEMM-rate share
+    dense = layers * layer_flop
+    print(f"\nnb, BucketRuntime on {artifact.name}:")
+    nb_rate = dense / prefill_ms / 1e6
+    print(f"  prefill {TOKENS} tokens ({bucket}): {prefill_ms:.0f} ms, {dense / 1e9:.1f} GFLOP dense, "
+          f"{nb_rate:.1f} GFLOP/s = {statistics.median(shares):.2f} of the GEMM rate (median of "
+          f"{len(shares)} rounds, each the call and {layers} layers of the four GEMMs back to back; "
+          f"range {shares[0]:.2f}-{shares[-1]:.2f}; target: at least 0.90); {nb_rate / rate:.2f} of "
+          f"the rate each GEMM reaches repeating alone, above")
+    decode = {b: decode_step_ms(artifact, DECODE_CONTEXT, args.repeats, batch=b) for b in DECODE_BATCHES}
+    for batch, ms in decode.items():
+        print(f"  decode batch {batch} at context {DECODE_CONTEXT}: {ms:.1f} ms = {ms / floors[batch]:.2f}x "
+              f"max(memory floor, compute floor) ({floors[batch]:.1f} ms; target: at most 1.5x at batch 8)")
+    small, large = DECODE_BATCHES
+    print(f"  decode batch {large} / batch {small}: {decode[large] / decode[small]:.2f} "
+          "(target: at most 1.2)")
+    mixed = mixed_step_ms(artifact, args.chunk, args.riders, args.repeats)
+    print(f"\nmixed steps ({args.chunk}-token arrival, {args.riders} decode rows at context "
+          f"{DECODE_CONTEXT}):")
+    ratio = mixed.pop("one step / two calls, per round")
+    for label, ms in mixed.items():
+        print(f"  {label:40s} {ms:8.1f} ms")
+    print(f"  riding / two calls: {ratio:.2f} (median of {args.repeats} rounds, the two back to back; "
+          "target: at most 1.00)")
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    print(f"SmolLM2-135M shape, {args.layers} layers, float32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; medians of {args.repeats} runs")
-    layer_flop, rate, layer_gemm = gemm_rate(args.repeats)
-    model = build_smollm(args.models / f"smollm2-{args.layers}layers", num_layers=args.layers)
-    floor_ms = memory_floor_ms(model, args.layers, max(3, args.repeats // 2))
-
-    args.work.mkdir(parents=True, exist_ok=True)
-    name = "art512" if args.layers == 30 else f"art512-{args.layers}layers"  # bench_generate's for 30
-    artifact = compile_artifact(args.work, name, model=model.as_posix(), num_blocks=600, max_model_len=512,
-                                num_seqs="[1, 8, 16]", prefill="[64, 256, 512]", prefill_max=512)
-    halves = Workload("prefill512", [list(range(TOKEN_LOW, TOKEN_LOW + TOKENS // 2))] * 2, 1)
-    prefill, bucket = prefill_call(artifact, halves)
-    rounds = alternating_ms(prefill, lambda: [layer_gemm() for _ in range(args.layers)], args.repeats)
-    prefill_ms = statistics.median(nb for nb, _ in rounds)
-    shares = sorted(gemm / nb for nb, gemm in rounds)  # the GEMMs alone / the call: its GEMM-rate share
-    decode_ms = decode_step_ms(artifact, DECODE_CONTEXT, args.repeats)
-    dense = args.layers * layer_flop
-    print(f"\nnb, BucketRuntime on {artifact.name}:")
-    nb_rate = dense / prefill_ms / 1e6
-    print(f"  prefill {TOKENS} tokens ({bucket}): {prefill_ms:.0f} ms, {dense / 1e9:.1f} GFLOP dense, "
-          f"{nb_rate:.1f} GFLOP/s = {statistics.median(shares):.2f} of the GEMM rate (median of "
-          f"{len(shares)} rounds, each the call and {args.layers} layers of the four GEMMs back to back; "
-          f"range {shares[0]:.2f}-{shares[-1]:.2f}; target: at least 0.90); {nb_rate / rate:.2f} of "
-          f"the rate each GEMM reaches repeating alone, above")
-    print(f"  decode batch {DECODE_BATCH} at context {DECODE_CONTEXT}: {decode_ms:.1f} ms = "
-          f"{decode_ms / floor_ms:.1f}x the memory floor ({floor_ms:.1f} ms)")
-    mixed = mixed_step_ms(artifact, args.repeats)
-    print(f"\nmixed steps ({TOKENS - DECODE_BATCH}-token chunk, {DECODE_BATCH} decode rows at context "
-          f"{DECODE_CONTEXT}):")
-    ratio = mixed.pop("one call / two calls, per round")
-    for label, ms in mixed.items():
-        print(f"  {label:34s} {ms:8.1f} ms")
-    print(f"  one call / two calls: {ratio:.2f} (median of {args.repeats} rounds, the two back to back)")
+    for key in args.shapes:
+        for dtype in args.dtypes:
+            roofline(args, key, dtype)
 
 
 if __name__ == "__main__":

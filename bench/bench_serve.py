@@ -70,12 +70,23 @@ class Load:
 
 def client_args(load: Load, port: int, model: Path) -> list[str]:
     """``vllm bench serve`` arguments for one load against the server on ``port``."""
+    return load_args(port, model, SERVED, WORKLOADS[load.workload], load.num_prompts, load.concurrency,
+                     warmups=load.concurrency)
+
+
+def load_args(
+    port: int, model: Path, served: str, dataset: tuple[str, ...], num_prompts: int, concurrency: int,
+    warmups: int, seed: int = 0,
+) -> list[str]:
+    """``vllm bench serve`` arguments: ``num_prompts`` of ``dataset`` (its flags) from ``seed``, in a
+    closed loop of ``concurrency`` streams after ``warmups`` requests of the first prompt, against
+    the server on ``port`` that serves ``model`` as ``served``; greedy, every output its full length."""
     return [
         "--backend", "openai", "--host", "127.0.0.1", "--port", str(port), "--endpoint", "/v1/completions",
-        "--model", str(model), "--tokenizer", str(model), "--served-model-name", SERVED,
-        *WORKLOADS[load.workload], "--num-prompts", str(load.num_prompts),
-        "--max-concurrency", str(load.concurrency), "--num-warmups", str(load.concurrency),
-        "--temperature", "0", "--ignore-eos", "--seed", "0", "--disable-tqdm",
+        "--model", str(model), "--tokenizer", str(model), "--served-model-name", served,
+        *dataset, "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--num-warmups", str(warmups),
+        "--temperature", "0", "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
     ]
 

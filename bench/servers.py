@@ -43,15 +43,22 @@ def nb_serve_command(artifact: Path, port: int, served_name: str | None = None) 
     return cmd + (["--served-model-name", served_name] if served_name else [])
 
 
-def vllm_serve_command(python: Path, model: Path, port: int, *extra: str) -> list[str]:
-    """vLLM's OpenAI server on ``model`` in float32 with max_model_len 512, plus ``extra`` flags."""
+FLOAT32_512 = ("--dtype", "float32", "--max-model-len", "512")
+
+
+def vllm_serve_command(
+    python: Path, model: Path, port: int, *extra: str, limits: tuple[str, ...] = FLOAT32_512
+) -> list[str]:
+    """vLLM's OpenAI server on ``model`` under ``limits`` (float32, max_model_len 512), plus ``extra``."""
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0", *extra]
+            "--port", str(port), *limits, "--seed", "0", *extra]
 
 
-def vllm_env() -> dict[str, str]:
-    """This environment for vLLM's virtualenv: its CPU settings, and none of this project's path."""
-    return {**VLLM_ENV, **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}}
+def vllm_env(**settings: str) -> dict[str, str]:
+    """This environment for vLLM's virtualenv: its CPU settings (``settings`` over ``VLLM_ENV``, and
+    both over this environment's), and none of this project's path."""
+    own = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**VLLM_ENV, **own, **settings}
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 1800) -> None:

@@ -1,0 +1,275 @@
+"""Serving over a matrix of real model shapes, dtypes, workloads and loads: ``nb serve`` against
+vLLM CPU's OpenAI server, both driven by vLLM's own load generator, written to ``bench/RESULTS.md``.
+
+Cells are (shape, dtype, workload, concurrency):
+- shapes (``real_models.SHAPES``), random-weight checkpoints of real configs built by transformers'
+  config classes and ``save_pretrained`` (never downloaded), stored in bfloat16 as the real ones
+  ship, with ``word_tokenizer``: ``smollm2-135m``, ``llama-3.2-1b``, ``qwen3-1.7b``;
+- dtypes: ``float32`` and ``bfloat16``, the dtype both servers compute and cache in;
+- workloads (``WORKLOADS``): ``independent`` prompts, a ``shared-prefix``, ``long-output``;
+- concurrency 4 in every cell, and 1 and 8 too at ``llama-3.2-1b`` in ``bfloat16``.
+``--shapes``, ``--dtypes``, ``--workloads``, ``--concurrency`` and ``--num-prompts`` select a subset.
+
+Fair conditions, the same for both servers and written beside the results:
+- the same limits (``serve_limits.ServeLimits``: max_model_len 1024, max_num_seqs 8, a 512-token step
+  budget); nb compiles its default bucket grid for them (``--nb-buckets`` adds ``[buckets]`` lines);
+- the same KV capacity: vLLM gets ``VLLM_CPU_KVCACHE_SPACE`` GiB, nb ``num_blocks`` blocks whose bytes
+  (num_blocks x block_size x bytes per token) are at most that;
+- prefix caching on in both (their default); greedy, every request generating its full output
+  (ignore_eos);
+- a warm-up before each measured run, on prompts that are not measured: a client run of
+  ``concurrency`` requests of the same workload from another seed, 16 tokens out; the measured run
+  has no warm-up of its own (vLLM's repeats its first measured prompt, which a prefix cache would
+  then hold).
+vLLM keeps its CPU defaults otherwise (one core for its engine process, the others for the model).
+
+Each (shape, dtype) compiles one nb artifact and starts each server once for its cells; its rows go
+into ``bench/RESULTS.md`` as soon as both servers have run, replacing the rows of the same cells and
+keeping the others (``results_table.py``). Every client result is kept under ``WORK``. ``--tiny``
+runs 2-layer twins with few prompts to check the harness; its figures mean nothing, so it writes
+its rows to ``WORK/RESULTS.md`` instead. The machine's load average at each cell's start is in its
+row: run it on an idle machine.
+
+    python bench/bench_matrix.py --vllm-python VENV/bin/python [--shapes llama-3.2-1b --dtypes bfloat16
+        --workloads independent --concurrency 4 --num-prompts 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_generate import compile_config  # noqa: E402
+from bench_serve import load_args, run_client  # noqa: E402
+from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
+from results_table import ResultsTable  # noqa: E402
+from serve_limits import ServeLimits  # noqa: E402
+from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
+
+HERE = Path(__file__).parent
+REPO = HERE.parent
+DTYPES = ("float32", "bfloat16")
+WARMUP_OUTPUT = 16
+EXTRA_LOADS = ("llama-3.2-1b", "bfloat16", (1, 8))  # where concurrency 1 and 8 run beside 4
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")  # what decides the kernels
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    """A load generator dataset: random prompts of about ``input_len`` tokens, or (``prefix_len``)
+    two random prefixes each shared by half the prompts plus ``input_len`` tokens of their own."""
+
+    about: str
+    input_len: int
+    output_len: int
+    prefix_len: int = 0
+
+    def dataset(self, output_len: int | None = None) -> tuple[str, ...]:
+        """``vllm bench serve``'s dataset flags, with ``output_len`` tokens out (default: its own)."""
+        out = str(output_len or self.output_len)
+        if self.prefix_len:
+            return ("--dataset-name", "prefix_repetition",
+                    "--prefix-repetition-prefix-len", str(self.prefix_len),
+                    "--prefix-repetition-suffix-len", str(self.input_len),
+                    "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", out)
+        return ("--dataset-name", "random", "--random-input-len", str(self.input_len),
+                "--random-output-len", out, "--random-range-ratio", '{"input": 0.25, "output": 0}')
+
+
+WORKLOADS = {
+    "independent": ServeWorkload("prompts of 225-375 tokens, 100 out", 300, 100),
+    "shared-prefix": ServeWorkload("two 256-token prefixes, each shared by half the prompts, + 64 own "
+                                   "tokens; 64 out", 64, 64, prefix_len=256),
+    "long-output": ServeWorkload("prompts of 96-160 tokens, 512 out", 128, 512),
+}
+
+TABLE = ResultsTable(
+    heading="Serving: nb against vLLM CPU (bench_matrix.py)",
+    about="""
+`bench/bench_matrix.py`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu 0.32.0), one after the
+other on the same machine, each driven by vLLM's load generator (`vllm bench serve`, closed loop of
+`conc` streams, greedy, full-length outputs). Both run under the same limits (max_model_len 1024,
+max_num_seqs 8, max_num_batched_tokens 512), the same KV capacity (column KV: vLLM's
+`VLLM_CPU_KVCACHE_SPACE` = nb's num_blocks x block_size x bytes per token, at most), prefix caching
+on, and warm up on prompts that are not measured. nb runs its default bucket grid for those limits.
+Ratios are nb / vLLM: above 1 is better for tok/s, below 1 for TTFT and TPOT. Workloads:
+""" + "".join(f"\n- `{name}`: {wl.about}" for name, wl in WORKLOADS.items()),
+    columns=("shape", "dtype", "workload", "conc", "prompts", "out tok/s nb / vLLM", "tok/s nb/vLLM",
+             "TTFT p50 s nb / vLLM", "TTFT nb/vLLM", "TPOT p50 ms nb / vLLM", "TPOT nb/vLLM", "KV",
+             "date (UTC)", "CPU", "nb commit", "load avg", "note"),
+    key=4,
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    shape: str
+    dtype: str
+    workload: str
+    concurrency: int
+
+
+def cpu_description() -> str:
+    """The CPU model, its cores, and the flags that decide which kernels run."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines() if ":" in ln)}
+    model, flags = fields.get("model name", "unknown CPU"), set(fields.get("flags", "").split())
+    return f"{model}, {os.cpu_count()} cores, " + " ".join(f for f in CPU_FLAGS if f in flags)
+
+
+def commit() -> str:
+    """This checkout's commit, ``+changes`` if tracked files differ from it."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "-uno"], capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def cells(args: argparse.Namespace) -> list[Cell]:
+    """The selected cells, each (shape, dtype) together."""
+    out = []
+    for shape in args.shapes:
+        for dtype in args.dtypes:
+            loads = args.concurrency or ((4, *EXTRA_LOADS[2]) if (shape, dtype) == EXTRA_LOADS[:2] else (4,))
+            out += [Cell(shape, dtype, w, c) for w in args.workloads for c in sorted(loads)]
+    return out
+
+
+def matrix_artifact(
+    models: Path, work: Path, shape: str, layers: int | None, dtype: str, buckets: str = ""
+) -> tuple[Path, Path]:
+    """(the checkpoint, nb's artifact) of one (shape, dtype), built or compiled if absent."""
+    layers = layers or SHAPES[shape].num_layers
+    name = f"{shape}-{layers}layers"
+    model = build_checkpoint(models / f"{name}-bfloat16", SHAPES[shape], layers, dtype="bfloat16",
+                             tokenizer=True)
+    text = ServeLimits().nb_config(model, SHAPES[shape], dtype, buckets)
+    grid = f"-{hashlib.sha256(buckets.encode()).hexdigest()[:8]}" if buckets else ""  # a grid of its own
+    return model, compile_config(work, f"{name}-{dtype}{grid}", text)
+
+
+def num_prompts(args: argparse.Namespace, cell: Cell) -> int:
+    return args.num_prompts or max(8, 2 * cell.concurrency)
+
+
+def run_cells(
+    args: argparse.Namespace, server: str, cmd: list[str], env: dict[str, str], port: int, model: Path,
+    group: list[Cell],
+) -> dict[Cell, dict]:
+    """One server, started once, under every cell of one (shape, dtype): warm-up, then measured run."""
+    results, started = {}, time.perf_counter()
+    name = f"{server}-{model.name}-{group[0].dtype}"
+    with serving(cmd, env, port, args.work / f"{name}-serve.log"):
+        print(f"  {server}: healthy after {time.perf_counter() - started:.0f} s", flush=True)
+        for cell in group:
+            wl, tag = WORKLOADS[cell.workload], f"{name}-{cell.workload}-c{cell.concurrency}"
+            warm = load_args(port, model, cell.shape, wl.dataset(WARMUP_OUTPUT), cell.concurrency,
+                             cell.concurrency, warmups=0, seed=1)
+            run_client(args.vllm_python, warm, args.work / f"{tag}-warmup.json",
+                       args.work / f"{tag}-warmup.log")
+            load = os.getloadavg()[0]
+            measured = load_args(port, model, cell.shape, wl.dataset(), num_prompts(args, cell),
+                                 cell.concurrency, warmups=0, seed=0)
+            r = run_client(args.vllm_python, measured, args.work / f"{tag}.json", args.work / f"{tag}.log")
+            results[cell] = {**r, "load_avg": load}
+            print(f"  {server:5s} {cell.workload} c{cell.concurrency}: {r['output_throughput']:.1f} tok/s, "
+                  f"TTFT p50 {r['median_ttft_ms'] / 1e3:.2f} s, TPOT p50 {r['median_tpot_ms']:.0f} ms "
+                  f"({r['completed']} requests in {r['duration']:.0f} s)", flush=True)
+    return results
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def row(args: argparse.Namespace, cell: Cell, nb: dict, vllm: dict) -> list[str]:
+    tok = (nb["output_throughput"], vllm["output_throughput"])
+    ttft = (nb["median_ttft_ms"] / 1e3, vllm["median_ttft_ms"] / 1e3)
+    tpot = (nb["median_tpot_ms"], vllm["median_tpot_ms"])
+    load = f"{nb['load_avg']:.1f} / {vllm['load_avg']:.1f}"
+    return [
+        SHAPES[cell.shape].name, cell.dtype, cell.workload, str(cell.concurrency),
+        str(num_prompts(args, cell)),
+        f"{tok[0]:.1f} / {tok[1]:.1f}", ratio(*tok), f"{ttft[0]:.2f} / {ttft[1]:.2f}", ratio(*ttft),
+        f"{tpot[0]:.0f} / {tpot[1]:.0f}", ratio(*tpot), args.limits.kv_cell(SHAPES[cell.shape], cell.dtype),
+        datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), args.cpu, args.commit, load, args.note,
+    ]
+
+
+def run_group(args: argparse.Namespace, group: list[Cell]) -> None:
+    """Both servers under one (shape, dtype)'s cells; their rows into the results file."""
+    shape, dtype = group[0].shape, group[0].dtype
+    model, artifact = matrix_artifact(args.models, args.work, shape, args.layers, dtype, args.nb_buckets)
+    print(f"{SHAPES[shape].name}, {model.name}, {dtype}: {len(group)} cells; "
+          f"KV {args.limits.kv_cell(SHAPES[shape], dtype)}", flush=True)
+    results: dict[str, dict[Cell, dict]] = {}
+    for server in args.servers:
+        port = free_port()
+        if server == "nb":
+            cmd, env = nb_serve_command(artifact, port, shape), dict(os.environ)
+        else:
+            limits = tuple(args.limits.vllm_args(dtype))
+            cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", shape,
+                                     limits=limits)
+            env = vllm_env(**args.limits.vllm_env())
+        results[server] = run_cells(args, server, cmd, env, port, model, group)
+    by_server = {s: {f"{c.workload}-c{c.concurrency}": r for c, r in res.items()}
+                 for s, res in results.items()}
+    (args.work / f"{model.name}-{dtype}.json").write_text(json.dumps(by_server, default=str))
+    if len(results) == 2:
+        TABLE.merge(args.results, [row(args, c, results["nb"][c], results["vLLM"][c]) for c in group])
+        print(f"  rows written to {args.results}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                   help="python of the vLLM CPU virtualenv (default: $VLLM_PYTHON)")
+    add_size_args(p, "nb-bench-matrix", "4 prompts a cell")
+    p.set_defaults(layers=None)
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--concurrency", nargs="+", type=int,
+                   help="every selected cell at these (default: 4, and 1 and 8 at llama-3.2-1b bfloat16)")
+    p.add_argument("--num-prompts", type=int,
+                   help="measured prompts per cell (default: 2 per stream, at least 8)")
+    p.add_argument("--servers", nargs="+", choices=["nb", "vLLM"], default=["nb", "vLLM"],
+                   help="rows are written only when both run")
+    p.add_argument("--nb-buckets", default="",
+                   help='extra [buckets] lines for nb, e.g. "num_seqs_buckets = [4, 8]"')
+    p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--note", default="",
+                   help="a note for every row this run writes (say if the machine is busy)")
+    args = p.parse_args()
+    if args.vllm_python is None:
+        p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
+                  "its load generator drives both servers\n")
+    if args.tiny:
+        args.layers, args.num_prompts = 2, args.num_prompts or 4
+        args.results = args.work / "RESULTS.md"
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.limits, args.cpu, args.commit = ServeLimits(), cpu_description(), commit()
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    print(f"{args.cpu}; nb {args.commit}; {args.limits.describe()}", flush=True)
+    todo = cells(args)
+    for key in dict.fromkeys((c.shape, c.dtype) for c in todo):
+        run_group(args, [c for c in todo if (c.shape, c.dtype) == key])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Where an arriving request's time to first token goes, under a closed loop of streams.
+
+``nb serve``'s engine loop in miniature, in one process, on ``bench_matrix.py``'s artifact for a
+shape and dtype (default Llama-3.2-1B in bfloat16): ``--concurrency`` streams, each sending its
+next request when its last one ends, as vLLM's load generator does. The server starts its next
+step at once when a step ends, before a client's next request can reach it, so a request that
+arrives as a step ends joins the engine one step later: that is how arrivals are played here. Each
+graph call is timed (``BucketRuntime._run_call`` wrapped) with the plan segments it computes.
+
+A measured request's TTFT (arrival to the end of the step that samples its first token) is cut into:
+- **running step**: the step that was already running when it arrived, split by whether it ran a
+  prompt's call (another arrival's prefill) or decode rows only;
+- **queued, budget**: later steps without its prompt whose chunks and rows filled the step budget or
+  its rows (other prompts went first);
+- **queued, prefix wait**: later steps without its prompt that had room for it: it was passed over
+  (its prefix being computed by another request) or its blocks were short;
+- **own steps**: the steps that computed its prompt's chunks, split into the prefill call that held
+  the chunk (with decode rows riding in it or not), other calls in those steps (a decode call of
+  the rows that did not ride, a second wave), and the rest of the step (sampling, scheduling);
+- gaps between steps.
+Also printed: prefill calls by how many decode rows rode in them (their mean time), chunks per
+prompt, and other prompts packed beside it. Workloads: ``independent`` (random prompts of 225-375
+tokens) and ``shared-prefix`` (two 256-token prefixes + 64 own tokens), ``--output-len`` new
+tokens each, random token ids. The first ``--warmup`` requests are not measured.
+
+    python bench/profile_ttft.py [--shape llama-3.2-1b --dtype bfloat16 --concurrency 4 --requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_matrix import matrix_artifact  # noqa: E402
+from real_models import SHAPES, add_size_args  # noqa: E402
+from serve_limits import DTYPE_BYTES  # noqa: E402
+from workloads import TOKEN_LOW  # noqa: E402
+
+from neuron_buckets import LLMEngine, SamplingParams  # noqa: E402
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
+
+PARTS = ("running step, a prompt's call", "running step, decode only", "queued, budget",
+         "queued, prefix wait", "own: prefill call, riders in it", "own: prefill call, no riders",
+         "own: other calls", "own: rest of step", "gaps between steps")
+
+
+@dataclass
+class StepRecord:
+    """One engine step: its wall time, its plan's segments and each graph call's time and parts."""
+
+    start: float
+    end: float = 0.0
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (request, tokens, context)
+    calls: list[tuple[str, float, list[int]]] = field(default_factory=list)  # (kind, seconds, segments)
+
+
+@dataclass
+class Tracked:
+    prompt_len: int
+    arrival: float  # when its stream sent it
+    added: float  # when the engine took it: between two steps
+    first_token: float = 0.0
+
+
+def prompts(workload: str, n: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of random token ids: independent 225-375 tokens, or shared-prefix."""
+    rng = random.Random(seed)
+    high = min(vocab, 49000)
+    if workload == "independent":
+        return [[rng.randrange(TOKEN_LOW, high) for _ in range(rng.randint(225, 375))] for _ in range(n)]
+    prefixes = [[rng.randrange(TOKEN_LOW, high) for _ in range(256)] for _ in range(2)]
+    return [prefixes[i % 2] + [rng.randrange(TOKEN_LOW, high) for _ in range(64)] for i in range(n)]
+
+
+def instrument(runtime: BucketRuntime, steps: list[StepRecord]) -> None:
+    """Time every graph call into the step being recorded (the last of ``steps``)."""
+    run_call, run_plan = runtime._run_call, runtime.run_plan
+
+    def timed_plan(plan):
+        steps[-1].segments = [(s.request_id, len(s.token_ids), s.context_len) for s in plan]
+        return run_plan(plan)
+
+    def timed_call(plan, call):
+        start = time.perf_counter()
+        out = run_call(plan, call)
+        steps[-1].calls.append((call.bucket.kind, time.perf_counter() - start,
+                                [p.segment for p in call.parts]))
+        return out
+
+    runtime.run_plan, runtime._run_call = timed_plan, timed_call
+
+
+def drive(engine: LLMEngine, work: list[list[int]], concurrency: int, output_len: int
+          ) -> tuple[dict[int, Tracked], list[StepRecord]]:
+    """Play the closed loop; every request's arrival and first token, and every step."""
+    steps: list[StepRecord] = []
+    instrument(engine.runtime, steps)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    tracked: dict[int, Tracked] = {}
+    queue = list(reversed(work))
+
+    def add(arrival: float, prompt: list[int]) -> None:
+        tracked[engine.add_request(prompt, params)] = Tracked(len(prompt), arrival, time.perf_counter())
+
+    arrived = [(time.perf_counter(), queue.pop()) for _ in range(min(concurrency, len(work)))]
+    while engine.has_unfinished or arrived:
+        if not engine.has_unfinished:  # an idle engine takes them at once
+            for arrival, prompt in arrived:
+                add(arrival, prompt)
+            arrived = []
+        steps.append(StepRecord(time.perf_counter()))
+        outputs = engine.step()
+        steps[-1].end = now = time.perf_counter()
+        for arrival, prompt in arrived:  # they reached the server while this step ran
+            add(arrival, prompt)
+        arrived = []
+        for out in outputs:
+            t = tracked[out.request_id]
+            if not t.first_token and out.token_ids:
+                t.first_token = now
+            if out.finished and queue:  # its stream sends the next request now
+                arrived.append((now, queue.pop()))
+    return tracked, steps
+
+
+def decode_rows(step: StepRecord, segments: list[int], tracked: dict[int, Tracked]) -> list[int]:
+    """Which of ``segments`` are decode rows: their request's context is already past its prompt."""
+    return [i for i in segments if step.segments[i][2] >= tracked[step.segments[i][0]].prompt_len]
+
+
+def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], budget: int, max_rows: int
+              ) -> tuple[dict[str, float], dict[str, int]]:
+    """One request's TTFT cut into ``PARTS`` (seconds), and counts: its chunks, riders and neighbours."""
+    t = tracked[rid]
+    parts = dict.fromkeys(PARTS, 0.0)
+    counts = {"chunks": 0, "riders": 0, "other prompts packed": 0}
+    last_end = t.arrival
+    for step in (s for s in steps if s.end > t.arrival and s.start < t.first_token):
+        parts["gaps between steps"] += max(0.0, step.start - last_end)
+        last_end = step.end
+        mine = [i for i, (r, _, ctx) in enumerate(step.segments) if r == rid and ctx < t.prompt_len]
+        seconds = step.end - max(step.start, t.arrival)
+        if step.start < t.added:
+            prompt = any(kind == "prefill" for kind, _, _ in step.calls)
+            parts["running step, a prompt's call" if prompt else "running step, decode only"] += seconds
+        elif not mine:
+            tokens = sum(n for _, n, _ in step.segments)
+            full = tokens >= budget or len(step.segments) >= max_rows
+            parts["queued, budget" if full else "queued, prefix wait"] += seconds
+        else:
+            counts["chunks"] += len(mine)
+            in_calls = 0.0
+            for kind, sec, segs in step.calls:
+                in_calls += sec
+                if kind == "prefill" and set(segs) & set(mine):
+                    riders = decode_rows(step, segs, tracked)
+                    counts["riders"] += len(riders)
+                    counts["other prompts packed"] += len(segs) - len(riders) - len(set(segs) & set(mine))
+                    ride = "riders in it" if riders else "no riders"
+                    parts[f"own: prefill call, {ride}"] += sec
+                else:
+                    parts["own: other calls"] += sec
+            parts["own: rest of step"] += (step.end - step.start) - in_calls
+    parts["gaps between steps"] += max(0.0, t.first_token - last_end)
+    return parts, counts
+
+
+def main() -> None:
+    args = parse_args()
+    model, artifact = matrix_artifact(args.models, args.work, args.shape, args.layers, args.dtype)
+    engine = LLMEngine(BucketRuntime.open(artifact, preload=True))
+    vocab = SHAPES[args.shape].get("vocab_size")
+    work = prompts(args.workload, args.warmup + args.requests, vocab, args.seed)
+    start = time.perf_counter()
+    tracked, steps = drive(engine, work, args.concurrency, args.output_len)
+    wall = time.perf_counter() - start
+    budget, max_rows = engine.runtime.buckets.token_budget, engine.runtime.buckets.max_rows
+    report(args, tracked, steps, budget, max_rows, wall)
+
+
+def report(args: argparse.Namespace, tracked: dict[int, Tracked], steps: list[StepRecord], budget: int,
+           max_rows: int, wall: float) -> None:
+    """Print the TTFT breakdown over the measured requests, and the calls by riders and rows."""
+    measured = sorted(tracked)[args.warmup:]
+    rows = [breakdown(rid, tracked, steps, budget, max_rows) for rid in measured]
+    ttft = [tracked[r].first_token - tracked[r].arrival for r in measured]
+    print(f"{SHAPES[args.shape].name}, {args.dtype}, {args.workload}, concurrency {args.concurrency}, "
+          f"{args.output_len} out; {len(measured)} requests measured after {args.warmup}; {len(steps)} steps "
+          f"in {wall:.0f} s; step budget {budget} tokens, {max_rows} rows")
+    print(f"TTFT: mean {statistics.mean(ttft):.2f} s, p50 {statistics.median(ttft):.2f} s, "
+          f"max {max(ttft):.2f} s")
+    print(f"\n{'where the TTFT goes':36s}{'mean s':>8s}{'share':>8s}")
+    total = statistics.mean(ttft)
+    for part in PARTS:
+        mean = statistics.mean(p[part] for p, _ in rows)
+        print(f"  {part:34s}{mean:8.2f}{mean / total:8.0%}")
+    for key in rows[0][1]:
+        print(f"  per request, {key}: mean {statistics.mean(c[key] for _, c in rows):.1f}")
+    groups: dict[tuple[str, int], list[float]] = defaultdict(list)  # (kind, decode rows in it) -> seconds
+    for step in steps:
+        for kind, sec, segs in step.calls:
+            groups[kind, len(decode_rows(step, segs, tracked))].append(sec)
+    print("\ngraph calls by kind and the decode rows in them (riders, in a prefill call):")
+    for (kind, n), secs in sorted(groups.items()):
+        print(f"  {kind:8s}{n} rows: {len(secs):4d} calls, mean {statistics.mean(secs) * 1e3:7.0f} ms")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_size_args(p, "nb-bench-matrix", "few requests")
+    p.set_defaults(layers=None)
+    p.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--workload", choices=["independent", "shared-prefix"], default="independent")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests", type=int, default=16, help="measured requests")
+    p.add_argument("--warmup", type=int, default=4, help="requests before them, not measured")
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.tiny:
+        args.layers, args.requests, args.warmup, args.output_len = 2, 6, 2, 8
+    args.work.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""One markdown table of ``bench/RESULTS.md``, merged row by row so that a run of some cells keeps
+the others.
+
+The file is sections under ``## `` headings. A table's section is its heading, a paragraph that
+says what the rows are, and the table; a row is named by its first ``key`` cells (a matrix cell:
+shape, dtype, workload, concurrency), and a new row replaces the old row of the same name in
+place. Sections that are not this table's (notes written by hand) are kept as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER = """# Benchmark results
+
+Written by the benches under `bench/` (each table says which); a run replaces the rows of the
+cells it ran and keeps the others, so rows may come from different days, machines and commits:
+each row says its own. Every figure is one run on the machine named in its row.
+"""
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _sections(text: str) -> list[str]:
+    """The file's text split before each ``## `` heading (the first part is the header)."""
+    parts, current = [], []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## ") and current:
+            parts.append("".join(current))
+            current = []
+        current.append(line)
+    parts.append("".join(current))
+    return parts
+
+
+@dataclass(frozen=True)
+class ResultsTable:
+    """A table's heading, its paragraph, its columns, and how many leading columns name a row."""
+
+    heading: str
+    about: str
+    columns: tuple[str, ...]
+    key: int
+
+    def rows(self, path: Path) -> list[list[str]]:
+        """The rows the file holds now (none if the file or the table is absent)."""
+        for section in _sections(path.read_text()) if path.is_file() else []:
+            if section.startswith(f"## {self.heading}\n"):
+                lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+                return [_cells(ln) for ln in lines[2:]]
+        return []
+
+    def merge(self, path: Path, new: list[list[str]]) -> None:
+        """Write ``new`` rows into the file: a row of an existing name replaces it, others append."""
+        for row in new:
+            if len(row) != len(self.columns):
+                raise ValueError(f"a row of {self.heading!r} has {len(row)} cells, not {len(self.columns)}")
+        rows = self.rows(path)
+        names = [r[: self.key] for r in rows]
+        for row in new:
+            if row[: self.key] in names:
+                rows[names.index(row[: self.key])] = row
+            else:
+                rows.append(row)
+                names.append(row[: self.key])
+        sections = _sections(path.read_text()) if path.is_file() else [HEADER]
+        mine = self.render(rows)
+        at = [i for i, s in enumerate(sections) if s.startswith(f"## {self.heading}\n")]
+        if at:
+            sections[at[0]] = mine
+        else:
+            sections.insert(1, mine)  # newest table first, before any notes
+        text = "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for s in sections)
+        path.write_text(text.rstrip("\n") + "\n")
+
+    def render(self, rows: list[list[str]]) -> str:
+        lines = [f"## {self.heading}", "", self.about.strip(), "",
+                 "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+        return "\n".join(lines) + "\n"
