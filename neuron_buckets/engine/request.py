@@ -28,7 +28,6 @@ class Request:
     generator: torch.Generator | None = None  # None for greedy requests, which draw nothing
     detokenizer: Detokenizer | None = None  # None without a tokenizer: no text, no stop strings
     eos_token_ids: Collection[int] = frozenset()
-    stop_token_ids: frozenset[int] = frozenset()  # the params', as a set: one lookup per token
     blocks: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V the cache holds
     draft_cached: int = 0  # tokens a draft model computed into its own cache (may pass the valid ones)
@@ -60,8 +59,12 @@ class Request:
         ids = list(prompt_token_ids)
         return cls(
             request_id, ids, len(ids), params, generator, detokenizer, eos_token_ids,
-            stop_token_ids=frozenset(params.stop_token_ids),
         )
+
+    def __post_init__(self) -> None:
+        # The params' stop ids as a set, derived here so a request built any way has it: one
+        # lookup per token.
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def final_cached(self) -> int:
