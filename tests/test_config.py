@@ -44,7 +44,7 @@ def test_an_empty_file_gets_the_dataclass_defaults(tmp_path):
     cfg = load_config(write(tmp_path, ""))
     assert (cfg.compile.executor, cfg.compile.task_cpus, cfg.compile.retries) == ("local", 1, 2)
     assert cfg.buckets.num_seqs_buckets == (1, 2, 4)  # powers of two up to max_num_seqs
-    assert cfg.buckets.num_batched_tokens_buckets == (128,)  # one bucket at max_num_batched_tokens
+    assert cfg.buckets.num_batched_tokens_buckets == (16, 32, 64, 128)  # the budget and 3 halvings
     assert cfg.buckets.decode_context_length_buckets == (256,)  # max_model_len 256: just itself
 
 
@@ -184,7 +184,9 @@ def test_the_dataclass_defaults_are_the_loaders():
     """One set of defaults: a config built in code without arguments is an empty file's."""
     built = Config(ModelSource(), CacheConfig(), BucketConfig(), CompileConfig())
     assert built == parse_config({})
-    assert built.buckets.num_batched_tokens_buckets == (128,)  # derived, as from a file
+    assert built.buckets.num_batched_tokens_buckets == (16, 32, 64, 128)  # derived, as from a file
+    assert BucketConfig(max_num_batched_tokens=100).num_batched_tokens_buckets == (13, 25, 50, 100)
+    assert BucketConfig(max_num_batched_tokens=2).num_batched_tokens_buckets == (1, 2)
     assert built.buckets.decode_context_length_buckets == (256,)
     linear = BucketConfig(max_num_seqs=8, num_seqs_buckets={"strategy": "linear", "min": 2, "step": 2})
     assert linear.num_seqs_buckets == (2, 4, 6, 8)  # a strategy table in code, as in a file
