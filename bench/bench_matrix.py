@@ -18,9 +18,10 @@ Fair conditions, the same for both servers and written beside the results:
 - prefix caching on in both (their default); greedy, every request generating its full output
   (ignore_eos);
 - a warm-up before each measured run, on prompts that are not measured: a client run of
-  ``concurrency`` requests of the same workload from another seed, 16 tokens out; the measured run
-  has no warm-up of its own (vLLM's repeats its first measured prompt, which a prefix cache would
-  then hold).
+  ``concurrency`` requests (at least 2) of the same workload, 16 tokens out; every cell's prompts
+  come from seeds of its own, so no cell finds another's in the prefix cache. The measured run has
+  no warm-up of its own (vLLM's repeats its first measured prompt, which a prefix cache would then
+  hold).
 vLLM keeps its CPU defaults otherwise (one core for its engine process, the others for the model).
 
 Each (shape, dtype) compiles one nb artifact and starts each server once for its cells; its rows go
@@ -171,15 +172,17 @@ def run_cells(
     name = f"{server}-{model.name}-{group[0].dtype}"
     with serving(cmd, env, port, args.work / f"{name}-serve.log"):
         print(f"  {server}: healthy after {time.perf_counter() - started:.0f} s", flush=True)
-        for cell in group:
+        for index, cell in enumerate(group):
             wl, tag = WORKLOADS[cell.workload], f"{name}-{cell.workload}-c{cell.concurrency}"
-            warm = load_args(port, model, cell.shape, wl.dataset(WARMUP_OUTPUT), cell.concurrency,
-                             cell.concurrency, warmups=0, seed=1)
+            # Seeds of their own per cell: a cell reusing an earlier cell's prompts would find them
+            # in the prefix cache. The shared-prefix dataset needs a prompt per prefix.
+            warm = load_args(port, model, cell.shape, wl.dataset(WARMUP_OUTPUT), max(cell.concurrency, 2),
+                             cell.concurrency, warmups=0, seed=2 * index + 1)
             run_client(args.vllm_python, warm, args.work / f"{tag}-warmup.json",
                        args.work / f"{tag}-warmup.log")
             load = os.getloadavg()[0]
             measured = load_args(port, model, cell.shape, wl.dataset(), num_prompts(args, cell),
-                                 cell.concurrency, warmups=0, seed=0)
+                                 cell.concurrency, warmups=0, seed=2 * index)
             r = run_client(args.vllm_python, measured, args.work / f"{tag}.json", args.work / f"{tag}.log")
             results[cell] = {**r, "load_avg": load}
             print(f"  {server:5s} {cell.workload} c{cell.concurrency}: {r['output_throughput']:.1f} tok/s, "
