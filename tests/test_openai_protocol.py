@@ -41,8 +41,11 @@ def test_null_means_the_default_as_openai_clients_send_it():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"n": 2}, "n=2 is not supported"),
-        ({"logprobs": 1}, "logprobs=1 is not supported"),
+        ({"best_of": 2}, "best_of=2 is not supported"),
+        ({"echo": True}, "echo=True is not supported"),
+        ({"top_logprobs": 2}, "top_logprobs=2 is not supported"),  # chat's, not completions'
+        ({"n": 0}, "greater than or equal to 1"),
+        ({"logprobs": 21}, "less than or equal to 20"),
         ({"prompt": ["a", "b"]}, "one prompt per request, got 2"),
         ({"prompt": ""}, "prompt is empty"),
         ({"max_tokens": 0}, "greater than or equal to 1"),
@@ -126,7 +129,7 @@ def test_every_vllm_field_is_implemented_refused_by_name_or_harmless_for_a_state
         ("chat", {"functions": [{"name": "f", "parameters": {}}]}),
         ("chat", {"response_format": {"type": "json_object"}}),
         ("chat", {"include_stop_str_in_output": True}),
-        ("chat", {"logprobs": True}),
+        ("chat", {"echo": True}),
     ],
 )
 def test_fields_that_change_the_answer_are_refused_by_name_on_either_endpoint(endpoint, fields):
@@ -134,6 +137,17 @@ def test_fields_that_change_the_answer_are_refused_by_name_on_either_endpoint(en
     name = next(iter(fields))
     with pytest.raises(ValidationError, match=rf"{name}=.* is not supported by nb serve"):
         model.model_validate({**base, **fields})
+
+
+def test_logprobs_and_n_map_to_the_engine_parameters():
+    completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "n": 3})
+    assert completion.sampling_params(8).logprobs == 0 and completion.n == 3
+    chat = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": True, "top_logprobs": 5})
+    assert chat.sampling_params(8).logprobs == 5
+    off = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": False, "top_logprobs": 0})
+    assert off.sampling_params(8).logprobs is None
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs: true"):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "top_logprobs": 2})
 
 
 def test_values_that_mean_not_used_are_accepted_as_clients_send_them():

@@ -47,6 +47,7 @@ from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.drafter import Drafter
+from neuron_buckets.engine.logprobs import token_logprobs
 from neuron_buckets.engine.ngram_drafter import NgramDrafter
 from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sampled, target_probs
 from neuron_buckets.engine.request import Request
@@ -253,6 +254,10 @@ class LLMEngine:
                 probs = target_probs(per_segment[i], request.params)
                 sampled[i] = accept_sampled(probs, draft, None, request.generator)
             self.spec_stats.add(len(draft), len(sampled[i]) - 1)
+        for i, tokens in enumerate(sampled):
+            request = self._requests[plan[i].request_id]
+            if tokens and request.logprobs is not None:
+                request.logprobs += token_logprobs(per_segment[i], tokens, request.params.logprobs)
         return sampled
 
 

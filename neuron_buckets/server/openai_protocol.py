@@ -19,26 +19,30 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
+from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
-from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Int = Annotated[int, Strict()]  # no bools, no numeric strings
 STRICT = ConfigDict(strict=True)  # no bools as numbers, no strings as booleans
+# Choices one request may ask for: each is a request of its own in the engine.
+MAX_N = 64
+# What JSON cannot hold: a logprob of -inf is sent as this, as vLLM does.
+LOGPROB_FLOOR = -9999.0
 
 # The fields nb does not implement, and the values that mean "not used" (sent by many clients);
 # null always does. A field one endpoint implements is declared on its model, so it never reaches
 # this table there: ``max_completion_tokens`` is chat's, refused on completions. Chat's
-# ``logprobs`` is a boolean (false: off), completions' a count.
+# ``top_logprobs`` is chat's (completions' ``logprobs`` is the count).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False,),
     "top_logprobs": (0,),
     "logit_bias": ({},),
     "presence_penalty": (0,),
@@ -132,6 +136,7 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] = []
     ignore_eos: bool = False
+    n: Int = Field(1, ge=1, le=MAX_N)  # choices: each seeded from ``seed`` (seed + its index)
     speculative: bool = True  # nb's: false = no drafts for this request when the server speculates
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -156,6 +161,11 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token (0: the emitted token's only); None: no logprobs."""
+        return None
+
     def sampling_params(self, room: int) -> SamplingParams:
         """The engine's parameters; without ``max_tokens`` a request may use all of ``room``, the
         tokens left in ``max_model_len`` after its prompt (vLLM's default). ValueError if out of range.
@@ -173,6 +183,7 @@ class SamplingRequest(BaseModel):
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
             speculative=self.speculative,
+            logprobs=self.num_logprobs,
         )
 
 
@@ -183,6 +194,11 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     return_token_ids: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -220,12 +236,20 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     add_special_tokens: bool = False  # vLLM's: special tokens beyond those the template writes
+    logprobs: bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _newer_name(self) -> ChatCompletionRequest:
         """OpenAI renamed ``max_tokens`` to ``max_completion_tokens`` for chat; take either."""
         self.max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):
@@ -234,16 +258,76 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, out: RequestOutput) -> Usage:
-        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    def of(cls, outs: Sequence[RequestOutput]) -> Usage:
+        """One request's usage: its prompt once, the tokens of all its choices."""
+        prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+TokenText = Callable[[int], str]  # a token's text as logprobs name it
+
+
+def floored(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' logprobs: per token its text, offset in the choice's text, logprob, and the
+    top ``logprobs`` tokens with the emitted one (so up to ``logprobs + 1`` entries), as OpenAI's."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> CompletionLogprobs:
+        tokens = [text(e.token_id) for e in entries]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        tops = [
+            {**{text(t): floored(v) for t, v in e.top}, text(e.token_id): floored(e.logprob)} for e in entries
+        ]
+        return cls(
+            text_offset=offsets, token_logprobs=[floored(e.logprob) for e in entries], tokens=tokens,
+            top_logprobs=tops,
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+    @classmethod
+    def of(cls, token: str, logprob: float) -> TopLogprob:
+        return cls(token=token, logprob=floored(logprob), bytes=list(token.encode()))
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's logprobs: per token its text, bytes, logprob and the ``top_logprobs`` most likely."""
+
+    content: list[ChatTokenLogprob]
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogprobs:
+        return cls(content=[
+            ChatTokenLogprob(
+                **TopLogprob.of(text(e.token_id), e.logprob).model_dump(),
+                top_logprobs=[TopLogprob.of(text(t), v) for t, v in e.top],
+            )
+            for e in entries
+        ])
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # vLLM's ``return_token_ids`` extension
 
 
@@ -251,7 +335,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: dict[str, str]
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatDelta(BaseModel):
@@ -263,7 +347,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ResponseHeader(BaseModel):
