@@ -45,7 +45,7 @@ def completion(c, prompt: list[int], **params):
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0}, SAMPLED], ids=["greedy", "seeded"])
-def test_completion_logprobs_are_transformers_log_softmax_for_the_emitted_and_top_tokens(server, oracle, params):
+def test_completion_logprobs_are_transformers_log_softmax_of_emitted_and_top_tokens(server, oracle, params):
     _, c = server
     prompt = [0, *tiny_tokenizer().encode("hello world", add_special_tokens=False)]
     choice = completion(c, prompt, logprobs=TOP, **params).choices[0]
@@ -69,7 +69,8 @@ def test_completion_logprobs_are_transformers_log_softmax_for_the_emitted_and_to
     chunks = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
     assert [v for lp in chunks for v in lp.token_logprobs] == choice.logprobs.token_logprobs
     offsets = [o for lp in chunks for o in lp.text_offset]
-    assert offsets == choice.logprobs.text_offset == [len("".join(choice.logprobs.tokens[:j])) for j in range(len(ids))]
+    tokens = choice.logprobs.tokens
+    assert offsets == choice.logprobs.text_offset == [len("".join(tokens[:j])) for j in range(len(ids))]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -80,7 +81,8 @@ def test_chat_logprobs_list_the_top_tokens_in_order_streamed_or_not(server, orac
     ids = completion(c, prompt, **SAMPLED).choices[0].token_ids  # the same seed: the same tokens
     expected = oracle(prompt, ids)
     out = c.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=TOP, stream=stream, **SAMPLED
+        model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=TOP, stream=stream,
+        **SAMPLED,
     )
     if stream:
         content = [e for chunk in out if chunk.choices and chunk.choices[0].logprobs
