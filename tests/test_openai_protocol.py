@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
 from neuron_buckets.server.openai_protocol import (
     IGNORED,
     UNSUPPORTED,
@@ -127,7 +130,7 @@ def test_every_vllm_field_is_implemented_refused_by_name_or_harmless_for_a_state
         ("completions", {"use_beam_search": True}),
         ("completions", {"max_completion_tokens": 3}),
         ("chat", {"functions": [{"name": "f", "parameters": {}}]}),
-        ("chat", {"response_format": {"type": "json_object"}}),
+        ("chat", {"guided_regex": "a+"}),
         ("chat", {"include_stop_str_in_output": True}),
         ("chat", {"echo": True}),
     ],
@@ -148,6 +151,21 @@ def test_logprobs_and_n_map_to_the_engine_parameters():
     assert off.sampling_params(8).logprobs is None
     with pytest.raises(ValidationError, match="top_logprobs needs logprobs: true"):
         ChatCompletionRequest.model_validate({"messages": MESSAGES, "top_logprobs": 2})
+
+
+def test_response_format_becomes_the_structured_outputs_of_the_engine():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "response_format": fmt})
+    expected = StructuredOutputsParams(json=json.dumps(schema, sort_keys=True))
+    assert body.sampling_params(8).structured_outputs == expected
+    fmt = {"type": "json_object"}
+    json_object = CompletionRequest.model_validate({"prompt": "x", "response_format": fmt})
+    assert json_object.sampling_params(8).structured_outputs == StructuredOutputsParams(json_object=True)
+    text = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}})
+    assert text.sampling_params(8).structured_outputs is None
+    with pytest.raises(ValidationError, match="needs json_schema.schema"):
+        CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_schema"}})
 
 
 def test_values_that_mean_not_used_are_accepted_as_clients_send_them():

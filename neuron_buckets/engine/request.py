@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class Request:
     sent_tokens: int = 0  # generated tokens already reported
     sent_text: int = 0  # characters of text already reported
     logprobs: list[TokenLogprob] | None = None  # one per sampled token if asked (may pass a stop)
+    grammar: Any = None  # the xgrammar matcher of its structured outputs, None without
 
     @classmethod
     def create(

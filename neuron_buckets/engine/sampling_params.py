@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
 from neuron_buckets.runtime.step_check import is_int
 
 INT64_MAX = 2**63 - 1
@@ -38,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True  # draft tokens for it when the engine speculates; False opts out
     logprobs: int | None = None  # each token's logprob and its top-k's; None: none (vLLM's)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token obeys
 
     def __post_init__(self) -> None:
         # a client's JSON gives lists; keep the dataclass hashable and immutable
@@ -74,6 +76,9 @@ class SamplingParams:
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
                              f"got {self.logprobs!r}")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
 

@@ -17,6 +17,7 @@ are refused by name.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field
 from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
 
 Int = Annotated[int, Strict()]  # no bools, no numeric strings
 STRICT = ConfigDict(strict=True)  # no bools as numbers, no strings as booleans
@@ -53,7 +55,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "reasoning_effort": (),
     "verbosity": (),
     "prediction": (),
@@ -120,6 +121,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name``, ``schema``, ``strict``, ``description``."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    name: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema" and self.json_schema is not None:
+            return StructuredOutputsParams(json=json.dumps(self.json_schema.json_schema, sort_keys=True))
+        return None
+
+
 class SamplingRequest(BaseModel):
     """What completions and chat completions share: the model, sampling and streaming fields."""
 
@@ -137,6 +169,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Int] = []
     ignore_eos: bool = False
     n: Int = Field(1, ge=1, le=MAX_N)  # choices: each seeded from ``seed`` (seed + its index)
+    response_format: ResponseFormat | None = None
     speculative: bool = True  # nb's: false = no drafts for this request when the server speculates
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -166,6 +199,10 @@ class SamplingRequest(BaseModel):
         """Top logprobs per token (0: the emitted token's only); None: no logprobs."""
         return None
 
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar the output must match, if any."""
+        return None if self.response_format is None else self.response_format.structured_outputs()
+
     def sampling_params(self, room: int) -> SamplingParams:
         """The engine's parameters; without ``max_tokens`` a request may use all of ``room``, the
         tokens left in ``max_model_len`` after its prompt (vLLM's default). ValueError if out of range.
@@ -184,6 +221,7 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             speculative=self.speculative,
             logprobs=self.num_logprobs,
+            structured_outputs=self.structured_outputs(),
         )
 
 
