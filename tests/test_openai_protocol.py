@@ -157,7 +157,7 @@ def test_response_format_becomes_the_structured_outputs_of_the_engine():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "response_format": fmt})
-    expected = StructuredOutputsParams(json=json.dumps(schema, sort_keys=True))
+    expected = StructuredOutputsParams(json=json.dumps(schema))
     assert body.sampling_params(8).structured_outputs == expected
     fmt = {"type": "json_object"}
     json_object = CompletionRequest.model_validate({"prompt": "x", "response_format": fmt})

@@ -65,6 +65,27 @@ def unenforced_keyword(schema: Any, where: str = "$") -> str | None:
     return None
 
 
+def printable_strings(schema: Any) -> Any:
+    """``schema`` with a pattern on each length-bounded string that has none: xgrammar's grammar
+    for those allows raw control characters, which JSON forbids inside a string (a parser
+    refuses the output). The pattern keeps xgrammar's own characters (no quote, no backslash)
+    less the control ones."""
+    if isinstance(schema, list):
+        return [printable_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (
+        {name: printable_strings(s) for name, s in v.items()} if k in NAMED_SCHEMAS and isinstance(v, dict)
+        else printable_strings(v) if k in SUBSCHEMAS else v
+    ) for k, v in schema.items()}
+    bounded = "minLength" in schema or "maxLength" in schema
+    shaped = {"pattern", "format", "enum", "const"} & schema.keys()
+    if schema.get("type") == "string" and bounded and not shaped:
+        low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+    return out
+
+
 def compiler_message(error: Exception) -> str:
     """xgrammar's message without its timestamp and source path."""
     line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -109,7 +130,8 @@ class StructuredOutputManager:
                     raise RequestError(f"the JSON schema is not JSON: {e}") from None
                 if (bad := unenforced_keyword(schema)) is not None:
                     raise RequestError(f"the JSON schema uses {bad}, which nb cannot enforce")
-                return self.compiler.compile_json_schema(spec.json, any_whitespace=False)
+                grammar = json.dumps(printable_strings(schema))
+                return self.compiler.compile_json_schema(grammar, any_whitespace=False)
             if spec.json_object:
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             return self.compiler.compile_structural_tag(spec.structural_tag)

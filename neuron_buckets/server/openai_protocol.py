@@ -148,7 +148,8 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if self.type == "json_schema" and self.json_schema is not None:
-            return StructuredOutputsParams(json=json.dumps(self.json_schema.json_schema, sort_keys=True))
+            schema = self.json_schema.json_schema  # its key order is the output's: not sorted
+            return StructuredOutputsParams(json=json.dumps(schema))
         return None
 
 
