@@ -168,6 +168,35 @@ def test_response_format_becomes_the_structured_outputs_of_the_engine():
         CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_schema"}})
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tool_choice": "required"}, "tool_choice='required' needs tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "both"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_tool_choices_that_cannot_be_served_are_refused(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def test_a_forced_tool_choice_is_a_grammar_and_auto_parses_without_one():
+    def chat(**fields) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": [TOOL], **fields})
+
+    auto = chat()
+    assert auto.tool_choice == "auto" and auto.parses_tool_calls
+    assert auto.sampling_params(8).structured_outputs is None
+    assert "<tool_call>" in chat(tool_choice="required").sampling_params(8).structured_outputs.structural_tag
+    none = chat(tool_choice="none")
+    assert not none.parses_tool_calls and none.template_tools() == [TOOL]
+
+
 def test_values_that_mean_not_used_are_accepted_as_clients_send_them():
     off = {"n": 1, "logprobs": False, "response_format": {"type": "text"}, "tool_choice": "auto", "tools": [],
            "skip_special_tokens": True, "min_tokens": 0, "parallel_tool_calls": True, "user": "me"}

@@ -116,3 +116,46 @@ def test_unenforced_keywords_are_found_where_schemas_are_not_where_names_are():
     assert unenforced_keyword(nested) == "'if' (at $.properties.a.items[1])"
     assert unenforced_keyword({"$ref": "https://example.com/s.json"}).startswith("an external $ref")
     assert unenforced_keyword({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}) is None
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+    }}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    }}},
+]
+DECLARED = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def test_required_and_named_tool_choices_always_return_a_call_to_a_declared_function(roomy_artifact):
+    with serving(LLMEngine.open(roomy_artifact)) as base:
+        c = client(base)
+        messages = [{"role": "user", "content": "weather?"}]
+        for seed in range(50):
+            named = seed % 5 == 4
+            choice = {"type": "function", "function": {"name": "get_time"}} if named else "required"
+            out = c.chat.completions.create(
+                model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=200,
+                temperature=1.0, seed=seed, stream=seed % 10 == 9,
+            )
+            if seed % 10 == 9:  # streamed: the call comes whole, in one chunk
+                chunks = [ch.choices[0] for ch in out if ch.choices]
+                calls = [tc for ch in chunks for tc in ch.delta.tool_calls or []]
+                reason = chunks[-1].finish_reason
+            else:
+                calls, reason = out.choices[0].message.tool_calls, out.choices[0].finish_reason
+            assert reason == "tool_calls" and len(calls) == 1
+            function = calls[0].function
+            assert function.name == "get_time" if named else function.name in DECLARED
+            jsonschema.validate(json.loads(function.arguments), DECLARED[function.name])
+        # the call goes back to the template as an assistant turn, then the tool's answer
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
+                   {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"}]
+        out = c.chat.completions.create(
+            model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4
+        )
+        assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason == "length"

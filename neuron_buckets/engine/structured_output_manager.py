@@ -86,6 +86,32 @@ def printable_strings(schema: Any) -> Any:
     return out
 
 
+def loads(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{what} is not JSON: {e}") from None
+
+
+def enforceable(schema: Any) -> Any:
+    """``schema`` as the grammar is made from it, or a RequestError naming what it cannot enforce."""
+    if (bad := unenforced_keyword(schema)) is not None:
+        raise RequestError(f"the JSON schema uses {bad}, which nb cannot enforce")
+    return printable_strings(schema)
+
+
+def tag_schemas_enforceable(tag: Any) -> Any:
+    """A structural tag with each JSON schema in it ``enforceable``."""
+    if isinstance(tag, list):
+        return [tag_schemas_enforceable(t) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    out = {k: tag_schemas_enforceable(v) for k, v in tag.items()}
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        out["json_schema"] = enforceable(tag["json_schema"])
+    return out
+
+
 def compiler_message(error: Exception) -> str:
     """xgrammar's message without its timestamp and source path."""
     line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -124,17 +150,12 @@ class StructuredOutputManager:
         """The compiled grammar of ``spec`` (cached); a RequestError naming what cannot be enforced."""
         try:
             if spec.json is not None:
-                try:
-                    schema = json.loads(spec.json)
-                except json.JSONDecodeError as e:
-                    raise RequestError(f"the JSON schema is not JSON: {e}") from None
-                if (bad := unenforced_keyword(schema)) is not None:
-                    raise RequestError(f"the JSON schema uses {bad}, which nb cannot enforce")
-                grammar = json.dumps(printable_strings(schema))
-                return self.compiler.compile_json_schema(grammar, any_whitespace=False)
+                schema = enforceable(loads(spec.json, "the JSON schema"))
+                return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.json_object:
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            return self.compiler.compile_structural_tag(spec.structural_tag)
+            tag = tag_schemas_enforceable(loads(spec.structural_tag or "", "the structural tag"))
+            return self.compiler.compile_structural_tag(json.dumps(tag))
         except (RuntimeError, ValueError, TypeError) as e:
             if isinstance(e, RequestError):
                 raise

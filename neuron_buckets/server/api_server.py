@@ -47,6 +47,7 @@ from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.tokenizer import Tokenizer
+from neuron_buckets.server import hermes_tool_parser
 from neuron_buckets.server.access import ServerAccess, is_loopback
 from neuron_buckets.server.body_limit import BODY_TIMEOUT_S, BodyLimit
 from neuron_buckets.server.engine_loop import (
@@ -59,6 +60,7 @@ from neuron_buckets.server.engine_loop import (
 )
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.openai_protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -76,6 +78,7 @@ from neuron_buckets.server.openai_protocol import (
     ModelList,
     ResponseHeader,
     SamplingRequest,
+    ToolCallDelta,
     Usage,
 )
 from neuron_buckets.server.slow_clients import HeaderTimeoutH11, QuietAcceptErrors
@@ -228,7 +231,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
         messages = [m.as_template_input() for m in body.messages]
-        return self.tokenizer.apply_chat_template(messages, body.add_special_tokens)
+        return self.tokenizer.apply_chat_template(messages, body.add_special_tokens, body.template_tools())
 
     async def prepare(self, body: SamplingRequest, encode: Encode) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the request's parameters, checked as the engine checks them, on the
@@ -378,22 +381,34 @@ class OpenAIServer:
         def logprobs(entries: list[TokenLogprob]) -> ChatLogprobs | None:
             return ChatLogprobs.of(entries, self.token_text) if body.logprobs else None
 
+        def reply(out: RequestOutput) -> tuple[AssistantMessage, str | None]:
+            """The message and finish reason of a finished choice: its tool calls parsed, if any."""
+            content, calls = hermes_tool_parser.parse(out.text) if body.parses_tool_calls else (out.text, [])
+            message = AssistantMessage(content=content, tool_calls=calls)
+            return message, "tool_calls" if calls else out.finish_reason
+
         def event(i: int, out: RequestOutput) -> ChatCompletionChunk | None:
-            if not (out.new_text or out.finished or (out.new_token_ids and body.logprobs)):
+            if body.parses_tool_calls:  # a call is only known whole: the reply comes as one chunk
+                if not out.finished:
+                    return None
+                message, reason = reply(out)
+                calls = [ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(message.tool_calls)]
+                delta = ChatDelta(content=message.content, tool_calls=calls or None)
+                entries = out.logprobs or []
+            elif out.new_text or out.finished or (out.new_token_ids and body.logprobs):
+                delta, reason = ChatDelta(content=out.new_text or None), out.finish_reason
+                entries = self.new_logprobs(out)
+            else:
                 return None
-            delta = ChatDelta(content=out.new_text or None)
-            entries = logprobs(self.new_logprobs(out))
-            choice = ChatChunkChoice(index=i, delta=delta, finish_reason=out.finish_reason, logprobs=entries)
+            choice = ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=logprobs(entries))
             return ChatCompletionChunk(**header, choices=[choice])
 
         def final(outs: list[RequestOutput]) -> ChatCompletion:
-            choices = [
-                ChatChoice(
-                    index=i, message={"role": "assistant", "content": out.text},
-                    finish_reason=out.finish_reason, logprobs=logprobs(out.logprobs or []),
-                )
-                for i, out in enumerate(outs)
-            ]
+            choices = []
+            for i, out in enumerate(outs):
+                message, reason = reply(out)
+                entries = logprobs(out.logprobs or [])
+                choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=entries))
             return ChatCompletion(**header, choices=choices, usage=Usage.of(outs))
 
         def first(i: int) -> ChatCompletionChunk:

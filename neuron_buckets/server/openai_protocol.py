@@ -29,6 +29,7 @@ from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
+from neuron_buckets.server.hermes_tool_parser import forced_call_tag
 
 Int = Annotated[int, Strict()]  # no bools, no numeric strings
 STRICT = ConfigDict(strict=True)  # no bools as numbers, no strings as booleans
@@ -51,8 +52,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,),
     "suffix": ("",),
     "max_completion_tokens": (),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "reasoning_effort": (),
@@ -102,7 +101,7 @@ IGNORED: dict[str, str] = {
     "service_tier": "the provider's pricing and latency tier",
     "safety_identifier": "an end-user id for the provider's abuse monitoring",
     "prompt_cache_key": "a routing hint for the provider's prompt cache; nb's prefix cache needs none",
-    "parallel_tool_calls": "read only with tools, which are refused",
+    "parallel_tool_calls": "every call the model writes is parsed; a forced tool_choice writes one",
     "length_penalty": "read only by beam search, which is refused",
     "request_id": "names vLLM's response; nb names its own",
 }
@@ -257,22 +256,88 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def parsed_arguments(self) -> Any:
+        try:
+            return json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return self.arguments
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's reply: the call it answers
+    name: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        """The plain {role, content} dict that chat templates expect."""
+    def as_template_input(self) -> dict[str, Any]:
+        """The plain dict chat templates expect: role and content, and the tool fields when
+        given, a call's arguments as an object (templates write them with ``tojson``)."""
         parts = self.content if isinstance(self.content, list) else [self.content or ""]
-        return {"role": self.role, "content": "".join(p if isinstance(p, str) else p.text for p in parts)}
+        message: dict[str, Any] = {
+            "role": self.role, "content": "".join(p if isinstance(p, str) else p.text for p in parts)
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.parsed_arguments()}}
+                for c in self.tool_calls
+            ]
+        message.update({k: v for k in ("tool_call_id", "name") if (v := getattr(self, k)) is not None})
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: messages rendered with the artifact's chat template."""
+    """``POST /v1/chat/completions``: messages rendered with the artifact's chat template.
+
+    ``tools`` go to the template; with ``tool_choice`` ``auto`` (the default with tools) the reply's
+    ``<tool_call>`` blocks become ``tool_calls``; ``required`` or a named function forces one call
+    through the grammar; ``none`` parses nothing.
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: Int | None = Field(None, ge=1)
     add_special_tokens: bool = False  # vLLM's: special tokens beyond those the template writes
     logprobs: bool = False
@@ -284,7 +349,41 @@ class ChatCompletionRequest(SamplingRequest):
         self.max_tokens = self.max_completion_tokens or self.max_tokens
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        declared = [t.function.name for t in self.tools or []]
+        if self.forced_tool_choice and not declared:
+            raise ValueError(f"tool_choice={self.forced_tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in declared:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        shaped = self.response_format is not None and self.response_format.type != "text"
+        if self.forced_tool_choice and shaped:
+            raise ValueError("response_format and a forced tool_choice cannot both shape the reply")
         return self
+
+    @property
+    def forced_tool_choice(self) -> str | None:
+        """``required``, or the named function's name, or None when no call is forced."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if (forced := self.forced_tool_choice) is None:
+            return super().structured_outputs()
+        functions = [
+            (t.function.name, t.function.parameters) for t in self.tools or []
+            if forced == "required" or t.function.name == forced
+        ]
+        return StructuredOutputsParams(structural_tag=forced_call_tag(functions))
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -370,16 +469,27 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None  # vLLM's ``return_token_ids`` extension
 
 
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] = []
+
+
 class ChatChoice(BaseModel):
     index: int = 0
-    message: dict[str, str]
+    message: AssistantMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+
+
+class ToolCallDelta(ToolCall):
+    index: int
 
 
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
