@@ -236,6 +236,9 @@ class OpenAIServer:
     async def prepare(self, body: SamplingRequest, encode: Encode) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the request's parameters, checked as the engine checks them, on the
         tokenizer thread: a refused request never reaches the engine thread."""
+        if body.n > self.max_open_requests:
+            raise UserError(f"n={body.n} choices need {body.n} open requests; this server holds at most "
+                            f"{self.max_open_requests}")
         if self.encoding >= self.max_open_requests:
             limit = self.max_open_requests
             raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")

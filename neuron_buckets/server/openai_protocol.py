@@ -234,6 +234,12 @@ class CompletionRequest(SamplingRequest):
     return_token_ids: bool = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, value: Any) -> Any:
+        """Clients that share one body between the routes send chat's ``false`` for "off"."""
+        return None if value is False else value
+
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
