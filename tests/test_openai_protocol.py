@@ -44,7 +44,8 @@ def test_null_means_the_default_as_openai_clients_send_it():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"best_of": 2}, "best_of=2 is not supported"),
+        ({"best_of": 2, "n": 3}, "best_of=2 must be at least n=3"),
+        ({"best_of": 2, "stream": True}, "best_of > n cannot be streamed"),
         ({"echo": True}, "echo=True is not supported"),
         ({"top_logprobs": 2}, "top_logprobs=2 is not supported"),  # chat's, not completions'
         ({"n": 0}, "greater than or equal to 1"),

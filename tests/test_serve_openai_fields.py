@@ -121,3 +121,14 @@ def test_n_choices_share_one_prefill_and_each_is_seeded_from_the_request_seed(se
         for ch in chunk.choices:
             tokens.setdefault(ch.index, []).extend(ch.token_ids or [])
     assert [tokens[i] for i in range(4)] == [ch.token_ids for ch in first.choices]
+
+
+def test_best_of_returns_the_n_choices_of_highest_mean_logprob(server):
+    _, c = server
+    prompt = [5 + (i * 11) % 240 for i in range(9)]
+    params = {"temperature": 1.0, "seed": 3, "max_tokens": 6}
+    runs = completion(c, prompt, n=4, logprobs=0, **params).choices
+    mean = {tuple(ch.token_ids): sum(ch.logprobs.token_logprobs) / len(ch.token_ids) for ch in runs}
+    best = completion(c, prompt, n=2, best_of=4, **params).choices
+    assert [tuple(ch.token_ids) for ch in best] == sorted(mean, key=mean.get, reverse=True)[:2]
+    assert [ch.index for ch in best] == [0, 1] and all(ch.logprobs is None for ch in best)

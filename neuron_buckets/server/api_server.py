@@ -181,6 +181,20 @@ async def last_outputs(
     return result.result() if result.done() else None
 
 
+def most_likely(outs: list[RequestOutput], n: int, logprobs: bool) -> list[RequestOutput]:
+    """The ``n`` of ``outs`` with the highest mean logprob per token (OpenAI's ``best_of``), most
+    likely first; all of them, in order, when there are only ``n``. Logprobs kept if asked for."""
+    if len(outs) == n:
+        return outs
+
+    def mean(out: RequestOutput) -> float:
+        entries = out.logprobs or []
+        return sum(e.logprob for e in entries) / max(len(entries), 1)
+
+    best = sorted(outs, key=mean, reverse=True)[:n]
+    return best if logprobs else [replace(out, logprobs=None) for out in best]
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s parameters: the request's seed plus the index (vLLM's), within 64 bits,
     so a seeded request's choices differ from each other and repeat from run to run."""
@@ -236,8 +250,9 @@ class OpenAIServer:
     async def prepare(self, body: SamplingRequest, encode: Encode) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the request's parameters, checked as the engine checks them, on the
         tokenizer thread: a refused request never reaches the engine thread."""
-        if body.n > self.max_open_requests:
-            raise UserError(f"n={body.n} choices need {body.n} open requests; this server holds at most "
+        if body.runs > self.max_open_requests:
+            what = f"best_of={body.best_of}" if body.runs > body.n else f"n={body.n}"
+            raise UserError(f"{what} needs {body.runs} open requests; this server holds at most "
                             f"{self.max_open_requests}")
         if self.encoding >= self.max_open_requests:
             limit = self.max_open_requests
@@ -310,7 +325,9 @@ class OpenAIServer:
         choices' events as they come (``stream``) or with its ``final`` response."""
         self.check_model(body)
         ids, params = await self.prepare(body, encode)
-        outputs = self.merged(await self.submit(ids, params, body.n))
+        if body.runs > body.n:  # ranked by their logprobs, returned only if asked for
+            params = replace(params, logprobs=params.logprobs or 0)
+        outputs = self.merged(await self.submit(ids, params, body.runs))
         if body.stream:
 
             async def events() -> AsyncIterator[BaseModel]:
@@ -329,9 +346,9 @@ class OpenAIServer:
                     await outputs.aclose()
 
             return sse(events())
-        if (outs := await last_outputs(outputs, request, body.n)) is None:
+        if (outs := await last_outputs(outputs, request, body.runs)) is None:
             return Response(status_code=499)  # nobody reads it: the client closed the connection
-        return final(outs)
+        return final(most_likely(outs, body.n, body.num_logprobs is not None))
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs: its own (special tokens too), or ``token_id:N`` (vLLM's

@@ -44,7 +44,6 @@ LOGPROB_FLOOR = -9999.0
 # ``top_logprobs`` is chat's (completions' ``logprobs`` is the count).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
-    "best_of": (1,),
     "echo": (False,),
     "top_logprobs": (0,),
     "logit_bias": ({},),
@@ -169,6 +168,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[Int] = []
     ignore_eos: bool = False
     n: Int = Field(1, ge=1, le=MAX_N)  # choices: each seeded from ``seed`` (seed + its index)
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)  # run this many, return the n most likely
     response_format: ResponseFormat | None = None
     speculative: bool = True  # nb's: false = no drafts for this request when the server speculates
     stream: bool = False
@@ -188,7 +188,16 @@ class SamplingRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not means_off(value, UNSUPPORTED[name]):
                 raise ValueError(f"{name}={value!r} is not supported by nb serve")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be at least n={self.n}")
+        if self.stream and self.runs > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best are known only at the end")
         return self
+
+    @property
+    def runs(self) -> int:
+        """The sequences generated: ``best_of`` (the ``n`` most likely are returned), else ``n``."""
+        return self.best_of or self.n
 
     @property
     def include_usage(self) -> bool:
