@@ -19,6 +19,7 @@ from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.structured_output_manager import unenforced_keyword
 from tests.conftest import TEXT_EAGER, write_config
 from tests.test_serve import MODEL, client, metric_samples, serving, total
+from tests.test_serve_openai_fields import oracle as oracle  # transformers' log-softmax, a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
 
@@ -159,3 +160,20 @@ def test_required_and_named_tool_choices_always_return_a_call_to_a_declared_func
             model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4
         )
         assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason == "length"
+
+
+def test_logprobs_of_accepted_drafts_are_transformers_log_softmax(roomy_artifact, oracle):
+    speculative = SpeculativeConfig(num_speculative_tokens=3, auto_off=False)
+    engine = LLMEngine.open(roomy_artifact, speculative=speculative)
+    prompt = [0, *([7, 8, 9, 10] * 6)]  # prompt lookup finds drafts in it
+    with serving(engine) as base:
+        out = client(base).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=3,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+    choice = out.choices[0]
+    assert engine.spec_stats.num_accepted_tokens > 0
+    expected = oracle(prompt, choice.token_ids)
+    assert choice.token_ids == expected.argmax(dim=-1).tolist()
+    emitted = expected.max(dim=-1).values
+    assert choice.logprobs.token_logprobs == pytest.approx(emitted.tolist(), abs=1e-4)
