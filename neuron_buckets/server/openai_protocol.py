@@ -4,7 +4,10 @@ Field names, defaults and response shapes follow the OpenAI API as vLLM serves i
 clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchanged; vLLM's own
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``add_special_tokens``, ``return_token_ids``) are accepted too, and nb's ``speculative: false``
-opts a request out of the server's drafting. Every other OpenAI or vLLM field is in one of two
+opts a request out of the server's drafting. ``logprobs`` (and chat's ``top_logprobs``), ``n``,
+``best_of``, ``response_format`` and chat's ``tools``/``tool_choice`` are implemented (the engine's
+logprobs and structured outputs, and ``hermes_tool_parser.py``). Every other OpenAI or vLLM field
+is in one of two
 tables, shared by completions and chat: ``UNSUPPORTED``, the fields that would change the answer
 and that nb does not implement, refused by name unless they hold a value that means "not used";
 and ``IGNORED``, the fields accepted because they never change the answer, each with the reason.
@@ -40,8 +43,8 @@ LOGPROB_FLOOR = -9999.0
 
 # The fields nb does not implement, and the values that mean "not used" (sent by many clients);
 # null always does. A field one endpoint implements is declared on its model, so it never reaches
-# this table there: ``max_completion_tokens`` is chat's, refused on completions. Chat's
-# ``top_logprobs`` is chat's (completions' ``logprobs`` is the count).
+# this table there: ``max_completion_tokens`` and ``top_logprobs`` are chat's, refused on
+# completions (whose ``logprobs`` is the count).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
     "echo": (False,),
