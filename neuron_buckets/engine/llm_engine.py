@@ -8,7 +8,9 @@ them. Blocks are taken per step for the tokens actually written, never for paddi
 ends at an end-of-sequence token, one of its stop tokens or strings, its ``max_tokens``, or an
 abort, and gives its blocks back at once. Requests may be added and aborted between steps.
 Tokens are picked on the host (``engine/sampler.py``), each request with its own parameters and
-random generator.
+random generator, under its grammar's mask when it has structured outputs
+(``engine/structured_output_manager.py``); asked-for logprobs come from the raw logits
+(``engine/logprobs.py``).
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real
