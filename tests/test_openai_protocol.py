@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
 from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
 from neuron_buckets.server.openai_protocol import (
     IGNORED,
     UNSUPPORTED,
@@ -41,8 +44,12 @@ def test_null_means_the_default_as_openai_clients_send_it():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"n": 2}, "n=2 is not supported"),
-        ({"logprobs": 1}, "logprobs=1 is not supported"),
+        ({"best_of": 2, "n": 3}, "best_of=2 must be at least n=3"),
+        ({"best_of": 2, "stream": True}, "best_of > n cannot be streamed"),
+        ({"echo": True}, "echo=True is not supported"),
+        ({"top_logprobs": 2}, "top_logprobs=2 is not supported"),  # chat's, not completions'
+        ({"n": 0}, "greater than or equal to 1"),
+        ({"logprobs": 21}, "less than or equal to 20"),
         ({"prompt": ["a", "b"]}, "one prompt per request, got 2"),
         ({"prompt": ""}, "prompt is empty"),
         ({"max_tokens": 0}, "greater than or equal to 1"),
@@ -124,9 +131,9 @@ def test_every_vllm_field_is_implemented_refused_by_name_or_harmless_for_a_state
         ("completions", {"use_beam_search": True}),
         ("completions", {"max_completion_tokens": 3}),
         ("chat", {"functions": [{"name": "f", "parameters": {}}]}),
-        ("chat", {"response_format": {"type": "json_object"}}),
+        ("chat", {"guided_regex": "a+"}),
         ("chat", {"include_stop_str_in_output": True}),
-        ("chat", {"logprobs": True}),
+        ("chat", {"echo": True}),
     ],
 )
 def test_fields_that_change_the_answer_are_refused_by_name_on_either_endpoint(endpoint, fields):
@@ -134,6 +141,61 @@ def test_fields_that_change_the_answer_are_refused_by_name_on_either_endpoint(en
     name = next(iter(fields))
     with pytest.raises(ValidationError, match=rf"{name}=.* is not supported by nb serve"):
         model.model_validate({**base, **fields})
+
+
+def test_logprobs_and_n_map_to_the_engine_parameters():
+    completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0, "n": 3})
+    assert completion.sampling_params(8).logprobs == 0 and completion.n == 3
+    chat = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": True, "top_logprobs": 5})
+    assert chat.sampling_params(8).logprobs == 5
+    off = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": False, "top_logprobs": 0})
+    assert off.sampling_params(8).logprobs is None
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs: true"):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "top_logprobs": 2})
+
+
+def test_response_format_becomes_the_structured_outputs_of_the_engine():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "response_format": fmt})
+    expected = StructuredOutputsParams(json=json.dumps(schema))
+    assert body.sampling_params(8).structured_outputs == expected
+    fmt = {"type": "json_object"}
+    json_object = CompletionRequest.model_validate({"prompt": "x", "response_format": fmt})
+    assert json_object.sampling_params(8).structured_outputs == StructuredOutputsParams(json_object=True)
+    text = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}})
+    assert text.sampling_params(8).structured_outputs is None
+    with pytest.raises(ValidationError, match="needs json_schema.schema"):
+        CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_schema"}})
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tool_choice": "required"}, "tool_choice='required' needs tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g', which is"),
+        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "both"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_tool_choices_that_cannot_be_served_are_refused(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+def test_a_forced_tool_choice_is_a_grammar_and_auto_parses_without_one():
+    def chat(**fields) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": [TOOL], **fields})
+
+    auto = chat()
+    assert auto.tool_choice == "auto" and auto.parses_tool_calls
+    assert auto.sampling_params(8).structured_outputs is None
+    assert "<tool_call>" in chat(tool_choice="required").sampling_params(8).structured_outputs.structural_tag
+    none = chat(tool_choice="none")
+    assert not none.parses_tool_calls and none.template_tools() == [TOOL]
 
 
 def test_values_that_mean_not_used_are_accepted_as_clients_send_them():

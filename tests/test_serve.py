@@ -220,7 +220,8 @@ def test_refusals_have_openai_error_bodies_and_the_status_a_client_can_act_on(en
         assert status == 400 and "max_model_len" in body["error"]["message"]
         assert body["error"]["code"] == 400 and body["error"]["type"] == "BadRequestError"
         status, body = post(url, {"model": MODEL, "prompt": [1, 2], "n": 2})
-        assert (status, body["error"]["message"]) == (400, "n=2 is not supported by nb serve")
+        assert (status, body["error"]["message"]) == (400, "n=2 needs 2 open requests; this server holds "
+                                                            "at most 1")
         status, body = post(url, {"model": MODEL, "prompt": [1, 2], "top_p": 0})
         assert status == 400 and "top_p" in body["error"]["message"]
         status, body = post(url, {"model": MODEL, "prompt": "text needs a tokenizer"})

@@ -8,7 +8,9 @@ them. Blocks are taken per step for the tokens actually written, never for paddi
 ends at an end-of-sequence token, one of its stop tokens or strings, its ``max_tokens``, or an
 abort, and gives its blocks back at once. Requests may be added and aborted between steps.
 Tokens are picked on the host (``engine/sampler.py``), each request with its own parameters and
-random generator.
+random generator, under its grammar's mask when it has structured outputs
+(``engine/structured_output_manager.py``); asked-for logprobs come from the raw logits
+(``engine/logprobs.py``).
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real
@@ -47,6 +49,7 @@ from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.drafter import Drafter
+from neuron_buckets.engine.logprobs import token_logprobs
 from neuron_buckets.engine.ngram_drafter import NgramDrafter
 from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sampled, target_probs
 from neuron_buckets.engine.request import Request
@@ -58,6 +61,7 @@ from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
 from neuron_buckets.engine.speculation_gate import SpeculationGate
 from neuron_buckets.engine.step_stats import StepStats
+from neuron_buckets.engine.structured_output_manager import StructuredOutputManager
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
@@ -125,6 +129,9 @@ class LLMEngine:
             self.gate or self.drafter, spec.num_speculative_tokens,
         )
         self.step_stats = StepStats()
+        self.structured = None if tokenizer is None else StructuredOutputManager(
+            tokenizer.hf, runtime.config.vocab_size, self.eos_token_ids, self.step_stats
+        )
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
@@ -180,6 +187,10 @@ class LLMEngine:
             raise RequestError(f"{what}: expected SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise RequestError(f"{what}: stop strings need a tokenizer, and this engine has none")
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise RequestError(f"{what}: structured outputs need a tokenizer, and this engine has none")
+            self.structured.compile(params.structured_outputs)  # compiled once, here: cached for add
         return check_request(prompt_token_ids, params.max_tokens, self.runtime.limits, self.pool, what)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
@@ -188,6 +199,8 @@ class LLMEngine:
         ids = self.check_request(prompt_token_ids, params)
         rid, self._next_id = self._next_id, self._next_id + 1
         request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
+        if params.structured_outputs is not None and self.structured is not None:
+            request.grammar = self.structured.matcher(params.structured_outputs)
         self._requests[rid] = request
         self.scheduler.add(request)
         return rid
@@ -239,20 +252,34 @@ class LLMEngine:
         single = [i for i, s in enumerate(plan) if s.num_samples == 1]
         if single:
             requests = [self._requests[plan[i].request_id] for i in single]
+            rows = torch.cat([per_segment[i] for i in single])
+            if self.structured is not None and any(r.grammar is not None for r in requests):
+                rows = rows.float()  # a fresh tensor: the logprobs still read the raw logits
+                self.structured.mask(rows, [(r.grammar, ()) for r in requests])
             tokens = sample(
-                torch.cat([per_segment[i] for i in single]), [r.params for r in requests],
-                [r.generator for r in requests], [r.token_ids for r in requests],
+                rows, [r.params for r in requests], [r.generator for r in requests],
+                [r.token_ids for r in requests],
             )
             for i, token in zip(single, tokens, strict=True):
                 sampled[i] = [token]
         for i in (i for i, s in enumerate(plan) if s.num_samples > 1):
             request, draft = self._requests[plan[i].request_id], list(plan[i].token_ids[1:])
+            rows = per_segment[i]
+            if self.structured is not None and request.grammar is not None:
+                rows = rows.float().clone()
+                self.structured.mask(rows, [(request.grammar, draft)])
             if request.params.greedy:
-                sampled[i] = accept_greedy(per_segment[i], draft)
+                sampled[i] = accept_greedy(rows, draft)
             else:
-                probs = target_probs(per_segment[i], request.params)
+                probs = target_probs(rows, request.params)
                 sampled[i] = accept_sampled(probs, draft, None, request.generator)
             self.spec_stats.add(len(draft), len(sampled[i]) - 1)
+        for i, tokens in enumerate(sampled):
+            request = self._requests[plan[i].request_id]
+            if tokens and request.logprobs is not None:
+                request.logprobs += token_logprobs(per_segment[i], tokens, request.params.logprobs)
+            if tokens and request.grammar is not None:
+                StructuredOutputManager.accept(request.grammar, tokens)
         return sampled
 
 

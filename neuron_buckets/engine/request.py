@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from neuron_buckets.engine.detokenizer import Detokenizer
+from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.tokenizer import Tokenizer
@@ -37,6 +39,8 @@ class Request:
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string
     sent_tokens: int = 0  # generated tokens already reported
     sent_text: int = 0  # characters of text already reported
+    logprobs: list[TokenLogprob] | None = None  # one per sampled token if asked (may pass a stop)
+    grammar: Any = None  # the xgrammar matcher of its structured outputs, None without
 
     @classmethod
     def create(
@@ -59,6 +63,7 @@ class Request:
         ids = list(prompt_token_ids)
         return cls(
             request_id, ids, len(ids), params, generator, detokenizer, eos_token_ids,
+            logprobs=None if params.logprobs is None else [],
         )
 
     def __post_init__(self) -> None:
@@ -122,6 +127,7 @@ class Request:
             finished=finished,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else self.logprobs[: len(generated)],
         )
         self.sent_tokens, self.sent_text = len(generated), len(text)
         return out

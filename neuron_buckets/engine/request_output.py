@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neuron_buckets.engine.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestOutput:
@@ -16,6 +18,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" (eos, stop token, stop string), "length", "abort"
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string, that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when its params asked
 
     def __getattr__(self, name: str) -> object:
         """Only reached for an attribute that does not exist: name the replacement of a 0.1 one."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
 from neuron_buckets.runtime.step_check import is_int
 
 INT64_MAX = 2**63 - 1
@@ -20,6 +21,8 @@ MIN_TEMPERATURE = 1e-5
 # here so that one request's stop list cannot slow the requests that share its steps.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+# Most top logprobs a token reports: OpenAI's chat bound, and vLLM's default ``max_logprobs``.
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
     ignore_eos: bool = False
     speculative: bool = True  # draft tokens for it when the engine speculates; False opts out
+    logprobs: int | None = None  # each token's logprob and its top-k's; None: none (vLLM's)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token obeys
 
     def __post_init__(self) -> None:
         # a client's JSON gives lists; keep the dataclass hashable and immutable
@@ -68,6 +73,12 @@ class SamplingParams:
                              f"in all, got {len(self.stop)} with {sum(map(len, self.stop))} characters")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                             f"got {self.logprobs!r}")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
 

@@ -63,8 +63,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict], add_special_tokens: bool = False) -> list[int]:
-        """The prompt ids of a conversation, ready for the assistant's turn.
+    def apply_chat_template(
+        self, messages: list[dict], add_special_tokens: bool = False, tools: list[dict] | None = None
+    ) -> list[int]:
+        """The prompt ids of a conversation, ready for the assistant's turn; ``tools`` (OpenAI's
+        function definitions) are the template's to write.
 
         The template writes its own special tokens (a BOS among them), so the rendered text is
         encoded without adding more unless ``add_special_tokens`` asks for them.
@@ -73,11 +76,14 @@ class Tokenizer:
             raise UserError("this model's tokenizer has no chat template; send plain prompts instead")
         for i, m in enumerate(messages):
             for field, value in m.items():
-                unicode_text(value, f"messages[{i}].{field}")
+                if isinstance(value, str):
+                    unicode_text(value, f"messages[{i}].{field}")
         from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
         except (TemplateError, OverflowError) as e:  # roles out of order, the sandbox's refusals
             raise UserError(f"the chat template refused these messages: {e}") from None
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

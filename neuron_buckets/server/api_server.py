@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from http import HTTPStatus
 from pathlib import Path
@@ -43,22 +43,34 @@ from starlette.exceptions import HTTPException
 
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.tokenizer import Tokenizer
+from neuron_buckets.server import hermes_tool_parser
 from neuron_buckets.server.access import ServerAccess, is_loopback
 from neuron_buckets.server.body_limit import BODY_TIMEOUT_S, BodyLimit
-from neuron_buckets.server.engine_loop import Encode, EngineDead, EngineLoop, ServerBusy, StepFailed
+from neuron_buckets.server.engine_loop import (
+    Encode,
+    EngineDead,
+    EngineLoop,
+    RequestStream,
+    ServerBusy,
+    StepFailed,
+)
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.openai_protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
@@ -66,6 +78,7 @@ from neuron_buckets.server.openai_protocol import (
     ModelList,
     ResponseHeader,
     SamplingRequest,
+    ToolCallDelta,
     Usage,
 )
 from neuron_buckets.server.slow_clients import HeaderTimeoutH11, QuietAcceptErrors
@@ -143,23 +156,52 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-async def last_output(outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
-    """The request's final output, or None if the client went away first (the request is then
-    aborted, its blocks freed, rather than run to the end for nobody)."""
+Choice = tuple[int, RequestOutput]  # a choice's index and one of its outputs
 
-    async def final() -> RequestOutput:
-        async for out in outputs:  # ends with the finished one
-            last = out
-        return last
+
+async def last_outputs(
+    outputs: AsyncIterator[Choice], request: Request, n: int
+) -> list[RequestOutput] | None:
+    """Each choice's final output, or None if the client went away first (the requests are then
+    aborted, their blocks freed, rather than run to the end for nobody)."""
+
+    async def final() -> list[RequestOutput]:
+        finals = {}
+        async for i, out in outputs:  # each choice ends with its finished one
+            finals[i] = out
+        return [finals[i] for i in range(n)]
 
     result = asyncio.ensure_future(final())
     watcher = asyncio.ensure_future(until_disconnected(request))
     try:
         await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is cancelled (shutdown timeout): the request is aborted
+    finally:  # also when this handler is cancelled (shutdown timeout): the requests are aborted
         watcher.cancel()
         result.cancel()  # no effect once it is done
     return result.result() if result.done() else None
+
+
+def most_likely(outs: list[RequestOutput], n: int, logprobs: bool) -> list[RequestOutput]:
+    """The ``n`` of ``outs`` with the highest mean logprob per token (OpenAI's ``best_of``), most
+    likely first; all of them, in order, when there are only ``n``. Logprobs kept if asked for."""
+    if len(outs) == n:
+        return outs
+
+    def mean(out: RequestOutput) -> float:
+        entries = out.logprobs or []
+        return sum(e.logprob for e in entries) / max(len(entries), 1)
+
+    best = sorted(outs, key=mean, reverse=True)[:n]
+    return best if logprobs else [replace(out, logprobs=None) for out in best]
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: the request's seed plus the index (vLLM's), within 64 bits,
+    so a seeded request's choices differ from each other and repeat from run to run."""
+    if params.seed is None or index == 0:
+        return params
+    seed = params.seed + index
+    return replace(params, seed=seed if seed < 2**64 else seed - 2**64)
 
 
 class OpenAIServer:
@@ -172,6 +214,9 @@ class OpenAIServer:
         self.tokenizer = Tokenizer(copy.deepcopy(engine.tokenizer.hf)) if engine.tokenizer else None
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="nb-tokenize")
         self.encoding = 0  # requests being tokenized or waiting to be, bounded like open ones
+        # Logprobs name tokens by their text, decoded on the event loop with a copy of its own.
+        self.decoder = Tokenizer(copy.deepcopy(engine.tokenizer.hf)) if engine.tokenizer else None
+        self.token_texts: dict[int, str] = {}
         self.max_open_requests = limits.max_open_requests
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(
@@ -200,11 +245,15 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise UserError("this artifact has no tokenizer, so it cannot render chat messages")
         messages = [m.as_template_input() for m in body.messages]
-        return self.tokenizer.apply_chat_template(messages, body.add_special_tokens)
+        return self.tokenizer.apply_chat_template(messages, body.add_special_tokens, body.template_tools())
 
     async def prepare(self, body: SamplingRequest, encode: Encode) -> tuple[list[int], SamplingParams]:
         """The prompt's ids and the request's parameters, checked as the engine checks them, on the
         tokenizer thread: a refused request never reaches the engine thread."""
+        if body.runs > self.max_open_requests:
+            what = f"best_of={body.best_of}" if body.runs > body.n else f"n={body.n}"
+            raise UserError(f"{what} needs {body.runs} open requests; this server holds at most "
+                            f"{self.max_open_requests}")
         if self.encoding >= self.max_open_requests:
             limit = self.max_open_requests
             raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")
@@ -220,78 +269,176 @@ class OpenAIServer:
         finally:
             self.encoding -= 1
 
+    async def submit(self, ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+        """Admit the request's ``n`` choices, each a request of the engine (prefix caching computes
+        their shared prompt once), or none of them."""
+        children = [choice_params(params, i) for i in range(n)]
+        results = await asyncio.gather(
+            *(self.loop.submit(lambda: ids, lambda _, p=p: p) for p in children), return_exceptions=True
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        if len(streams) < n:
+            for stream in streams:
+                self.loop.release(stream)
+            raise next(r for r in results if not isinstance(r, RequestStream))
+        return streams
+
+    async def merged(self, streams: list[RequestStream]) -> AsyncIterator[Choice]:
+        """Every choice's outputs as they come, each with its index; closing it aborts the open ones."""
+        if len(streams) == 1:
+            async for out in self.loop.outputs(streams[0]):
+                yield 0, out
+            return
+        arrived: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in self.loop.outputs(stream):
+                    arrived.put_nowait((i, out))
+            except Exception as e:
+                arrived.put_nowait((i, e))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                i, item = await arrived.get()
+                if isinstance(item, Exception):
+                    raise item
+                left -= item.finished
+                yield i, item
+        finally:
+            for task in pumps:
+                task.cancel()
+
     async def respond(
         self,
         body: SamplingRequest,
         encode: Encode,
         request: Request,
-        event: Callable[[RequestOutput], BaseModel | None],
+        event: Callable[[int, RequestOutput], BaseModel | None],
         usage_event: Callable[[Usage], BaseModel],
-        final: Callable[[RequestOutput], BaseModel],
-        first: BaseModel | None = None,
+        final: Callable[[list[RequestOutput]], BaseModel],
+        first: Callable[[int], BaseModel] | None = None,
     ) -> BaseModel | Response:
         """Admit a request (or raise the error its status code comes from), then answer with its
-        events as they come (``stream``) or with its ``final`` response."""
+        choices' events as they come (``stream``) or with its ``final`` response."""
         self.check_model(body)
         ids, params = await self.prepare(body, encode)
-        stream = await self.loop.submit(lambda: ids, lambda _: params)
-        outputs = self.loop.outputs(stream)
+        if body.runs > body.n:  # ranked by their logprobs, returned only if asked for
+            params = replace(params, logprobs=params.logprobs or 0)
+        outputs = self.merged(await self.submit(ids, params, body.runs))
         if body.stream:
 
             async def events() -> AsyncIterator[BaseModel]:
-                if first is not None:
-                    yield first
-                async for out in outputs:
-                    if (e := event(out)) is not None:
-                        yield e
-                    if out.finished and body.include_usage:
-                        yield usage_event(Usage.of(out))
+                try:
+                    for i in range(body.n) if first is not None else ():
+                        yield first(i)
+                    finals: list[RequestOutput] = []
+                    async for i, out in outputs:
+                        if (e := event(i, out)) is not None:
+                            yield e
+                        if out.finished:
+                            finals.append(out)
+                    if body.include_usage:
+                        yield usage_event(Usage.of(finals))
+                finally:
+                    await outputs.aclose()
 
             return sse(events())
-        if (out := await last_output(outputs, request)) is None:
+        if (outs := await last_outputs(outputs, request, body.runs)) is None:
             return Response(status_code=499)  # nobody reads it: the client closed the connection
-        return final(out)
+        return final(most_likely(outs, body.n, body.num_logprobs is not None))
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs: its own (special tokens too), or ``token_id:N`` (vLLM's
+        form) without a tokenizer. Cached, so a token is decoded once per server."""
+        if (text := self.token_texts.get(token_id)) is None:
+            if self.decoder is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.decoder.hf.decode([token_id], skip_special_tokens=False)
+            self.token_texts[token_id] = text
+        return text
+
+    def new_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
+        """The logprobs of the tokens this output adds."""
+        return (out.logprobs or [])[len(out.token_ids) - len(out.new_token_ids) :]
 
     async def completion(self, body: CompletionRequest, request: Request) -> BaseModel | Response:
         header = ResponseHeader.new("cmpl", self.model_name).model_dump()
+        offsets = [0] * body.n  # each streamed choice's text so far, where its next token's text starts
 
-        def choice(text: str, ids: list[int], out: RequestOutput) -> CompletionChoice:
-            ids_or_none = ids if body.return_token_ids else None
-            return CompletionChoice(text=text, finish_reason=out.finish_reason, token_ids=ids_or_none)
+        def choice(i: int, text: str, ids: list[int], out: RequestOutput, entries: list[TokenLogprob]):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = CompletionLogprobs.of(entries, self.token_text, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs.tokens)
+            return CompletionChoice(
+                index=i, text=text, finish_reason=out.finish_reason, logprobs=logprobs,
+                token_ids=ids if body.return_token_ids else None,
+            )
 
-        def event(out: RequestOutput) -> Completion | None:
-            if out.new_text or out.finished or (body.return_token_ids and out.new_token_ids):
-                return Completion(**header, choices=[choice(out.new_text, out.new_token_ids, out)])
+        def event(i: int, out: RequestOutput) -> Completion | None:
+            wanted = body.return_token_ids or body.logprobs is not None
+            if out.new_text or out.finished or (out.new_token_ids and wanted):
+                c = choice(i, out.new_text, out.new_token_ids, out, self.new_logprobs(out))
+                return Completion(**header, choices=[c])
             return None  # a token that adds no text yet (part of a character, a held stop string)
+
+        def final(outs: list[RequestOutput]) -> Completion:
+            choices = [choice(i, o.text, o.token_ids, o, o.logprobs or []) for i, o in enumerate(outs)]
+            return Completion(**header, choices=choices, usage=Usage.of(outs))
 
         return await self.respond(
             body, partial(self.encode, body), request, event,
-            usage_event=lambda usage: Completion(**header, choices=[], usage=usage),
-            final=lambda out: Completion(
-                **header, choices=[choice(out.text, out.token_ids, out)], usage=Usage.of(out)
-            ),
+            usage_event=lambda usage: Completion(**header, choices=[], usage=usage), final=final,
         )
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
         header = ResponseHeader.new("chatcmpl", self.model_name).model_dump()
 
-        def event(out: RequestOutput) -> ChatCompletionChunk | None:
-            if not (out.new_text or out.finished):
+        def logprobs(entries: list[TokenLogprob]) -> ChatLogprobs | None:
+            return ChatLogprobs.of(entries, self.token_text) if body.logprobs else None
+
+        def reply(out: RequestOutput) -> tuple[AssistantMessage, str | None]:
+            """The message and finish reason of a finished choice: its tool calls parsed, if any."""
+            content, calls = hermes_tool_parser.parse(out.text) if body.parses_tool_calls else (out.text, [])
+            message = AssistantMessage(content=content, tool_calls=calls)
+            return message, "tool_calls" if calls else out.finish_reason
+
+        def event(i: int, out: RequestOutput) -> ChatCompletionChunk | None:
+            if body.parses_tool_calls:  # a call is only known whole: the reply comes as one chunk
+                if not out.finished:
+                    return None
+                message, reason = reply(out)
+                calls = [ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(message.tool_calls)]
+                delta = ChatDelta(content=message.content, tool_calls=calls or None)
+                entries = out.logprobs or []
+            elif out.new_text or out.finished or (out.new_token_ids and body.logprobs):
+                delta, reason = ChatDelta(content=out.new_text or None), out.finish_reason
+                entries = self.new_logprobs(out)
+            else:
                 return None
-            delta = ChatDelta(content=out.new_text or None)
-            choice = ChatChunkChoice(delta=delta, finish_reason=out.finish_reason)
+            choice = ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=logprobs(entries))
             return ChatCompletionChunk(**header, choices=[choice])
 
-        def final(out: RequestOutput) -> ChatCompletion:
-            message = {"role": "assistant", "content": out.text}
-            choice = ChatChoice(message=message, finish_reason=out.finish_reason)
-            return ChatCompletion(**header, choices=[choice], usage=Usage.of(out))
+        def final(outs: list[RequestOutput]) -> ChatCompletion:
+            choices = []
+            for i, out in enumerate(outs):
+                message, reason = reply(out)
+                entries = logprobs(out.logprobs or [])
+                choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=entries))
+            return ChatCompletion(**header, choices=choices, usage=Usage.of(outs))
 
-        role = ChatDelta(role="assistant", content="")
+        def first(i: int) -> ChatCompletionChunk:
+            role = ChatDelta(role="assistant", content="")
+            return ChatCompletionChunk(**header, choices=[ChatChunkChoice(index=i, delta=role)])
+
         return await self.respond(
             body, partial(self.encode_chat, body), request, event,
             usage_event=lambda usage: ChatCompletionChunk(**header, choices=[], usage=usage),
-            final=final, first=ChatCompletionChunk(**header, choices=[ChatChunkChoice(delta=role)]),
+            final=final, first=first,
         )
 
 

@@ -168,6 +168,10 @@ class EngineLoop:
             raise
         return stream
 
+    def release(self, stream: RequestStream) -> None:
+        """Abort an admitted request whose outputs nobody will read (a sibling choice was refused)."""
+        self._commands.put(lambda: self._drop(stream))
+
     async def outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; stopping early (the client went away, the
         task was cancelled) aborts it before the engine's next step."""

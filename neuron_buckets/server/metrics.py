@@ -83,6 +83,8 @@ class EngineCounterCollector(Collector):
             ("nb:engine_steps", "Engine steps that ran a plan", steps.steps),
             ("nb:engine_step_seconds", "Wall seconds in those steps", steps.seconds),
             ("nb:engine_graph_seconds", "Of which in the runtime's graph calls", steps.graph_seconds),
+            ("nb:engine_grammar_masks", "Logits rows masked by a grammar", steps.grammar_masks),
+            ("nb:engine_grammar_seconds", "Host seconds making those masks", steps.grammar_seconds),
         ):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

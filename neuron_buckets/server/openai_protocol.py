@@ -4,7 +4,10 @@ Field names, defaults and response shapes follow the OpenAI API as vLLM serves i
 clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchanged; vLLM's own
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``add_special_tokens``, ``return_token_ids``) are accepted too, and nb's ``speculative: false``
-opts a request out of the server's drafting. Every other OpenAI or vLLM field is in one of two
+opts a request out of the server's drafting. ``logprobs`` (and chat's ``top_logprobs``), ``n``,
+``best_of``, ``response_format`` and chat's ``tools``/``tool_choice`` are implemented (the engine's
+logprobs and structured outputs, and ``hermes_tool_parser.py``). Every other OpenAI or vLLM field
+is in one of two
 tables, shared by completions and chat: ``UNSUPPORTED``, the fields that would change the answer
 and that nb does not implement, refused by name unless they hold a value that means "not used";
 and ``IGNORED``, the fields accepted because they never change the answer, each with the reason.
@@ -17,39 +20,42 @@ are refused by name.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
+from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
-from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
+from neuron_buckets.server.hermes_tool_parser import forced_call_tag
 
 Int = Annotated[int, Strict()]  # no bools, no numeric strings
 STRICT = ConfigDict(strict=True)  # no bools as numbers, no strings as booleans
+# Choices one request may ask for: each is a request of its own in the engine.
+MAX_N = 64
+# What JSON cannot hold: a logprob of -inf is sent as this, as vLLM does.
+LOGPROB_FLOOR = -9999.0
 
 # The fields nb does not implement, and the values that mean "not used" (sent by many clients);
 # null always does. A field one endpoint implements is declared on its model, so it never reaches
-# this table there: ``max_completion_tokens`` is chat's, refused on completions. Chat's
-# ``logprobs`` is a boolean (false: off), completions' a count.
+# this table there: ``max_completion_tokens`` and ``top_logprobs`` are chat's, refused on
+# completions (whose ``logprobs`` is the count).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
-    "n": (1,),
-    "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False,),
     "top_logprobs": (0,),
     "logit_bias": ({},),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "suffix": ("",),
     "max_completion_tokens": (),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "reasoning_effort": (),
     "verbosity": (),
     "prediction": (),
@@ -97,7 +103,7 @@ IGNORED: dict[str, str] = {
     "service_tier": "the provider's pricing and latency tier",
     "safety_identifier": "an end-user id for the provider's abuse monitoring",
     "prompt_cache_key": "a routing hint for the provider's prompt cache; nb's prefix cache needs none",
-    "parallel_tool_calls": "read only with tools, which are refused",
+    "parallel_tool_calls": "every call the model writes is parsed; a forced tool_choice writes one",
     "length_penalty": "read only by beam search, which is refused",
     "request_id": "names vLLM's response; nb names its own",
 }
@@ -116,6 +122,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name``, ``schema``, ``strict``, ``description``."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    name: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema" and self.json_schema is not None:
+            schema = self.json_schema.json_schema  # its key order is the output's: not sorted
+            return StructuredOutputsParams(json=json.dumps(schema))
+        return None
+
+
 class SamplingRequest(BaseModel):
     """What completions and chat completions share: the model, sampling and streaming fields."""
 
@@ -132,6 +170,9 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] = []
     ignore_eos: bool = False
+    n: Int = Field(1, ge=1, le=MAX_N)  # choices: each seeded from ``seed`` (seed + its index)
+    best_of: Int | None = Field(None, ge=1, le=MAX_N)  # run this many, return the n most likely
+    response_format: ResponseFormat | None = None
     speculative: bool = True  # nb's: false = no drafts for this request when the server speculates
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -150,11 +191,29 @@ class SamplingRequest(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not means_off(value, UNSUPPORTED[name]):
                 raise ValueError(f"{name}={value!r} is not supported by nb serve")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be at least n={self.n}")
+        if self.stream and self.runs > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best are known only at the end")
         return self
+
+    @property
+    def runs(self) -> int:
+        """The sequences generated: ``best_of`` (the ``n`` most likely are returned), else ``n``."""
+        return self.best_of or self.n
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token (0: the emitted token's only); None: no logprobs."""
+        return None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar the output must match, if any."""
+        return None if self.response_format is None else self.response_format.structured_outputs()
 
     def sampling_params(self, room: int) -> SamplingParams:
         """The engine's parameters; without ``max_tokens`` a request may use all of ``room``, the
@@ -173,6 +232,8 @@ class SamplingRequest(BaseModel):
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
             speculative=self.speculative,
+            logprobs=self.num_logprobs,
+            structured_outputs=self.structured_outputs(),
         )
 
 
@@ -183,6 +244,17 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     return_token_ids: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, value: Any) -> Any:
+        """Clients that share one body between the routes send chat's ``false`` for "off"."""
+        return None if value is False else value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -202,30 +274,138 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def parsed_arguments(self) -> Any:
+        try:
+            return json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return self.arguments
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's reply: the call it answers
+    name: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        """The plain {role, content} dict that chat templates expect."""
+    def as_template_input(self) -> dict[str, Any]:
+        """The plain dict chat templates expect: role and content, and the tool fields when
+        given, a call's arguments as an object (templates write them with ``tojson``)."""
         parts = self.content if isinstance(self.content, list) else [self.content or ""]
-        return {"role": self.role, "content": "".join(p if isinstance(p, str) else p.text for p in parts)}
+        message: dict[str, Any] = {
+            "role": self.role, "content": "".join(p if isinstance(p, str) else p.text for p in parts)
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": c.function.parsed_arguments()}}
+                for c in self.tool_calls
+            ]
+        message.update({k: v for k in ("tool_call_id", "name") if (v := getattr(self, k)) is not None})
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: messages rendered with the artifact's chat template."""
+    """``POST /v1/chat/completions``: messages rendered with the artifact's chat template.
+
+    ``tools`` go to the template; with ``tool_choice`` ``auto`` (the default with tools) the reply's
+    ``<tool_call>`` blocks become ``tool_calls``; ``required`` or a named function forces one call
+    through the grammar; ``none`` parses nothing.
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: Int | None = Field(None, ge=1)
     add_special_tokens: bool = False  # vLLM's: special tokens beyond those the template writes
+    logprobs: bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _newer_name(self) -> ChatCompletionRequest:
         """OpenAI renamed ``max_tokens`` to ``max_completion_tokens`` for chat; take either."""
         self.max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        declared = [t.function.name for t in self.tools or []]
+        if self.forced_tool_choice and not declared:
+            raise ValueError(f"tool_choice={self.forced_tool_choice!r} needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in declared:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        shaped = self.response_format is not None and self.response_format.type != "text"
+        if self.forced_tool_choice and shaped:
+            raise ValueError("response_format and a forced tool_choice cannot both shape the reply")
         return self
+
+    @property
+    def forced_tool_choice(self) -> str | None:
+        """``required``, or the named function's name, or None when no call is forced."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if (forced := self.forced_tool_choice) is None:
+            return super().structured_outputs()
+        functions = [
+            (t.function.name, t.function.parameters) for t in self.tools or []
+            if forced == "required" or t.function.name == forced
+        ]
+        return StructuredOutputsParams(structural_tag=forced_call_tag(functions))
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):
@@ -234,36 +414,107 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, out: RequestOutput) -> Usage:
-        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    def of(cls, outs: Sequence[RequestOutput]) -> Usage:
+        """One request's usage: its prompt once, the tokens of all its choices."""
+        prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+TokenText = Callable[[int], str]  # a token's text as logprobs name it
+
+
+def floored(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' logprobs: per token its text, offset in the choice's text, logprob, and the
+    top ``logprobs`` tokens with the emitted one (so up to ``logprobs + 1`` entries), as OpenAI's."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> CompletionLogprobs:
+        tokens = [text(e.token_id) for e in entries]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        tops = [
+            {**{text(t): floored(v) for t, v in e.top}, text(e.token_id): floored(e.logprob)} for e in entries
+        ]
+        return cls(
+            text_offset=offsets, token_logprobs=[floored(e.logprob) for e in entries], tokens=tokens,
+            top_logprobs=tops,
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+    @classmethod
+    def of(cls, token: str, logprob: float) -> TopLogprob:
+        return cls(token=token, logprob=floored(logprob), bytes=list(token.encode()))
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's logprobs: per token its text, bytes, logprob and the ``top_logprobs`` most likely."""
+
+    content: list[ChatTokenLogprob]
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogprobs:
+        return cls(content=[
+            ChatTokenLogprob(
+                **TopLogprob.of(text(e.token_id), e.logprob).model_dump(),
+                top_logprobs=[TopLogprob.of(text(t), v) for t, v in e.top],
+            )
+            for e in entries
+        ])
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # vLLM's ``return_token_ids`` extension
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
     index: int = 0
-    message: dict[str, str]
+    message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ToolCallDelta(ToolCall):
+    index: int
 
 
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ResponseHeader(BaseModel):
