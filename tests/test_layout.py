@@ -106,7 +106,8 @@ def test_kernels_and_manifests_are_reached_without_links():
 
 # Figures a run measured on one day belong in the CHANGELOG and bench results, not in the code.
 MEASUREMENT = re.compile(
-    r"\b\d+(\.\d+)? ?ms\b(?! per)|\b\d+(\.\d+)?x (faster|slower|the time)|\b20\d\d-\d\d-\d\d\b(?! \d)"
+    r"\b\d+(\.\d+)? ?(ms|µs)\b(?! per)|\b\d+(\.\d+)?x (faster|slower|the time)|\b20\d\d-\d\d-\d\d\b(?! \d)"
+    r"|\b\d+(\.\d+)? ?(GFLOP/s|GB/s|tok/s)"
 )
 
 
