@@ -6,8 +6,8 @@ tied), random weights saved by transformers. Workloads: ``fixed`` (8 prompts of 
 in every engine. nb runs two compiled artifacts: the default grid (packed prefill buckets 64, 256
 and 512 tokens, decode batches 1, 8 and 16 over context buckets 256 and 512) and the grid that
 ``nb plan`` chooses for the two workloads' own lengths (prefill, num_seqs and context buckets),
-with a 1024-token step budget (vLLM CPU's default is 4096; on a 2-core AMD EPYC, 2026-11-30,
-1024 beat 512 and 2048). Its start-up is ``BucketRuntime.open`` with every graph loaded, after the
+with a 1024-token step budget (vLLM CPU's default is 4096; on a 2-core machine 1024 beat 512 and
+2048, CHANGELOG has the figures). Its start-up is ``BucketRuntime.open`` with every graph loaded, after the
 one-time ``nb compile``. Also printed: one packed prefill call of the 8x50 prompts (in the 512
 bucket, and in the planned grid's bucket) against transformers' batched prefill forward, and a
 decode step at a real context of 64 on an artifact with max_model_len 4096 against one with 512.
