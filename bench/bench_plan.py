@@ -2,12 +2,14 @@
 the powers-of-two default at the same number of graphs; plus loading a million-row trace.
 
 Run: python bench/bench_plan.py TRACE_DIR, where TRACE_DIR holds ``AzureLLMInferenceTrace_conv.csv``
-and ``AzureLLMInferenceTrace_code.csv`` (Azure's public LLM inference traces).
+and ``AzureLLMInferenceTrace_code.csv`` (Azure's public LLM inference traces). Prints its figures
+and writes them into ``bench/RESULTS.md`` (``--results`` names another file).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +18,28 @@ import numpy as np
 
 from neuron_buckets.traffic.planner import PlanOptions, optimal_sets, plan, powers_of_two_baseline
 from neuron_buckets.traffic.traces import load_trace
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_table import PROVENANCE, RESULTS, ResultsTable, provenance  # noqa: E402
+
+PADDING = ResultsTable(
+    heading="Bucket planning: padding (bench_plan.py)",
+    about="""
+`bench/bench_plan.py`: padding (padded tokens over real ones) of the Azure traces' prompts on the
+powers-of-two default and on `nb plan`'s buckets at the same number of prefill graphs K (align
+64), and of the decode batches replayed from the arrivals. The figures follow from the traces and
+the planner alone, so they change only with the code.
+""",
+    columns=("trace", "requests", "K", "prefill powers of two", "prefill plan", "plan / powers of two",
+             "decode powers of two", "decode plan", *PROVENANCE),
+    key=1,
+)
+TIMES = ResultsTable(
+    heading="Bucket planning: time (bench_plan.py)",
+    about="`bench/bench_plan.py`: the planner's own cost, best of 5 runs (1 for the slow ones).",
+    columns=("work", "ms", *PROVENANCE),
+    key=1,
+)
 
 
 def best_of(fn, repeats: int = 5) -> float:
@@ -27,7 +51,7 @@ def best_of(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def compare(traces: Path, name: str) -> None:
+def compare(traces: Path, name: str) -> list[str]:
     trace = load_trace(traces / f"AzureLLMInferenceTrace_{name}.csv")
     k = len(powers_of_two_baseline(trace.prompt_lens.max()))
     doc = plan(trace, PlanOptions(graphs=k, align=64))
@@ -41,12 +65,17 @@ def compare(traces: Path, name: str) -> None:
     print(f"  {'decode powers of two':22}{dbase['padding_ratio']:>9.1%}  {dbase['buckets']}")
     print(f"  {'decode plan':22}{d['padding_ratio']:>9.1%}  {d['buckets']}  (peak {d['peak_batch']})")
     print("  Pareto: " + ", ".join(f"K={r['graphs']} {r['padding_ratio']:.1%}" for r in doc["pareto"]))
+    powers, planned = base["padding_ratio"], p["padding_ratio"]
+    return [name, f"{len(trace)}", str(k), f"{powers:.1%}", f"{planned:.1%}", f"{planned / powers:.3f}",
+            f"{dbase['padding_ratio']:.1%}", f"{d['padding_ratio']:.1%}"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace_dir", type=Path, help="folder with AzureLLMInferenceTrace_{conv,code}.csv")
-    traces = parser.parse_args().trace_dir
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file to write")
+    args = parser.parse_args()
+    traces = args.trace_dir
     conv = load_trace(traces / "AzureLLMInferenceTrace_conv.csv").prompt_lens
     dp = best_of(lambda: optimal_sets(conv, 8, 64))
     print(f"DP, conversation trace ({len(conv):,} prompts), K=8, align 64: {dp * 1e3:.2f} ms")
@@ -55,8 +84,7 @@ def main() -> None:
     print(f"DP, same, align 1 ({len(np.unique(conv)):,} distinct lengths): {dp1 * 1e3:.0f} ms")
     full = best_of(lambda: plan(load_trace(traces / "AzureLLMInferenceTrace_conv.csv"), PlanOptions(8)))
     print(f"whole nb plan (load, DP, decode replay, stats), conversation trace: {full * 1e3:.0f} ms")
-    for name in ("code", "conv"):
-        compare(traces, name)
+    padding = [compare(traces, name) for name in ("code", "conv")]
     rng = np.random.default_rng(0)
     n = 1_000_000
     stamps = np.datetime64("2023-11-16T18:15:46") + np.sort(rng.integers(0, 3600 * 10**9, n)).astype(
@@ -69,6 +97,15 @@ def main() -> None:
         path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(lines) + "\n")
         load = best_of(lambda: load_trace(path), repeats=1)
     print(f"\nload_trace, {n:,}-row Azure-format CSV with date-time stamps: {load:.2f} s")
+    times = [
+        [f"DP, conversation trace ({len(conv):,} prompts), K=8, align 64", f"{dp * 1e3:.2f}"],
+        [f"DP, same, align 1 ({len(np.unique(conv)):,} distinct lengths)", f"{dp1 * 1e3:.0f}"],
+        ["whole nb plan (load, DP, decode replay, stats), conversation trace", f"{full * 1e3:.0f}"],
+        [f"load_trace, {n:,}-row Azure-format CSV with date-time stamps", f"{load * 1e3:.0f}"],
+    ]
+    PADDING.merge(args.results, [[*row, *provenance()] for row in padding])
+    TIMES.merge(args.results, [[*row, *provenance()] for row in times])
+    print(f"rows written to {args.results}")
 
 
 if __name__ == "__main__":

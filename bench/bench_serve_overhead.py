@@ -11,7 +11,7 @@ detokenized in both.
 - **in-process**: ``LLMEngine`` over the same artifact in this process, stepped in a plain loop that
   adds the next prompt as one finishes. No HTTP, no event loop. The loop runs on a thread of its
   own, as ``nb serve``'s engine loop does. (Before ``BucketRuntime.open`` loaded on a passing
-  thread, both ways ran 1.7x slower than a loop on the opening thread: libgomp's idle pool on the
+  thread, both ways ran slower than a loop on the opening thread: libgomp's idle pool on the
   opener made the stepping thread's workers sleep between parallel loops; ``utils/passing_thread.py``.)
 
 Both read the engine's own counters (``LLMEngine.step_stats``; ``nb:engine_*`` in ``/metrics``):

@@ -18,8 +18,8 @@ CPU settings, applied only where the variable is unset: ``VLLM_CPU_KVCACHE_SPACE
 (``VLLM_CPU_OMP_THREADS_BIND``) left at vLLM's ``auto``: one core is kept for the engine process,
 which polls for work while the model runs, and the model's OpenMP threads get the rest. On a
 two-core machine that is one model thread; binding both cores (``--threads-bind all``) measured
-about 2.5x slower (2-core AMD EPYC development machine, 2026-11-30), because the polling engine
-then steals a core from the OpenMP team. Also ``VLLM_USE_AOT_COMPILE=0``: with this torch, loading
+slower several-fold (CHANGELOG has the figures), because the polling engine then steals a core
+from the OpenMP team. Also ``VLLM_USE_AOT_COMPILE=0``: with this torch, loading
 vLLM's saved AOT-compiled model fails ('function' object has no attribute 'finalize_loading') and
 every start recompiles; without AOT the ordinary compile cache is used and a warm start was about
 twice as fast on the same machine.
@@ -78,8 +78,8 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         seed=0,
         # The same prompts run --repeats times: with vLLM's default prefix caching every run after
-        # the first would find its whole prompt cached and skip its prefill (measured: mixed
-        # workload 110.9 tok/s against about 50 cold, 2026-12-01). Each run must compute its prompts.
+        # the first would find its whole prompt cached and skip its prefill (several times the cold
+        # rate on the mixed workload; CHANGELOG has the figures). Each run must compute its prompts.
         enable_prefix_caching=False,
     )
     startup_s = time.perf_counter() - start

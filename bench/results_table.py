@@ -9,8 +9,15 @@ place. Sections that are not this table's (notes written by hand) are kept as th
 
 from __future__ import annotations
 
+import os
+import subprocess
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+
+RESULTS = Path(__file__).parent / "RESULTS.md"  # what `make bench` regenerates
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")  # what decides the kernels
+PROVENANCE = ("date (UTC)", "CPU", "nb commit")  # the last columns of every table but the matrix's
 
 HEADER = """# Benchmark results
 
@@ -18,6 +25,33 @@ Written by the benches under `bench/` (each table says which); a run replaces th
 cells it ran and keeps the others, so rows may come from different days, machines and commits:
 each row says its own. Every figure is one run on the machine named in its row.
 """
+
+
+def cpu_description() -> str:
+    """The CPU model, its cores, and the flags that decide which kernels run."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in info.splitlines() if ":" in ln)}
+    model, flags = fields.get("model name", "unknown CPU"), set(fields.get("flags", "").split())
+    return f"{model}, {os.cpu_count()} cores, " + " ".join(f for f in CPU_FLAGS if f in flags)
+
+
+def commit() -> str:
+    """This checkout's commit, ``+changes`` if tracked files differ from it."""
+    repo = str(Path(__file__).parents[1])
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "-uno"], capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def provenance() -> list[str]:
+    """The ``PROVENANCE`` cells of a row measured now, here."""
+    return [now(), cpu_description(), commit()]
 
 
 def _cells(line: str) -> list[str]:

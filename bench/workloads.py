@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import os
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +108,15 @@ def transformers_generate_runs(
     repeats: int = 1,
     num_threads: int | None = None,
 ) -> tuple[list[list[int]], list[float]]:
-    """Like ``transformers_generate`` but with every timed call's seconds, for noisy shared machines.
+    """Batched greedy generation in transformers eager mode: the new tokens and the seconds of each
+    of ``repeats`` timed calls (all of them, for noisy shared machines).
 
-    ``num_threads`` (default: all cores) lets a run match a peer that computes on fewer threads.
+    Eager means plain PyTorch, no ``torch.compile``; attention is transformers' default SDPA
+    (``attn_implementation="eager"`` selects its unfused reference attention instead). One
+    left-padded batch with an attention mask, float32. A one-prompt warm-up runs first so that
+    one-time costs (allocator, kernel selection) are not counted; only the generation is timed,
+    not model loading. ``num_threads`` (default: all cores) lets a run match a peer that computes
+    on fewer threads.
     """
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
     model = _load_hf(Path(model_dir), attn_implementation)
@@ -130,27 +135,6 @@ def transformers_generate_runs(
     return new.tolist(), runs
 
 
-def transformers_generate(
-    model_dir: Path,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    attn_implementation: str = "sdpa",
-    repeats: int = 1,
-) -> tuple[list[list[int]], float]:
-    """Batched greedy generation in transformers eager mode; returns new tokens and generate seconds.
-
-    Eager means plain PyTorch, no ``torch.compile``; attention is transformers' default SDPA
-    (``attn_implementation="eager"`` selects its unfused reference attention instead). One
-    left-padded batch with an attention mask, float32, all cores. A one-prompt warm-up runs first so
-    that one-time costs (allocator, kernel selection) are not counted; only the timed ``generate``
-    call is measured, not model loading. With ``repeats`` > 1 the seconds are the median.
-    """
-    tokens, runs = transformers_generate_runs(
-        model_dir, prompts, max_new_tokens, attn_implementation, repeats
-    )
-    return tokens, statistics.median(runs)
-
-
 def transformers_prefill_ms(
     model_dir: Path,
     prompts: list[list[int]],
@@ -160,7 +144,7 @@ def transformers_prefill_ms(
 ) -> list[float]:
     """Milliseconds of one batched prefill forward (padded batch, KV cache built, last logits only).
 
-    This is the prefill half of ``transformers_generate`` on its own, to split its time into prefill
+    This is the prefill half of ``transformers_generate_runs`` on its own, to split its time into prefill
     and decode.
     """
     torch.set_num_threads(num_threads or os.cpu_count() or 1)

@@ -9,11 +9,11 @@ multiply-adds with no reduction across the register, and keeps an online softmax
 (faster than the inductor kernel it replaced; CHANGELOG has the figures).
 
 Prompt chunks: their attention is compute, about a tenth of a prefill layer's work. Flex
-attention's CPU template ran it at about 50 GFLOP/s of useful work (AVX-512), a third of the GEMM
-rate. Here each tile of a segment's queries, the query heads of one kv head stacked, meets chunks
-of keys in two GEMMs (scores, then weighted values; ``sgemm_`` of the BLAS torch links, MKL in
-its x86 wheels) with an online softmax between; keys past the tile's last token or outside a
-window are never computed, and the context is gathered from its blocks, never past its length.
+attention's CPU template ran it far below the GEMM rate (CHANGELOG has the figures). Here each
+tile of a segment's queries, the query heads of one kv head stacked, meets chunks of keys in two
+GEMMs (scores, then weighted values; ``sgemm_`` of the BLAS torch links, MKL in its x86 wheels)
+with an online softmax between; keys past the tile's last token or outside a window are never
+computed, and the context is gathered from its blocks, never past its length.
 
 Both keep the golden's contract, masking and NaN safety (``block_kv_torch``), tested against it.
 

@@ -21,7 +21,7 @@ _PUBLIC = {
     "NoBucketFits": "neuron_buckets.core.bucket",
     "select_bucket": "neuron_buckets.core.bucket",
     "BlockPool": "neuron_buckets.engine.block_pool",
-    "PrefillChunk": "neuron_buckets.core.step_plan",
+    "PrefillChunk": "neuron_buckets.runtime.prefill_chunk",
     "StepInputs": "neuron_buckets.core.padding",
     "Segment": "neuron_buckets.core.step_plan",
     "StepPlan": "neuron_buckets.core.step_plan",
@@ -87,13 +87,14 @@ if TYPE_CHECKING:
     from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
     from neuron_buckets.core.masks import gen_cache_mask
     from neuron_buckets.core.padding import StepInputs
-    from neuron_buckets.core.step_plan import PrefillChunk, Segment, StepPlan
+    from neuron_buckets.core.step_plan import Segment, StepPlan
     from neuron_buckets.engine.block_pool import BlockPool
     from neuron_buckets.engine.llm_engine import LLMEngine, generate
     from neuron_buckets.engine.request_output import RequestOutput
     from neuron_buckets.engine.sampling_params import SamplingParams
     from neuron_buckets.engine.tokenizer import Tokenizer
     from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
+    from neuron_buckets.runtime.prefill_chunk import PrefillChunk
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ import torch
 from filelock import FileLock
 from typer.testing import CliRunner
 
-from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.core.step_plan import Segment, StepPlan
 
 TINY_LLAMA = dict(
     vocab_size=256,
@@ -290,3 +290,15 @@ def segment(token_ids, start: int, block_ids, num_samples: int = 1) -> Segment:
     """A segment to pad by hand: one request's ``token_ids`` at positions ``start``, ... over
     ``block_ids``, its last ``num_samples`` tokens sampled."""
     return Segment(0, token_ids, start, block_ids, num_samples)
+
+
+def prefill_plan(chunks: Iterable[tuple]) -> StepPlan:
+    """A step plan of prompt chunks, ``(token_ids, start, block_ids)`` each, each sampling its last
+    token: what a scheduler writes for requests that prefill."""
+    return tuple(Segment(i, ids, start, blocks, 1) for i, (ids, start, blocks) in enumerate(chunks))
+
+
+def decode_plan(rows: Iterable[tuple]) -> StepPlan:
+    """A step plan of decode rows, ``(token_ids, start, block_ids)`` each, every token sampled (the
+    last generated token and its drafts): what a scheduler writes for requests that decode."""
+    return tuple(Segment(i, ids, start, blocks, len(ids)) for i, (ids, start, blocks) in enumerate(rows))

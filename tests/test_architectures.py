@@ -27,9 +27,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import TINY_CONFIG, save_tiny_model, write_config
+from tests.conftest import TINY_CONFIG, decode_plan, prefill_plan, save_tiny_model, write_config
 from tests.test_engine import greedy
 
 pytestmark = pytest.mark.slow  # every test runs compiled graphs
@@ -124,7 +123,7 @@ def test_steps_match_transformers(compiled: Compiled):
     seqs = prompts((100, 9), seed=3)
     blocks = [list(range(1, 15)), list(range(20, 23))]  # room for the prompts and 12 more tokens
     # 100 tokens > the 80-token bucket: chunks, the later attending to the cached earlier; padded calls
-    logits = runtime.prefill([PrefillChunk(s, 0, b) for s, b in zip(seqs, blocks, strict=True)])
+    logits = runtime.run_plan(prefill_plan([(s, 0, b) for s, b in zip(seqs, blocks, strict=True)]))
     assert runtime.stats["prefill_s80"].padded_tokens > runtime.stats["prefill_s80"].real_tokens == 109
     for row, seq in enumerate(seqs):
         want = compiled.logits(seq)[-1]
@@ -135,8 +134,8 @@ def test_steps_match_transformers(compiled: Compiled):
     # the ones greedy decoding picks.
     first = int(compiled.logits(seqs[1])[-1].argmax())
     drafts = [[7, 8], [first, int(compiled.logits([*seqs[1], first])[-1].argmax())]]
-    rows = [PrefillChunk([s[-1], *d], len(s) - 1, b) for s, d, b in zip(seqs, drafts, blocks, strict=True)]
-    logits = runtime.decode(rows)
+    rows = [([s[-1], *d], len(s) - 1, b) for s, d, b in zip(seqs, drafts, blocks, strict=True)]
+    logits = runtime.run_plan(decode_plan(rows)).view(len(rows), 3, -1)  # every row's three positions
     for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
         compiled.assert_close(logits[row], compiled.logits([*seq, *draft])[-3:])
 
@@ -144,9 +143,10 @@ def test_steps_match_transformers(compiled: Compiled):
     # both drafts and the bonus; then one plain decode step, two of its three positions padding.
     seqs[0].append(int(logits[0, 0].argmax()))
     seqs[1] += [*drafts[1], int(logits[1, 2].argmax())]
-    logits = runtime.decode([PrefillChunk([s[-1]], len(s) - 1, b) for s, b in zip(seqs, blocks, strict=True)])
+    rows = [([s[-1]], len(s) - 1, b) for s, b in zip(seqs, blocks, strict=True)]
+    logits = runtime.run_plan(decode_plan(rows))
     for row, seq in enumerate(seqs):
-        compiled.assert_close(logits[row, 0], compiled.logits(seq)[-1])
+        compiled.assert_close(logits[row], compiled.logits(seq)[-1])
 
 
 def hf_greedy(compiled: Compiled, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
@@ -171,13 +171,13 @@ def test_greedy_tokens_equal_transformers_generate(compiled: Compiled):
 
     runtime = compiled.runtime()
     blocks = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(batch))]  # 128 positions each
-    steps = [runtime.prefill([PrefillChunk(p, 0, b) for p, b in zip(batch, blocks, strict=True)])]
+    steps = [runtime.run_plan(prefill_plan([(p, 0, b) for p, b in zip(batch, blocks, strict=True)]))]
     for i in range(MAX_NEW - 1):
         rows = [
-            PrefillChunk([w[i]], len(p) + i, b)
+            ([w[i]], len(p) + i, b)
             for p, (w, _), b in zip(batch, wants, blocks, strict=True)
         ]
-        steps.append(runtime.decode(rows)[:, 0])
+        steps.append(runtime.run_plan(decode_plan(rows)))
     along = torch.stack(steps, dim=1)  # (prompts, steps, vocab)
 
     decided_steps = 0

@@ -40,7 +40,7 @@ def bucket(kind: str, batch: int, field: str, value: int):
     return edit
 
 
-# (the edit, the field the refusal must name): the reproductions of the issue and their siblings
+# (the edit, the field the refusal must name): the reported reproductions and their siblings
 EDITS = {
     "num_blocks x4": (scale("cache", "num_blocks", 4), "cache.num_blocks"),
     "num_blocks x2": (scale("cache", "num_blocks", 2), "cache.num_blocks"),

@@ -40,13 +40,12 @@ from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config, load_config
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from neuron_buckets.utils import files
 from neuron_buckets.utils.files import sha256_file
 from neuron_buckets.utils.package_data import read_package_data
-from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
+from tests.conftest import TINY_CONFIG, prefill_plan, save_tiny_llama, write_config
 from tests.worker_stops import dies_on, stopped
 
 EAGER = TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
@@ -237,7 +236,7 @@ def test_a_damaged_weights_file_of_the_same_size_is_rewritten(eager, tmp_path):
     weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
     compile_(eager, out, cache)
     assert weights.read_bytes() == good
-    assert BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
+    assert BucketRuntime.open(out).run_plan(prefill_plan([([1, 2, 3], 0, [1])])).shape == (1, 256)
 
 
 def test_graphs_of_pieces_dropped_from_the_grid_leave_the_directory(eager, hf_model_dir, tmp_path):
@@ -281,7 +280,7 @@ def test_a_failing_piece_is_recorded_and_the_others_finish(eager, tmp_path):
     ]
     runtime = BucketRuntime.open(out)
     assert PREFILL_32 not in runtime.records
-    assert runtime.prefill([PrefillChunk([1, 2, 3], 0, [1])]).shape == (1, 256)
+    assert runtime.run_plan(prefill_plan([([1, 2, 3], 0, [1])])).shape == (1, 256)
 
     blocked.rmdir()
     again = compile_(eager, out, cache)
@@ -409,12 +408,12 @@ def test_a_graph_edited_in_place_is_caught_and_rebuilt_by_the_next_compile(eager
         f.write(b"[]" + b" " * (len(good) - 2))
 
     with pytest.raises(ArtifactError, match=f"of piece {FRESH_16.name} does not match its sha256"):
-        BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
+        BucketRuntime.open(out).run_plan(prefill_plan([([1, 2, 3], 0, [1])]))
     report = compile_(eager, out, cache)
     assert names(report.compiled) == [FRESH_16.name]
     assert (out / rec.file).read_bytes() == good
     assert pieces(out)[FRESH_16.name][1].sha256 == rec.sha256
-    BucketRuntime.open(out).prefill([PrefillChunk([1, 2, 3], 0, [1])])
+    BucketRuntime.open(out).run_plan(prefill_plan([([1, 2, 3], 0, [1])]))
 
 
 @pytest.mark.parametrize(
@@ -488,9 +487,9 @@ def test_the_manifest_follows_the_schema_and_the_directory_can_move(compiled_dir
 
     moved = Path(shutil.move(shutil.copytree(compiled_dir, tmp_path / "a"), tmp_path / "b"))
     assert not (tmp_path / "a").exists()
-    prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]
-    there = BucketRuntime.open(moved, preload=True).prefill(prompt)
-    torch.testing.assert_close(there, BucketRuntime.open(compiled_dir).prefill(prompt), rtol=0, atol=0)
+    prompt = prefill_plan([(list(range(3, 23)), 0, [1, 2, 3])])
+    there = BucketRuntime.open(moved, preload=True).run_plan(prompt)
+    torch.testing.assert_close(there, BucketRuntime.open(compiled_dir).run_plan(prompt), rtol=0, atol=0)
 
 
 KILL_CONFIG = TINY_CONFIG.replace("max_num_seqs = 2", "max_num_seqs = 1").replace(
@@ -568,9 +567,9 @@ def test_kill_during_a_compile_then_resume_compiles_only_the_missing_graph(
     report = Compiler(config, out, cache).run(jobs=1)
     assert names(report.compiled) == [KILL_16.name, KILL_32.name] and report.failed == []
     assert {o.shape for o in report.outcomes if o.cached} == set(reused)
-    prompt = [PrefillChunk(list(range(3, 23)), 0, [1, 2, 3])]  # 20 tokens: the new prefill 32 layer
-    resumed = BucketRuntime.open(out).prefill(prompt)
-    torch.testing.assert_close(resumed, BucketRuntime.open(compiled_dir).prefill(prompt))
+    prompt = prefill_plan([(list(range(3, 23)), 0, [1, 2, 3])])  # 20 tokens: the new prefill 32 layer
+    resumed = BucketRuntime.open(out).run_plan(prompt)
+    torch.testing.assert_close(resumed, BucketRuntime.open(compiled_dir).run_plan(prompt))
 
 
 @pytest.mark.parametrize(

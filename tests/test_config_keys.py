@@ -181,3 +181,13 @@ def test_every_key_changes_the_manifest_or_what_a_run_does(section, key, hf_mode
         "engine": lambda c: engine_probe(c, tmp_path),
     }
     assert probes[probe](changed) != probes[probe](base)
+
+
+def test_max_num_seqs_has_one_default():
+    """A config that leaves it out, ``nb plan`` without a config and the embedded default file all
+    mean the same number of requests per call."""
+    from neuron_buckets.config.buckets import BucketConfig
+    from neuron_buckets.traffic.planner import PlanOptions
+
+    embedded = tomllib.loads(read_package_data("default.toml"))["buckets"]["max_num_seqs"]
+    assert BucketConfig().max_num_seqs == PlanOptions(graphs=1).max_num_seqs == embedded

@@ -123,6 +123,7 @@ def test_one_max_new_tokens_per_prompt(compiled_dir, hf_greedy):
         ([[1] * 120], 9, r"prompt 0: 120 prompt tokens \+ max_tokens 9 = 129 exceeds max_model_len 128"),
         ([[1, 2], []], 4, "prompt 1 is empty"),
         ([[1, 256, 3]], 4, r"prompt 0 has token ids \[256\] outside the vocabulary \[0, 256\)"),
+        ([[1.7, 2]], 4, r"prompt 0 token ids must be integers, got \[1.7\]"),  # not truncated
     ],
 )
 def test_impossible_requests_fail_before_anything_runs(compiled_dir, prompts, max_new, message):

@@ -76,6 +76,19 @@ def test_the_dry_run_reads_the_build_plan_not_the_compiler():
     assert "def plan_compile(build: BuildPlan, cache: GraphCache)" in source
 
 
+def test_the_step_plan_is_the_one_step_record_between_engine_and_runtime():
+    """The runtime runs ``StepPlan``s (``run_plan``) and nothing else: ``PrefillChunk`` is only the
+    input of ``BucketRuntime.prefill``, the public convenience the contract names, so only the
+    runtime and the package front import it, and the runtime has no other step helper."""
+    from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+
+    users = {name for name, path in _modules().items()
+             if "neuron_buckets.runtime.prefill_chunk" in _imports(path)}
+    assert users == {"neuron_buckets", "neuron_buckets.runtime.bucket_runtime"}
+    steps = {name for name in vars(BucketRuntime) if name in ("decode", "prefill", "run_plan", "step")}
+    assert steps == {"prefill", "run_plan"}
+
+
 def test_kernels_and_manifests_are_reached_without_links():
     """They stay at the top of the repository; the package reaches them by ``__path__`` in a
     checkout and by pyproject's ``package-dir`` once built, so no tool has to follow a link."""
@@ -93,7 +106,8 @@ def test_kernels_and_manifests_are_reached_without_links():
 
 # Figures a run measured on one day belong in the CHANGELOG and bench results, not in the code.
 MEASUREMENT = re.compile(
-    r"\b\d+(\.\d+)? ?ms\b(?! per)|\b\d+(\.\d+)?x (faster|slower|the time)|\b20\d\d-\d\d-\d\d\b(?! \d)"
+    r"\b\d+(\.\d+)? ?(ms|µs)\b(?! per)|\b\d+(\.\d+)?x (faster|slower|the time)|\b20\d\d-\d\d-\d\d\b(?! \d)"
+    r"|\b\d+(\.\d+)? ?(GFLOP/s|GB/s|tok/s)"
 )
 
 
@@ -106,8 +120,9 @@ def _prose(path: Path) -> list[str]:
 
 
 def test_no_docstring_or_comment_holds_a_measurement_of_one_day():
+    benches = {f"bench/{p.name}": p for p in (PACKAGE.parent / "bench").glob("*.py")}
     found = {
-        name: hit.group(0) for name, path in _modules().items()
+        name: hit.group(0) for name, path in {**_modules(), **benches}.items()
         for text in _prose(path) if (hit := MEASUREMENT.search(text))
     }
-    assert found == {}
+    assert len(benches) > 10 and found == {}

@@ -27,10 +27,9 @@ from neuron_buckets.cli import app
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.config import load_config
-from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.utils.package_data import read_package_data
-from tests.conftest import TINY_CONFIG, error_line, free_port, write_config
+from tests.conftest import TINY_CONFIG, error_line, free_port, prefill_plan, write_config
 from tests.worker_stops import stopped
 
 pytestmark = pytest.mark.xdist_group("ray")
@@ -135,8 +134,8 @@ def test_ray_compiles_the_grid_into_the_local_executors_artifact(ray_compile, lo
     # in), so equal graphs show as equal results: every bucket, from the same inputs.
     ray_rt, local_rt = BucketRuntime.open(out, preload=True), BucketRuntime.open(local_compile, preload=True)
     for length in (20, 100):
-        prompt = [PrefillChunk(list(range(3, 3 + length)), 0, list(range(1, 1 + -(-length // 16))))]
-        torch.testing.assert_close(ray_rt.prefill(prompt), local_rt.prefill(prompt))
+        prompt = prefill_plan([(list(range(3, 3 + length)), 0, list(range(1, 1 + -(-length // 16))))])
+        torch.testing.assert_close(ray_rt.run_plan(prompt), local_rt.run_plan(prompt))
 
 
 @pytest.mark.slow

@@ -20,9 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.step_plan import PrefillChunk, Segment
+from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 from neuron_buckets.utils.files import sha256_file
+from tests.conftest import decode_plan, prefill_plan
 
 pytestmark = pytest.mark.slow  # every test needs the compiled session artifact
 
@@ -61,15 +62,15 @@ def test_open_loads_no_graph_first_use_loads_its_pieces_preload_loads_all(compil
     runtime = BucketRuntime.open(compiled_dir)
     assert runtime.loaded == []
 
-    runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+    runtime.run_plan(prefill_plan([(tokens(10, 0), 0, [1, 2])]))
     prefill_16 = piece_keys(runtime, Bucket("prefill", 2, 16, 128), "fresh_layer")
     assert runtime.loaded == prefill_16  # embed, the bucket's layer over no context (nothing cached), head
 
-    runtime.prefill([PrefillChunk(tokens(4, 1), 10, [1, 2])])  # a continuing chunk reads a context
+    runtime.run_plan(prefill_plan([(tokens(4, 1), 10, [1, 2])]))  # a continuing chunk reads a context
     with_context = piece_keys(runtime, Bucket("prefill", 2, 16, 128))[1]
     assert runtime.loaded == [*prefill_16, with_context]
 
-    runtime.decode([PrefillChunk([7], 14, [1, 2])])  # another bucket: only its layer piece is new
+    runtime.run_plan(decode_plan([([7], 14, [1, 2])]))  # another bucket: only its layer piece is new
     decode_1 = piece_keys(runtime, Bucket("decode", 1, 1, 128))
     assert (decode_1[0], decode_1[2]) == (prefill_16[0], prefill_16[2])  # the shared embed and head
     assert runtime.loaded == [*prefill_16, with_context, decode_1[1]]
@@ -88,9 +89,9 @@ def test_stats_count_calls_real_and_padded_tokens_per_bucket(compiled_dir):
     assert set(runtime.stats) == {"prefill_s16", "prefill_s32", "decode_b1_c128", "decode_b2_c128"}
 
     # 10 + 20 tokens pack into one call of the 32-token bucket; 10 alone take the 16-token one
-    runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2]), PrefillChunk(tokens(20, 1), 0, [3, 4, 5])])
-    runtime.prefill([PrefillChunk(tokens(10, 2), 0, [6, 7])])
-    runtime.decode([PrefillChunk([7], 10, [1, 2])])
+    runtime.run_plan(prefill_plan([(tokens(10, 0), 0, [1, 2]), (tokens(20, 1), 0, [3, 4, 5])]))
+    runtime.run_plan(prefill_plan([(tokens(10, 2), 0, [6, 7])]))
+    runtime.run_plan(decode_plan([([7], 10, [1, 2])]))
 
     def counters(label: str) -> tuple[int, int, int]:
         s = runtime.stats[label]
@@ -104,12 +105,25 @@ def test_stats_count_calls_real_and_padded_tokens_per_bucket(compiled_dir):
     assert counters("decode_b2_c128") == (0, 0, 0)
 
 
+def test_prefill_of_chunks_runs_the_plan_of_their_segments(compiled_dir):
+    """``runtime.prefill`` with ``PrefillChunk``s, the public convenience, is the plan of one segment
+    per chunk sampling its last token, through the same ``run_plan``."""
+    from neuron_buckets import PrefillChunk
+
+    a, b = tokens(10, 0), tokens(20, 1)
+    chunks = [PrefillChunk(a, 0, [1, 2]), PrefillChunk(b, 0, [3, 4, 5])]
+    got = BucketRuntime.open(compiled_dir).prefill(chunks)
+    want = BucketRuntime.open(compiled_dir).run_plan(prefill_plan([(a, 0, [1, 2]), (b, 0, [3, 4, 5])]))
+    assert got.shape == (2, 256)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_chunked_prefill_matches_transformers(compiled_dir, hf_model):
     """45 tokens > the 32-token bucket: a 32-token chunk, then 13 attending to the cached 32."""
     runtime = BucketRuntime.open(compiled_dir)
     long, short = tokens(45, 2), tokens(20, 3)
 
-    logits = runtime.prefill([PrefillChunk(long, 0, blocks(1, 45)), PrefillChunk(short, 0, blocks(10, 20))])
+    logits = runtime.run_plan(prefill_plan([(long, 0, blocks(1, 45)), (short, 0, blocks(10, 20))]))
 
     want = torch.stack([hf_last_logits(hf_model, long), hf_last_logits(hf_model, short)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
@@ -121,15 +135,15 @@ def test_packed_prefill_matches_transformers_and_keeps_requests_apart(compiled_d
     tokens and cache only, so every logit row is what transformers gives that prompt alone."""
     runtime = BucketRuntime.open(compiled_dir)
     long, a, b = tokens(40, 4), tokens(7, 5), tokens(9, 6)
-    first = runtime.prefill([PrefillChunk(long[:24], 0, blocks(1, 40))])  # 24 of 40 cached
+    first = runtime.run_plan(prefill_plan([(long[:24], 0, blocks(1, 40))]))  # 24 of 40 cached
     torch.testing.assert_close(first[0], hf_last_logits(hf_model, long[:24]), rtol=1e-4, atol=1e-4)
     assert runtime.stats["prefill_s32"].calls == 1
 
-    logits = runtime.prefill([
-        PrefillChunk(long[24:], 24, blocks(1, 40)),  # 16 more, attending to the cached 24
-        PrefillChunk(a, 0, blocks(10, 7)),
-        PrefillChunk(b, 0, blocks(11, 9)),
-    ])  # fmt: skip
+    logits = runtime.run_plan(prefill_plan([
+        (long[24:], 24, blocks(1, 40)),  # 16 more, attending to the cached 24
+        (a, 0, blocks(10, 7)),
+        (b, 0, blocks(11, 9)),
+    ]))  # fmt: skip
     want = torch.stack([hf_last_logits(hf_model, p) for p in (long, a, b)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     # 16 + 7 fill one 32-token call (two requests, the bucket's most); 9 more need another call
@@ -141,15 +155,15 @@ def test_decode_of_three_rows_splits_over_batch_2_graphs_and_matches_transformer
     runtime = BucketRuntime.open(compiled_dir)
     prompts = [tokens(n, seed) for seed, n in enumerate((5, 17, 30))]
     tables = [blocks(1 + 8 * i, len(p) + 1) for i, p in enumerate(prompts)]
-    runtime.prefill([PrefillChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    runtime.run_plan(prefill_plan([(p, 0, t) for p, t in zip(prompts, tables, strict=True)]))
 
     nxt = [11, 22, 33]
-    rows = [PrefillChunk([n], len(p), t) for p, n, t in zip(prompts, nxt, tables, strict=True)]
-    logits = runtime.decode(rows)
+    rows = [([n], len(p), t) for p, n, t in zip(prompts, nxt, tables, strict=True)]
+    logits = runtime.run_plan(decode_plan(rows))
 
-    assert logits.shape == (3, 1, 256)
+    assert logits.shape == (3, 256)
     want = torch.stack([hf_last_logits(hf_model, p + [n]) for p, n in zip(prompts, nxt, strict=True)])
-    torch.testing.assert_close(logits[:, 0], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert runtime.stats["decode_b2_c128"].calls == 1 and runtime.stats["decode_b1_c128"].calls == 1
 
 
@@ -164,7 +178,7 @@ def test_a_plan_of_continuing_chunks_decode_rows_and_a_fresh_prompt_matches_tran
     seqs = [tokens(n, 10 + i) for i, n in enumerate((20, 12, 30, 9, 17, 6, 1))]
     tables = [blocks(1 + 5 * i, len(s)) for i, s in enumerate(seqs)]
     cached = [8, 5, 16, 8, 16]  # requests 3 and 4: all but their last token
-    runtime.prefill([PrefillChunk(s[:n], 0, t) for s, n, t in zip(seqs, cached, tables, strict=False)])
+    runtime.run_plan(prefill_plan([(s[:n], 0, t) for s, n, t in zip(seqs, cached, tables, strict=False)]))
     before = {name: vars(s).copy() for name, s in runtime.stats.items()}
 
     plan = (
@@ -196,7 +210,7 @@ def test_a_continuing_chunk_and_a_decode_row_run_in_one_compiled_call(compiled_d
     runtime.v_cache.fill_(float("nan"))
     seqs = [tokens(18, 40), tokens(11, 41)]
     tables = [blocks(3, 18), blocks(9, 11)]
-    runtime.prefill([PrefillChunk(seqs[0][:6], 0, tables[0]), PrefillChunk(seqs[1][:10], 0, tables[1])])
+    runtime.run_plan(prefill_plan([(seqs[0][:6], 0, tables[0]), (seqs[1][:10], 0, tables[1])]))
     before = {name: s.calls for name, s in runtime.stats.items()}
     plan = (Segment(0, seqs[0][6:], 6, tables[0], 1), Segment(1, seqs[1][10:], 10, tables[1], 1))
     logits = runtime.run_plan(plan)
@@ -237,10 +251,10 @@ def test_a_damaged_graph_fails_at_its_first_use_and_only_there(artifact_copy, da
     runtime = BucketRuntime.open(artifact_copy)  # lazy: opening does not read the graph
     before = runtime.k_cache.clone()
     with pytest.raises(ArtifactError, match=message):
-        runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])
+        runtime.run_plan(prefill_plan([(tokens(10, 0), 0, [1, 2])]))
     assert torch.equal(runtime.k_cache, before)
-    runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])])  # the other buckets still serve
-    runtime.decode([PrefillChunk([7], 20, [1, 2, 3])])
+    runtime.run_plan(prefill_plan([(tokens(20, 0), 0, [1, 2, 3])]))  # the other buckets still serve
+    runtime.run_plan(decode_plan([([7], 20, [1, 2, 3])]))
 
 
 def test_a_damaged_shared_piece_fails_every_bucket_that_runs_it(artifact_copy):
@@ -251,9 +265,9 @@ def test_a_damaged_shared_piece_fails_every_bucket_that_runs_it(artifact_copy):
     runtime = BucketRuntime.open(artifact_copy)
     before = runtime.k_cache.clone()
     for step in (
-        lambda: runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])]),
-        lambda: runtime.prefill([PrefillChunk(tokens(20, 0), 0, [1, 2, 3])]),
-        lambda: runtime.decode([PrefillChunk([7], 10, [1, 2])]),
+        lambda: runtime.run_plan(prefill_plan([(tokens(10, 0), 0, [1, 2])])),
+        lambda: runtime.run_plan(prefill_plan([(tokens(20, 0), 0, [1, 2, 3])])),
+        lambda: runtime.run_plan(decode_plan([([7], 10, [1, 2])])),
     ):
         with pytest.raises(ArtifactError, match=r"graph .* of piece head does not match its sha256"):
             step()
@@ -320,11 +334,11 @@ def test_a_float32_cpu_artifact_carries_the_attention_kernel_that_its_graphs_cal
 
 DECODER = """
 import sys
-from neuron_buckets.core.step_plan import PrefillChunk
+from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 assert not block_kv_cpu.registered()
-logits = BucketRuntime.open(sys.argv[1]).decode([PrefillChunk([7], 9, [1, 2])])
+logits = BucketRuntime.open(sys.argv[1]).run_plan((Segment(0, [7], 9, [1, 2], 1),))
 print(block_kv_cpu.registered(), logits.isfinite().all().item())
 """
 
@@ -346,58 +360,56 @@ def test_open_does_not_probe_the_build_compiler(compiled_dir, monkeypatch):
     def refuse() -> str:
         raise AssertionError("the runtime asked for the C++ compiler's version")
 
-    step = [PrefillChunk(tokens(10, 0), 0, [1, 2])]
-    expected = BucketRuntime.open(compiled_dir).prefill(step)
+    step = prefill_plan([(tokens(10, 0), 0, [1, 2])])
+    expected = BucketRuntime.open(compiled_dir).run_plan(step)
     monkeypatch.setattr(inductor, "_cxx_version", refuse)
-    torch.testing.assert_close(BucketRuntime.open(compiled_dir).prefill(step), expected, rtol=0, atol=0)
+    torch.testing.assert_close(BucketRuntime.open(compiled_dir).run_plan(step), expected, rtol=0, atol=0)
 
 
 def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
     """Loading a .pt2 needs no compiler: only the framework version must match the build."""
     path = artifact_copy / "manifest.json"
     manifest = json.loads(path.read_text())
-    step = [PrefillChunk(tokens(10, 0), 0, [1, 2])]
-    expected = BucketRuntime.open(artifact_copy).prefill(step)
+    step = prefill_plan([(tokens(10, 0), 0, [1, 2])])
+    expected = BucketRuntime.open(artifact_copy).run_plan(step)
     manifest["backend"]["versions"]["compiler"] = "clang++ 99.0"
     path.write_text(json.dumps(manifest))
-    torch.testing.assert_close(BucketRuntime.open(artifact_copy).prefill(step), expected, rtol=0, atol=0)
+    torch.testing.assert_close(BucketRuntime.open(artifact_copy).run_plan(step), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
     ("step", "error", "message"),
     [
         (
-            lambda rt: rt.prefill([PrefillChunk([1] * 129, 0, list(range(1, 18)))]),
+            lambda rt: rt.run_plan(prefill_plan([([1] * 129, 0, list(range(1, 18)))])),
             NoBucketFits,
             "reaching 129 tokens exceeds max_model_len 128",
         ),
         # one good request beside a bad one: nothing of the good one is written either
         (
-            lambda rt: rt.prefill([PrefillChunk([1] * 12, 0, [40, 41]), PrefillChunk([2] * 9, 0, [42, 64])]),
+            lambda rt: rt.run_plan(prefill_plan([([1] * 12, 0, [40, 41]), ([2] * 9, 0, [42, 64])])),
             ValueError,
             r"block ids must lie in \[1, 64\), got \[42, 64\]",
         ),
         (
-            lambda rt: rt.prefill([PrefillChunk([1] * 4, 0, [0])]),
+            lambda rt: rt.run_plan(prefill_plan([([1] * 4, 0, [0])])),
             ValueError,
             r"block ids must lie in \[1, 64\)",
         ),
         (
-            lambda rt: rt.decode([PrefillChunk([3], 10, [1, 2]), PrefillChunk([4], 10, [-3, 5])]),
+            lambda rt: rt.run_plan(decode_plan([([3], 10, [1, 2]), ([4], 10, [-3, 5])])),
             ValueError,
             r"block ids must lie in \[1, 64\), got \[-3, 5\]",
         ),
-        (lambda rt: rt.decode([PrefillChunk([3], 20, [1, 2])]), ValueError, "blocks for only 16"),
+        (lambda rt: rt.run_plan(decode_plan([([3], 20, [1, 2])])), ValueError, "blocks for only 16"),
         # two requests sharing a block: a later call of the step would overwrite the earlier one's K/V
         (
-            lambda rt: rt.prefill(
-                [PrefillChunk([1] * 40, 0, [7, 8, 9, 10, 11]), PrefillChunk([2] * 3, 0, [9])]
-            ),
+            lambda rt: rt.run_plan(prefill_plan([([1] * 40, 0, [7, 8, 9, 10, 11]), ([2] * 3, 0, [9])])),
             ValueError,
             "block 9 is written twice",
         ),
-        (lambda rt: rt.prefill([]), ValueError, "at least one request"),
-        (lambda rt: rt.prefill([PrefillChunk([], 0, [1])]), ValueError, "request 0 has no tokens"),
+        (lambda rt: rt.run_plan(()), ValueError, "at least one request"),
+        (lambda rt: rt.run_plan(prefill_plan([([], 0, [1])])), ValueError, "request 0 has no tokens"),
     ],
     ids=[
         "too-long",
@@ -412,7 +424,7 @@ def test_another_cxx_compiler_on_the_serving_host_is_fine(artifact_copy):
 )
 def test_impossible_requests_are_refused_with_the_cache_untouched(compiled_dir, step, error, message):
     runtime = BucketRuntime.open(compiled_dir)
-    runtime.prefill([PrefillChunk(tokens(10, 0), 0, [1, 2])])  # some real K/V to protect
+    runtime.run_plan(prefill_plan([(tokens(10, 0), 0, [1, 2])]))  # some real K/V to protect
     k, v = runtime.k_cache.clone(), runtime.v_cache.clone()
     with pytest.raises(error, match=message):
         step(runtime)

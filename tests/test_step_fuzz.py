@@ -11,8 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.core.step_plan import PrefillChunk
+from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from tests.conftest import decode_plan, prefill_plan
 
 pytestmark = pytest.mark.slow  # the session's compiled inductor artifact
 
@@ -22,8 +23,9 @@ MUTATIONS = ["token", "start", "spare", "needed", "null", "duplicate", "drop", N
 
 
 @st.composite
-def steps(draw) -> tuple[str, list[PrefillChunk]]:
-    """A step of mostly plausible rows (blocks from a shuffled pool), then at most one flaw."""
+def steps(draw) -> StepPlan:
+    """A plan of prompt chunks or decode rows, mostly plausible (blocks from a shuffled pool), then
+    at most one flaw."""
     kind = draw(st.sampled_from(["prefill", "decode"]))
     pool = draw(st.permutations(range(1, NUM_BLOCKS)))
     rows = []
@@ -50,7 +52,7 @@ def steps(draw) -> tuple[str, list[PrefillChunk]]:
             blocks[-1] = rows[0][2][0]
         else:
             blocks.pop()
-    return kind, [PrefillChunk(*row) for row in rows]
+    return (prefill_plan if kind == "prefill" else decode_plan)(rows)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +69,10 @@ def test_every_step_runs_or_leaves_the_cache_bit_identical(runtime):
 
     @settings(max_examples=500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(steps())
-    def step_is_atomic(step: tuple[str, list[PrefillChunk]]) -> None:
-        kind, rows = step
+    def step_is_atomic(plan: StepPlan) -> None:
         k, v = runtime.k_cache.clone(), runtime.v_cache.clone()
         try:
-            (runtime.prefill if kind == "prefill" else runtime.decode)(rows)
+            runtime.run_plan(plan)
         except ValueError:
             outcomes["refused"] += 1
             assert torch.equal(runtime.k_cache, k) and torch.equal(runtime.v_cache, v)

@@ -48,8 +48,9 @@ class Backend(Protocol):
         ...
 
     dynamic_shapes: bool  # whether embed and head compile once for every token count
-    # whether packed prefill buckets also get a layer piece over no context (``model/pieces.py``)
-    fresh_prefill: bool
+    # whether it compiles the fresh layers of packed buckets: a layer piece over no context
+    # (``model/pieces.py``), where ``compile.fresh_layers`` asks for them
+    fresh_layers: bool
     # whether its graphs run the model's default torch kernels, whose CPU attention
     # is the C++ op of ``kernels/block_kv_cpu.py`` (the artifact then carries its library)
     cpu_kernels: bool

@@ -23,7 +23,7 @@ class EagerBackend:
     name = "eager"
     graph_ext = "json"
     dynamic_shapes = True
-    fresh_prefill = True
+    fresh_layers = True
     cpu_kernels = True
 
     def available(self) -> tuple[bool, str]:

@@ -116,7 +116,7 @@ class InductorBackend:
     name = "inductor"
     graph_ext = "pt2"
     dynamic_shapes = True
-    fresh_prefill = True
+    fresh_layers = True
     cpu_kernels = True
 
     def available(self) -> tuple[bool, str]:

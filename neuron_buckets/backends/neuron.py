@@ -227,7 +227,7 @@ class NeuronBackend:
     name = "neuron"
     graph_ext = "pt"  # a TorchScript archive around the NEFF, as torch.jit.save writes it
     dynamic_shapes = False  # a NEFF has static shapes
-    fresh_prefill = False  # not yet: one more NEFF per token bucket, and its kernels have not run
+    fresh_layers = False  # not yet: one more NEFF per token bucket, and its kernels have not run
     cpu_kernels = False
 
     def __init__(self) -> None:

@@ -77,7 +77,7 @@ class XlaBackend:
     name = "xla"
     graph_ext = "json"  # the HLO module and its summary; load traces the same module again
     dynamic_shapes = False  # the Neuron backend's static pieces
-    fresh_prefill = False  # the Neuron backend's pieces
+    fresh_layers = False  # the Neuron backend's pieces
     cpu_kernels = False
     # what shapes its graphs, hashed into every key: the Neuron backend's traced modules, the lowering
     source_modules = (__name__, "neuron_buckets.backends.neuron", "neuron_buckets.backends.xla_lowering")

@@ -94,7 +94,7 @@ class BuildPlan:
              previous: Manifest | None) -> BuildPlan:
         buckets = enumerate_grid(config)
         decode_seq = 1 + config.buckets.speculation_length
-        fresh = backend.fresh_prefill and fresh_layers(config)
+        fresh = backend.fresh_layers and fresh_layers(config)
         pieces = {b: bucket_pieces(b, backend.dynamic_shapes, decode_seq, fresh) for b in buckets}
         shapes = sorted({s for roles in pieces.values() for s in roles.values()})
         info = BackendInfo(backend.name, config.compile.device, backend.versions(),

@@ -35,14 +35,3 @@ class Segment:
 
 
 StepPlan = tuple[Segment, ...]
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """One request's chunk for ``BucketRuntime.prefill``: ``token_ids`` written at positions
-    ``start_pos``, ... over ``block_ids``; the runtime makes it a plan's segment sampling its last
-    token. It is the input of that one method; a step is a ``StepPlan``."""
-
-    token_ids: Sequence[int] | Tensor
-    start_pos: int
-    block_ids: Sequence[int]

@@ -20,19 +20,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
-from neuron_buckets.core.step_plan import PrefillChunk, Segment, StepPlan
+from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.runtime.prefill_chunk import PrefillChunk
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
@@ -225,21 +225,13 @@ class BucketRuntime:
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests, one chunk each; (R, vocab) logits of each chunk's last token.
 
-        A plan of one segment per chunk, each returning its last token's logits: chunks are
-        packed into as few calls as fit, prompts longer than the largest bucket run in waves.
+        A convenience for scripts: the plan of one segment per chunk, each sampling its last
+        token, run as ``run_plan`` runs any plan (packed into as few calls as fit, a prompt longer
+        than the largest bucket in waves).
         """
         return self.run_plan(
             tuple(Segment(i, c.token_ids, c.start_pos, c.block_ids, 1) for i, c in enumerate(chunks))
         )
-
-    def decode(self, rows: Sequence[PrefillChunk]) -> Tensor:
-        """One decode step of every row, each row's tokens all sampled; (R, tokens, vocab), a row
-        shorter than the longest padded with zeros."""
-        plan = tuple(
-            Segment(i, r.token_ids, r.start_pos, r.block_ids, len(r.token_ids)) for i, r in enumerate(rows)
-        )
-        logits = self.run_plan(plan)
-        return pad_sequence(list(logits.split([len(r.token_ids) for r in rows])), batch_first=True)
 
 
 __all__ = ["ArtifactError", "BucketRuntime", "NoBucketFits"]

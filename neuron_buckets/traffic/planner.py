@@ -1,7 +1,7 @@
 """Choose bucket sets from traffic: the exact minimum of padded work for at most K graphs.
 
 Powers of two (the vLLM-neuron and NxD default) ignore where prompts actually fall; on the Azure
-conversation trace they waste about 44% extra prefill tokens where the best 8 buckets waste 15%.
+traces the best 8 buckets pad a fraction of what they do (``bench/bench_plan.py`` prints both).
 
 The optimum is a 1-D dynamic programme. The largest bucket is fixed (it must hold the longest
 prompt, or equal the ``max_num_batched_tokens`` cap, beyond which prompts are chunked), and with

@@ -55,10 +55,6 @@ class ReplayLoad:
         times = None if arrivals is None else tuple(float(t) for t in arrivals)
         return cls(concurrency, times, step_s, token_s)
 
-    @property
-    def all_at_once(self) -> bool:
-        return self.concurrency is None and self.arrivals is None
-
     def order(self, n: int) -> list[int]:
         """The order in which the first ``n`` requests are offered: by arrival (stable), else as
         listed."""
