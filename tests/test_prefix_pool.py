@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.engine.block_pool import BlockPool, OutOfBlocks
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
@@ -142,11 +143,11 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     requests: list[tuple[list[int], int]], num_blocks: int, publish_early: bool
 ) -> None:
     """Random prompts over two tokens, so prefixes collide, through the scheduler: admission
-    counts shared and evictable blocks right (``grow`` never runs short), every plan passes the
+    counts shared and evictable blocks right (``grow`` never runs short, a short pool preempts), every plan passes the
     runtime's step check (reads shared, writes private), a segment computes only what is not
     cached, and every block is free or cached once all requests end."""
     pool = BlockPool(num_blocks, BLOCK, enable_prefix_caching=True, salt=b"s")
-    sched = Scheduler(pool, budget=8, max_rows=2)
+    sched = Scheduler(KVCacheManager(pool), budget=8, max_rows=2)
     limits = StepLimits(BLOCK, num_blocks, 64, 2)
     reqs = [
         Request(i, list(p), len(p), SamplingParams(max_tokens=o, ignore_eos=True))
@@ -155,7 +156,9 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     for r in reqs if publish_early else reqs[:1]:
         sched.add(r)
     pending = [] if publish_early else reqs[1:]
-    computed = 0
+    computed, discarded = 0, []  # tokens computed; cached tokens each preemption gave up
+    preempt = sched.preempt
+    sched.preempt = lambda r: discarded.append(r.cached) or preempt(r)  # type: ignore[method-assign]
     for _ in range(500):
         if not sched.busy:
             if not pending:
@@ -166,7 +169,8 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
         computed += sum(len(s.token_ids) for s in plan)
         sched.commit(plan, [[1] if s.num_samples else [] for s in plan])
     assert not sched.busy and all(r.finish_reason == "length" for r in reqs)
-    assert computed == sum(r.final_cached for r in reqs) - pool.hits  # hits were not computed
+    # every position is computed once per admission, but for the hits
+    assert computed == sum(r.prompt_len + r.params.max_tokens - 1 for r in reqs) + sum(discarded) - pool.hits
     assert pool.num_free == num_blocks - 1
     assert all(pool.refcount(b) == 0 for b in range(num_blocks))
 
@@ -178,7 +182,7 @@ def test_a_request_whose_prefix_is_being_computed_waits_for_it(enable: bool) -> 
     blocks, C passes it, and B enters once they are written, computing only its own last token;
     off, B computes its whole prompt beside A."""
     pool = BlockPool(32, BLOCK, enable_prefix_caching=enable)
-    sched = Scheduler(pool, budget=9, max_rows=4)
+    sched = Scheduler(KVCacheManager(pool), budget=9, max_rows=4)
     shared = list(range(3 * BLOCK))
     prompts = [shared + [50, 51], shared + [60], [70, 71]]
     for i, p in enumerate(prompts):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 
 
 def admitted(pool: BlockPool, lens: tuple[int, ...], max_tokens: int = 4) -> Scheduler:
-    sched = Scheduler(pool, budget=64, max_rows=8)
+    sched = Scheduler(KVCacheManager(pool), budget=64, max_rows=8)
     for i, n in enumerate(lens):
         sched.add(Request(i, [i + 1] * n, n, SamplingParams(max_tokens=max_tokens)))
     return sched
@@ -51,7 +52,7 @@ def test_commit_appends_retires_the_finished_and_frees_their_blocks():
 
 def test_a_stop_token_ends_a_request_at_commit():
     pool = BlockPool(64, 16)
-    sched = Scheduler(pool, budget=64, max_rows=8)
+    sched = Scheduler(KVCacheManager(pool), budget=64, max_rows=8)
     sched.add(Request(0, [1, 2], 2, SamplingParams(max_tokens=9, stop_token_ids=(42,))))
     sched.commit(sched.schedule(), [[42]])
     assert not sched.running and pool.num_free == 63
