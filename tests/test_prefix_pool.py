@@ -143,9 +143,9 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     requests: list[tuple[list[int], int]], num_blocks: int, publish_early: bool
 ) -> None:
     """Random prompts over two tokens, so prefixes collide, through the scheduler: admission
-    counts shared and evictable blocks right (``grow`` never runs short, a short pool preempts), every plan passes the
-    runtime's step check (reads shared, writes private), a segment computes only what is not
-    cached, and every block is free or cached once all requests end."""
+    counts shared and evictable blocks right (``grow`` never runs short, a short pool preempts),
+    every plan passes the runtime's step check (reads shared, writes private), a segment computes
+    only what is not cached, and every block is free or cached once all requests end."""
     pool = BlockPool(num_blocks, BLOCK, enable_prefix_caching=True, salt=b"s")
     sched = Scheduler(KVCacheManager(pool), budget=8, max_rows=2)
     limits = StepLimits(BLOCK, num_blocks, 64, 2)

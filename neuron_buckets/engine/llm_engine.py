@@ -7,9 +7,9 @@ the sampler picks a token for every segment that returned logits, and the schedu
 them. Blocks are taken per step for the tokens actually written, never for padding; when they run
 short the newest request is preempted and later recomputed (``engine/kv_cache_manager.py``), its
 reported tokens unchanged. A request ends at an end-of-sequence token, one of its stop tokens or
-strings, its ``max_tokens``, or an abort, and gives its blocks back at once. Requests may be added and aborted between steps.
-Tokens are picked on the host (``engine/sampler.py``), each request with its own parameters and
-random generator.
+strings, its ``max_tokens``, or an abort, and gives its blocks back at once. Requests may be
+added and aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each
+request with its own parameters and random generator.
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real

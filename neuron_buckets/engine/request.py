@@ -1,9 +1,9 @@
 """One request, the one record the engine keeps of it: its tokens and blocks, how it samples and
 stops, and what of it was already reported.
 
-The scheduler reads its lengths and blocks (the KV cache manager keeps them), ``append`` applies its stop rule to each new token,
-``output`` says what is new since the last report. ``nb inspect``'s replay makes the same records
-from lengths alone (dummy tokens, ``ignore_eos``).
+The scheduler reads its lengths and blocks (the KV cache manager keeps them), ``append`` applies
+its stop rule to each new token, ``output`` says what is new since the last report. ``nb
+inspect``'s replay makes the same records from lengths alone (dummy tokens, ``ignore_eos``).
 """
 
 from __future__ import annotations
