@@ -213,7 +213,8 @@ class LLMEngine:
         start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
         graph_start = time.perf_counter()
-        logits = self.runtime.run_plan(plan)
+        # empty only when the requests it had ended as it was planned (the pool could not hold them)
+        logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
         if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
             chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
             drafter.follow(chunks)

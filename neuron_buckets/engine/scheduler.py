@@ -94,10 +94,16 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Take a running request's blocks back and queue it first, to prefill its prompt and
-        output again when it is readmitted."""
+        output again when it is readmitted; one the whole pool could not hold again ends instead,
+        with "length" (reported by the next ``commit``)."""
         self.running.remove(req)
-        self.kv.preempt(req)
-        self.waiting.appendleft(req)
+        if self.kv.fits_alone(len(req.token_ids)):
+            self.kv.preempt(req)
+            self.waiting.appendleft(req)
+        else:
+            self.kv.release(req)
+            req.finish_reason = "length"
+            self._ended.append(req)
 
     def schedule(self) -> StepPlan:
         """This step's plan: prefill chunks (the continuing prompt first), then decode rows."""
@@ -185,14 +191,8 @@ class Scheduler:
                 i += 1
                 continue
             preempted = True
-            victim = req if not self.kv.fits_alone(req.cached + 1) else self.running[-1]
-            if self.kv.fits_alone(len(victim.token_ids)):
-                self.preempt(victim)
-            else:  # it could not continue even alone: the pool bounds its length
-                self.running.remove(victim)
-                self.kv.release(victim)
-                victim.finish_reason = "length"
-                self._ended.append(victim)
+            # the newest gives way; one that could not grow even alone ends (``preempt``)
+            self.preempt(req if not self.kv.fits_alone(req.cached + 1) else self.running[-1])
         return preempted
 
     def _prefill_chunks(self, budget: int, max_rows: int, admit: bool) -> list[tuple[Request, int]]:
