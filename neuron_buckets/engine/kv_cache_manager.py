@@ -36,6 +36,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * (pool.num_blocks - 1))
         self.follows_draft = follows_draft
         self.num_preemptions = 0
+        self.peak_usage = 0.0  # the most ``usage`` reached after a grow
 
     @property
     def usage(self) -> float:
@@ -85,14 +86,14 @@ class KVCacheManager:
         """Make ``req``'s blocks cover ``num_tokens`` tokens; all or nothing."""
         if self.pool.blocks_for(num_tokens) - len(req.blocks) > self.pool.num_free:
             return False
-        self.pool.grow(req.blocks, num_tokens)
+        self._grow(req, num_tokens)
         return True
 
     def grow_up_to(self, req: Request, num_tokens: int) -> int:
         """Grow ``req``'s blocks towards ``num_tokens`` tokens as far as the pool allows; the
         tokens they cover then (at most ``num_tokens``)."""
         covered = (len(req.blocks) + self.pool.num_free) * self.pool.block_size
-        self.pool.grow(req.blocks, min(num_tokens, covered))
+        self._grow(req, min(num_tokens, covered))
         return min(num_tokens, len(req.blocks) * self.pool.block_size)
 
     def commit(self, req: Request) -> None:
@@ -114,6 +115,10 @@ class KVCacheManager:
         req.cached = req.draft_cached = 0
         req.recomputed = req.num_generated
         self.num_preemptions += 1
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        self.pool.grow(req.blocks, num_tokens)
+        self.peak_usage = max(self.peak_usage, self.usage)
 
     def shortfall(self, req: Request) -> str:
         """Why ``req`` cannot be admitted into a pool that nobody it knows holds."""
