@@ -5,9 +5,11 @@ Requests of 20-token prompts and ``max_tokens`` 200 whose stop token ends them a
 fourth request runs to 150 tokens, so the pool runs short and requests are preempted. No model
 runs: the scheduler plans every step and commits the stop token at each request's length, as
 ``nb inspect`` replays a trace. Prints, per pool size and watermark, the steps, the peak and mean
-running batch, the preemptions and the tokens computed again.
+running batch, the preemptions and the tokens computed (recomputed ones included), for each
+policy choosing the request to preempt.
 
     python bench/bench_preemption.py --num-blocks 40,80 --watermarks 0,0.01,0.05,0.1 [--long]
+    python bench/bench_preemption.py --long --num-blocks 24 --policies newest,least-computed,oldest
 """
 
 from __future__ import annotations
@@ -50,10 +52,27 @@ class Outcome:
     computed: int  # tokens the steps computed, recomputed ones included
 
 
-def run_workload(work: Workload, num_blocks: int, watermark: float) -> Outcome:
+class LeastComputed(Scheduler):
+    """Preempts the running request with the fewest tokens cached: the least to compute again."""
+
+    def victim(self) -> Request:
+        return min(reversed(self.running), key=lambda r: r.cached)
+
+
+class Oldest(Scheduler):
+    """Preempts the first admitted running request."""
+
+    def victim(self) -> Request:
+        return self.running[0]
+
+
+POLICIES = {"newest": Scheduler, "least-computed": LeastComputed, "oldest": Oldest}
+
+
+def run_workload(work: Workload, num_blocks: int, watermark: float, policy: str = "newest") -> Outcome:
     """Every request to its stop token through the scheduler over a pool of ``num_blocks``."""
     kv = KVCacheManager(BlockPool(num_blocks, work.block_size, enable_prefix_caching=True), watermark)
-    sched = Scheduler(kv, work.budget, work.max_rows)
+    sched = POLICIES[policy](kv, work.budget, work.max_rows)
     lengths = {}
     for i in range(work.requests):
         prompt = [100 + i] + [3] * (work.prompt_len - 1)  # no two alike
@@ -81,15 +100,17 @@ def main() -> None:
     parser.add_argument("--watermarks", default="0,0.01,0.05,0.1", help="shares of the pool, comma separated")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-rows", type=int, default=4, help="max_num_seqs")
+    parser.add_argument("--policies", default="newest", help=f"comma separated, of {', '.join(POLICIES)}")
     parser.add_argument("--long", action="store_true", help="every fourth request runs to 150 tokens")
     args = parser.parse_args()
     work = Workload(requests=args.requests, long_every=4 if args.long else 0, max_rows=args.max_rows)
-    print("num_blocks  watermark  steps  peak running  mean running  preemptions  computed tokens")
-    for blocks in (int(b) for b in args.num_blocks.split(",")):
-        for mark in (float(w) for w in args.watermarks.split(",")):
-            o = run_workload(work, blocks, mark)
-            print(f"{blocks:>10}  {mark:>9.2f}  {o.steps:>5}  {o.peak_running:>12}  {o.mean_running:>12.2f}"
-                  f"  {o.preemptions:>11}  {o.computed:>15}")
+    print("policy          num_blocks  watermark  steps  peak running  mean running  preemptions  computed")
+    for policy in args.policies.split(","):
+        for blocks in (int(b) for b in args.num_blocks.split(",")):
+            for mark in (float(w) for w in args.watermarks.split(",")):
+                o = run_workload(work, blocks, mark, policy)
+                print(f"{policy:<14}  {blocks:>10}  {mark:>9.2f}  {o.steps:>5}  {o.peak_running:>12}"
+                      f"  {o.mean_running:>12.2f}  {o.preemptions:>11}  {o.computed:>8}")
 
 
 if __name__ == "__main__":

@@ -182,18 +182,20 @@ class Scheduler:
 
     def _make_room(self) -> bool:
         """Grow every running request, oldest first, for the next token it writes (a decode row's
-        fed token, a continuing prompt's next one), preempting the newest while the pool is
+        fed token, a continuing prompt's next one), preempting ``victim``s while the pool is
         short; whether any was preempted."""
-        preempted, i = False, 0
-        while i < len(self.running):
-            req = self.running[i]
-            if self.kv.grow(req, req.cached + 1):
-                i += 1
-                continue
-            preempted = True
-            # the newest gives way; one that could not grow even alone ends (``preempt``)
-            self.preempt(req if not self.kv.fits_alone(req.cached + 1) else self.running[-1])
+        preempted = False
+        for req in list(self.running):
+            while req in self.running and not self.kv.grow(req, req.cached + 1):
+                preempted = True
+                # the victim gives way; one that could not grow even alone ends (``preempt``)
+                self.preempt(req if not self.kv.fits_alone(req.cached + 1) else self.victim())
         return preempted
+
+    def victim(self) -> Request:
+        """The running request preempted first: the most recently admitted, as vLLM does
+        (``bench/bench_preemption.py`` measures others)."""
+        return self.running[-1]
 
     def _prefill_chunks(self, budget: int, max_rows: int, admit: bool) -> list[tuple[Request, int]]:
         """(request, tokens to prefill) pairs within ``budget`` tokens and ``max_rows`` chunks,
