@@ -166,7 +166,7 @@ def test_replay_counts_what_the_runtime_counts_on_a_trace_that_preempts(artifact
     replay = replay_runtime([len(p) for p in prompts], outputs, buckets, 10, target.block_size,
                             enable_prefix_caching=True)
     measured = {name: s for name, s in engine.stats.items() if s.calls}
-    assert replay.preemptions == engine.kv_cache.num_preemptions > 0
+    assert replay.kv.num_preemptions == engine.kv_cache.num_preemptions > 0
     assert {name: s for name, s in replay.stats.items() if s.calls} == measured
 
 

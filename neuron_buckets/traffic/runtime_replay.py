@@ -38,16 +38,19 @@ from neuron_buckets.traffic.replay_load import ALL_AT_ONCE, ReplayLoad
 class Replay:
     """What the replay ran: the runtime's counters per ``Bucket.name``, every graph call in order,
     the prefill-chunk tokens of each packed call, the steps, the replayed clock at the end
-    (``ReplayLoad``'s step-time model), the pool (its prefix-cache counters) and the requests
-    preempted (the runtime's ``vllm:num_preemptions``)."""
+    (``ReplayLoad``'s step-time model), and the KV cache manager (its pool's prefix-cache
+    counters, the requests it preempted: the runtime's ``vllm:num_preemptions``)."""
 
     stats: dict[str, BucketStats]
     calls: tuple[Call, ...]
     chunk_tokens: tuple[int, ...]
     steps: int
     seconds: float
-    pool: BlockPool
-    preemptions: int
+    kv: KVCacheManager
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
 
     def packed_tokens(self) -> np.ndarray:
         """Prefill-chunk tokens of every call of a token bucket, riding decode rows left out:
@@ -97,7 +100,7 @@ def replay_runtime(
         clock += load.step_seconds(plan)
         steps += 1
         sched.commit(plan, [[0] * min(s.num_samples, 1) for s in plan])
-    return Replay(stats, tuple(calls), tuple(chunk_tokens), steps, clock, pool, kv.num_preemptions)
+    return Replay(stats, tuple(calls), tuple(chunk_tokens), steps, clock, kv)
 
 
 def fit_requests(
@@ -134,7 +137,7 @@ def packed_report(replay: Replay, requests: int, load: ReplayLoad) -> dict:
         "requests": requests,
         "load": load.to_json(),
         "steps": replay.steps,
-        "preemptions": replay.preemptions,
+        "preemptions": replay.kv.num_preemptions,
         "replayed_seconds": replay.seconds,
         "per_bucket": per_bucket,
         "real_tokens": real,
