@@ -135,6 +135,8 @@ def test_generate_stats_print_the_prefix_cache_hit_rate(eager_dir):
     )
     assert result.exit_code == 0, result.output
     assert "prefix cache: 32 of 74 prompt tokens hit (43%)" in result.output
+    # 6 blocks for the first's 41 tokens and one of the second's own: the other 4 are the first's
+    assert "KV cache: 0 preemptions, at most 11% of 63 blocks in use" in result.output
 
 
 def test_generate_refuses_bad_prompts(eager_dir):

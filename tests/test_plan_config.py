@@ -125,11 +125,12 @@ def test_the_padding_terms_agree_between_json_metrics_stats_and_plot(capsys) -> 
     computed = {s.labels["bucket"]: s.value for s in families["nb:bucket_computed_tokens"].samples}
     assert {s.labels["model_name"] for f in families.values() for s in f.samples} == {"tiny"}
     engine = SimpleNamespace(
-        stats=replay.stats, draft_stats={}, pool=replay.pool, spec_stats=SpecDecodeStats()
+        stats=replay.stats, draft_stats={}, pool=replay.pool, spec_stats=SpecDecodeStats(), kv_cache=replay.kv
     )
     print_stats(engine)
     table = capsys.readouterr().err
     assert "computed tokens" in table and "padding share" in table
+    assert f"KV cache: {replay.kv.num_preemptions} preemptions" in table
     for b in packed["per_bucket"]:
         assert b["padding_share"] == (b["computed_tokens"] - b["real_tokens"]) / b["computed_tokens"]
         assert share[b["bucket"]] == pytest.approx(b["padding_share"])

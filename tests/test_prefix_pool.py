@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.engine.block_pool import BlockPool, OutOfBlocks
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
@@ -142,11 +143,11 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     requests: list[tuple[list[int], int]], num_blocks: int, publish_early: bool
 ) -> None:
     """Random prompts over two tokens, so prefixes collide, through the scheduler: admission
-    counts shared and evictable blocks right (``grow`` never runs short), every plan passes the
-    runtime's step check (reads shared, writes private), a segment computes only what is not
-    cached, and every block is free or cached once all requests end."""
+    counts shared and evictable blocks right (``grow`` never runs short, a short pool preempts),
+    every plan passes the runtime's step check (reads shared, writes private), a segment computes
+    only what is not cached, and every block is free or cached once all requests end."""
     pool = BlockPool(num_blocks, BLOCK, enable_prefix_caching=True, salt=b"s")
-    sched = Scheduler(pool, budget=8, max_rows=2)
+    sched = Scheduler(KVCacheManager(pool), budget=8, max_rows=2)
     limits = StepLimits(BLOCK, num_blocks, 64, 2)
     reqs = [
         Request(i, list(p), len(p), SamplingParams(max_tokens=o, ignore_eos=True))
@@ -155,7 +156,9 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     for r in reqs if publish_early else reqs[:1]:
         sched.add(r)
     pending = [] if publish_early else reqs[1:]
-    computed = 0
+    computed, discarded = 0, []  # tokens computed; cached tokens each preemption gave up
+    preempt = sched.preempt
+    sched.preempt = lambda r: discarded.append(r.cached) or preempt(r)  # type: ignore[method-assign]
     for _ in range(500):
         if not sched.busy:
             if not pending:
@@ -166,7 +169,8 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
         computed += sum(len(s.token_ids) for s in plan)
         sched.commit(plan, [[1] if s.num_samples else [] for s in plan])
     assert not sched.busy and all(r.finish_reason == "length" for r in reqs)
-    assert computed == sum(r.final_cached for r in reqs) - pool.hits  # hits were not computed
+    # every position is computed once per admission, but for the hits
+    assert computed == sum(r.prompt_len + r.params.max_tokens - 1 for r in reqs) + sum(discarded) - pool.hits
     assert pool.num_free == num_blocks - 1
     assert all(pool.refcount(b) == 0 for b in range(num_blocks))
 
@@ -178,7 +182,7 @@ def test_a_request_whose_prefix_is_being_computed_waits_for_it(enable: bool) -> 
     blocks, C passes it, and B enters once they are written, computing only its own last token;
     off, B computes its whole prompt beside A."""
     pool = BlockPool(32, BLOCK, enable_prefix_caching=enable)
-    sched = Scheduler(pool, budget=9, max_rows=4)
+    sched = Scheduler(KVCacheManager(pool), budget=9, max_rows=4)
     shared = list(range(3 * BLOCK))
     prompts = [shared + [50, 51], shared + [60], [70, 71]]
     for i, p in enumerate(prompts):
@@ -196,3 +200,105 @@ def test_a_request_whose_prefix_is_being_computed_waits_for_it(enable: bool) -> 
         b_chunks = [n for plan in plans for rid, ctx, n in plan if rid == 1 and ctx < len(prompts[1])]
         assert sum(b_chunks) == len(prompts[1])
         assert pool.hits == 0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The scheduler over a small prefix-caching pool, with preemption: requests over two tokens
+    (so prefixes collide) are added, stepped with random sampled tokens, preempted by force or by
+    a short pool, and aborted, in any order. A model of the cache follows every slot: what each
+    segment reads must hold the K/V of exactly its own tokens, however it was preempted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True, salt=b"q")
+        self.sched = Scheduler(KVCacheManager(self.pool, watermark=0.2), budget=8, max_rows=3)
+        self.limits = StepLimits(BLOCK, 6, 64, 2)
+        self.requests: dict[int, Request] = {}
+        self.streamed: dict[int, list[int]] = {}  # what a streaming client of each got, in order
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> tokens its K/V is of
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=12), max_tokens=st.integers(1, 12))
+    def add(self, tokens: list[int], max_tokens: int) -> None:
+        rid = len(self.requests)
+        self.requests[rid] = Request(rid, tokens, len(tokens), SamplingParams(max_tokens=max_tokens))
+        self.streamed[rid] = []
+        self.sched.add(self.requests[rid])
+
+    @precondition(lambda self: self.sched.busy)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        ended = len(self.sched._ended)
+        plan = self.sched.schedule()
+        if not plan:  # only when the requests it had ended while it was planned
+            assert self.sched._ended[ended:] and not self.sched.running
+        else:
+            check_step(plan, self.limits)
+        running = {r.request_id: r for r in self.sched.running}
+        for seg in plan:
+            req = running[seg.request_id]
+            for p in range(seg.end):  # what it reads, then what it writes
+                slot = (seg.block_ids[p // BLOCK], p % BLOCK)
+                if p < seg.context_len:
+                    assert self.slots[slot] == tuple(req.token_ids[: p + 1])
+                else:
+                    assert self.pool.refcount(slot[0]) == 1  # never a shared block
+                    assert slot[0] not in self.pool._hash_of  # nor one named for others to share
+                    self.slots[slot] = tuple(req.token_ids[: p + 1])
+        sampled = [data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=1)) if s.num_samples else []
+                   for s in plan]
+        for req in self.sched.commit(plan, sampled):
+            self.streamed[req.request_id] += req.output().new_token_ids
+
+    @precondition(lambda self: self.sched.running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        self.sched.preempt(data.draw(st.sampled_from(self.sched.running)))
+
+    @precondition(lambda self: self.sched.busy)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        req = data.draw(st.sampled_from([*self.sched.waiting, *self.sched.running]))
+        self.sched.abort(req)
+        self.streamed[req.request_id] += req.output().new_token_ids
+
+    @invariant()
+    def every_request_is_in_one_place_once(self) -> None:
+        waiting, running = list(self.sched.waiting), self.sched.running
+        finished = [r for r in self.requests.values() if r.done]
+        places = [r.request_id for r in [*waiting, *running, *finished]]
+        assert sorted(places) == sorted(self.requests)  # none lost, none twice
+        assert all(not r.blocks and r.cached == 0 for r in waiting)
+
+    @invariant()
+    def no_block_leaks_and_the_null_block_is_never_handed_out(self) -> None:
+        held = [b for r in self.sched.running for b in r.blocks]
+        assert NULL_BLOCK_ID not in held
+        for b in set(held):
+            assert self.pool.refcount(b) == held.count(b)
+        assert self.pool.num_free + len(set(held)) == self.pool.num_blocks - 1
+
+    @invariant()
+    def streaming_clients_got_every_token_once_in_order(self) -> None:
+        for rid, req in self.requests.items():
+            sent = self.streamed[rid]
+            assert sent == req.token_ids[req.prompt_len : req.prompt_len + len(sent)]
+
+    def teardown(self) -> None:
+        for _ in range(500):
+            if not self.sched.busy:
+                break
+            self.step_all_ones()
+        assert not self.sched.busy
+        for rid, req in self.requests.items():
+            assert self.streamed[rid] == req.token_ids[req.prompt_len :]
+        assert self.pool.num_free == self.pool.num_blocks - 1
+        assert all(self.pool.refcount(b) == 0 for b in range(self.pool.num_blocks))
+
+    def step_all_ones(self) -> None:
+        plan = self.sched.schedule()
+        for req in self.sched.commit(plan, [[1] if s.num_samples else [] for s in plan]):
+            self.streamed[req.request_id] += req.output().new_token_ids
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

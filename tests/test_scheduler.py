@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.kv_cache_manager import WATERMARK, KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from bench_preemption import Workload, run_workload  # noqa: E402
+
 
 def admitted(pool: BlockPool, lens: tuple[int, ...], max_tokens: int = 4) -> Scheduler:
-    sched = Scheduler(pool, budget=64, max_rows=8)
+    sched = Scheduler(KVCacheManager(pool), budget=64, max_rows=8)
     for i, n in enumerate(lens):
         sched.add(Request(i, [i + 1] * n, n, SamplingParams(max_tokens=max_tokens)))
     return sched
@@ -51,7 +59,96 @@ def test_commit_appends_retires_the_finished_and_frees_their_blocks():
 
 def test_a_stop_token_ends_a_request_at_commit():
     pool = BlockPool(64, 16)
-    sched = Scheduler(pool, budget=64, max_rows=8)
+    sched = Scheduler(KVCacheManager(pool), budget=64, max_rows=8)
     sched.add(Request(0, [1, 2], 2, SamplingParams(max_tokens=9, stop_token_ids=(42,))))
     sched.commit(sched.schedule(), [[42]])
     assert not sched.running and pool.num_free == 63
+
+
+def test_the_issue_workload_on_40_blocks_runs_the_full_batch_in_the_steps_of_80():
+    """16 requests of 20-token prompts, max_tokens 200, stopped after 5 to 9 tokens, 4 rows: a pool
+    of 40 blocks holds 4 of them as they are written, where reserving max_tokens held 2."""
+    work = Workload()
+    small, large = run_workload(work, 40, WATERMARK), run_workload(work, 80, WATERMARK)
+    assert small.peak_running == large.peak_running == work.max_rows
+    assert small.steps <= 1.1 * large.steps
+    assert small.preemptions == 0
+
+
+def test_a_short_pool_preempts_the_newest_and_still_finishes_everything():
+    """Every fourth request runs to 150 tokens: 20 blocks cannot hold them together, so the newest
+    is preempted, recomputed from the front of the queue, and every request still ends at its stop."""
+    work = Workload(long_every=4)
+    short, ample = run_workload(work, 20, WATERMARK), run_workload(work, 80, WATERMARK)
+    assert short.preemptions > 0 and ample.preemptions == 0
+    assert short.computed > ample.computed  # what the preempted ones computed again
+
+
+def two_requests(pool: BlockPool, max_tokens: int) -> tuple[Scheduler, Request, Request]:
+    sched = Scheduler(KVCacheManager(pool, watermark=0), budget=64, max_rows=4)
+    old, new = (Request(i, [10 + i] * 12, 12, SamplingParams(max_tokens=max_tokens)) for i in range(2))
+    sched.add(old)
+    sched.add(new)
+    return sched, old, new
+
+
+def step(sched: Scheduler, token: int = 5) -> StepPlan:
+    plan = sched.schedule()
+    sched.commit(plan, [[token + s.end] if s.num_samples else [] for s in plan])
+    return plan
+
+
+def test_the_newest_request_is_preempted_to_the_front_and_recomputed_over_its_output():
+    pool = BlockPool(9, 4, enable_prefix_caching=True)  # 8 blocks of 4: 32 tokens for two of 24
+    sched, old, new = two_requests(pool, max_tokens=12)
+    steps = 0
+    while not sched.kv.num_preemptions:
+        step(sched)
+        steps += 1
+    assert steps == 6  # both prompts in 3 blocks each, 4 tokens each fill the other 2, then a 5th
+    assert sched.running == [old] and list(sched.waiting) == [new]  # the newest gave way
+    assert sched.kv.num_preemptions == 1 and new.cached == 0 and not new.blocks
+    generated = new.token_ids[new.prompt_len :]
+    assert new.prefill_len == len(new.token_ids) and len(generated) > 1  # its output is kept
+    out = new.output()
+    assert out.token_ids == generated and not out.finished
+    while new not in sched.running:
+        step(sched)
+    assert new.token_ids[new.prompt_len : new.prompt_len + len(generated)] == generated
+    assert pool.hits == 8  # its recompute found two of its full blocks; the old one took the third
+    while sched.busy:
+        step(sched)
+    assert new.output().new_token_ids == new.token_ids[new.prompt_len + len(generated) :]  # no repeat
+    assert old.finish_reason == new.finish_reason == "length"
+    assert pool.num_free == 8
+
+
+def test_a_preempted_prefill_samples_nothing_until_its_whole_prefill_is_computed_again():
+    pool = BlockPool(32, 4)
+    sched = Scheduler(KVCacheManager(pool), budget=10, max_rows=4)
+    req = Request(0, list(range(25)), 25, SamplingParams(max_tokens=3))
+    sched.add(req)
+    first = step(sched)
+    assert [(s.context_len, len(s.token_ids), s.num_samples) for s in first] == [(0, 10, 0)]
+    sched.preempt(req)
+    assert list(sched.waiting) == [req] and pool.num_free == 31
+    plans = [step(sched) for _ in range(3)]
+    assert [(s.context_len, len(s.token_ids), s.num_samples) for p in plans for s in p] == [
+        (0, 10, 0), (10, 10, 0), (20, 5, 1)
+    ]
+    assert req.num_generated == 1
+
+
+def test_a_request_the_whole_pool_cannot_hold_ends_with_length():
+    """Only a pool smaller than max_model_len allows it: the prompt fits, its output outgrows it."""
+    pool = BlockPool(4, 4)  # 12 tokens
+    sched = Scheduler(KVCacheManager(pool), budget=16, max_rows=2)
+    req = Request(0, [1] * 6, 6, SamplingParams(max_tokens=20))
+    sched.add(req)
+    ended = []
+    while sched.busy:
+        plan = sched.schedule()
+        ended += [r for r in sched.commit(plan, [[1] if s.num_samples else [] for s in plan]) if r.done]
+    assert ended == [req] and req.finish_reason == "length"
+    assert len(req.token_ids) == 12 + 1  # its last token was never fed back: 12 written
+    assert pool.num_free == 3

@@ -191,6 +191,8 @@ def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_bl
     # the artifact's default turns prefix caching on: every prompt is looked up once, at admission
     assert total(samples, "vllm:prefix_cache_queries_total") == pool.queries == queries + sum(lengths)
     assert total(samples, "vllm:prefix_cache_hits_total") == pool.hits
+    assert total(samples, "vllm:num_preemptions_total") == engine.kv_cache.num_preemptions
+    assert total(samples, "vllm:kv_cache_usage_perc") == 0  # every request ended: no block held
 
 
 def test_a_client_leaving_mid_stream_is_aborted_before_the_next_step(engine):

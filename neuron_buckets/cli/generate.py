@@ -78,6 +78,9 @@ def print_stats(engine: LLMEngine) -> None:
         err.print(f"prefix cache: {pool.hits} of {pool.queries} prompt tokens hit ({rate:.0%})")
     else:
         err.print("prefix cache: off")
+    kv = engine.kv_cache
+    err.print(f"KV cache: {kv.num_preemptions} preemptions, at most {kv.peak_usage:.0%} of "
+              f"{engine.pool.num_blocks - 1} blocks in use")
     if (spec := engine.spec_stats).num_drafts or spec.num_steps_off:
         err.print(
             f"speculation: {spec.num_drafts} drafted rows, {spec.num_accepted_tokens} of "

@@ -1,9 +1,9 @@
 """``[buckets]``: the step shapes that get a compiled graph (vLLM-neuron's names).
 
 Each list left out (None) is derived: ``num_seqs_buckets`` powers of two up to ``max_num_seqs``,
-``num_batched_tokens_buckets`` ``default_token_buckets`` of ``max_num_batched_tokens``, and the decode contexts
-``default_contexts`` of the cache. No field is a graph setting: they decide which buckets exist,
-and each piece's key holds its own shape.
+``num_batched_tokens_buckets`` ``default_token_buckets`` of ``max_num_batched_tokens``, and the
+decode contexts ``default_contexts`` of the cache. No field is a graph setting: they decide which
+buckets exist, and each piece's key holds its own shape.
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ nano-vllm's ``LLMEngine`` in miniature, and a step is straight-line code: the sc
 (``engine/scheduler.py``: prefill chunks up to the token budget, a continuing prompt first, and a
 decode row for every request whose prompt is complete), the runtime runs the plan on its buckets,
 the sampler picks a token for every segment that returned logits, and the scheduler commits
-them. Blocks are taken per step for the tokens actually written, never for padding. A request
-ends at an end-of-sequence token, one of its stop tokens or strings, its ``max_tokens``, or an
-abort, and gives its blocks back at once. Requests may be added and aborted between steps.
-Tokens are picked on the host (``engine/sampler.py``), each request with its own parameters and
-random generator, under its grammar's mask when it has structured outputs
-(``engine/structured_output_manager.py``); asked-for logprobs come from the raw logits
-(``engine/logprobs.py``).
+them. Blocks are taken per step for the tokens actually written, never for padding; when they run
+short the newest request is preempted and later recomputed (``engine/kv_cache_manager.py``), its
+reported tokens unchanged. A request ends at an end-of-sequence token, one of its stop tokens or
+strings, its ``max_tokens``, or an abort, and gives its blocks back at once. Requests may be
+added and aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each
+request with its own parameters and random generator, under its grammar's mask when it has
+structured outputs (``engine/structured_output_manager.py``); asked-for logprobs come from the raw
+logits (``engine/logprobs.py``).
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real
@@ -49,6 +50,7 @@ from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.drafter import Drafter
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.logprobs import token_logprobs
 from neuron_buckets.engine.ngram_drafter import NgramDrafter
 from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sampled, target_probs
@@ -124,8 +126,9 @@ class LLMEngine:
             self.gate = SpeculationGate(
                 self.drafter, self.spec_stats, spec.auto_off_window, spec.auto_off_probe_interval
             )
+        self.kv_cache = KVCacheManager(self.pool, follows_draft=isinstance(self.drafter, DraftModelDrafter))
         self.scheduler = Scheduler(
-            self.pool, runtime.buckets.token_budget, runtime.buckets.max_rows,
+            self.kv_cache, runtime.buckets.token_budget, runtime.buckets.max_rows,
             self.gate or self.drafter, spec.num_speculative_tokens,
         )
         self.step_stats = StepStats()
@@ -223,9 +226,10 @@ class LLMEngine:
         start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
         graph_start = time.perf_counter()
-        logits = self.runtime.run_plan(plan)
+        # empty only when the requests it had ended as it was planned (the pool could not hold them)
+        logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
         if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
-            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prompt_len]
+            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
             drafter.follow(chunks)
         graph_seconds = time.perf_counter() - graph_start  # the target's calls and the draft's catch-up
         for request in self.scheduler.commit(plan, self._sample(plan, logits)):

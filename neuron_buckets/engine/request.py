@@ -1,9 +1,9 @@
 """One request, the one record the engine keeps of it: its tokens and blocks, how it samples and
 stops, and what of it was already reported.
 
-The scheduler reads its lengths and blocks, ``append`` applies its stop rule to each new token,
-``output`` says what is new since the last report. ``nb inspect``'s replay makes the same records
-from lengths alone (dummy tokens, ``ignore_eos``).
+The scheduler reads its lengths and blocks (the KV cache manager keeps them), ``append`` applies
+its stop rule to each new token, ``output`` says what is new since the last report. ``nb
+inspect``'s replay makes the same records from lengths alone (dummy tokens, ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class Request:
     cached: int = 0  # tokens whose K/V the cache holds
     draft_cached: int = 0  # tokens a draft model computed into its own cache (may pass the valid ones)
     block_hashes: list[bytes] = field(default_factory=list)  # names of its published full blocks
-    prompt_hashes: list[bytes] | None = None  # names of its full prompt blocks, once looked at
+    prefill_hashes: list[bytes] | None = None  # names of the full blocks it prefills, once looked at
+    recomputed: int = 0  # generated tokens it prefills again, after a preemption took its blocks
     finish_reason: str | None = None  # "stop", "length" or "abort" once it needs no more steps
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string
     sent_tokens: int = 0  # generated tokens already reported
@@ -72,9 +73,10 @@ class Request:
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
 
     @property
-    def final_cached(self) -> int:
-        """Tokens whose K/V is written at most: the last generated token is never fed back."""
-        return self.prompt_len + self.params.max_tokens - 1
+    def prefill_len(self) -> int:
+        """Tokens it prefills before its decode rows: its prompt, and after a preemption its output
+        so far as well (the chunk that ends there samples its next token)."""
+        return self.prompt_len + self.recomputed
 
     @property
     def num_generated(self) -> int:
@@ -88,7 +90,7 @@ class Request:
 
     @property
     def prefilled(self) -> bool:
-        return self.cached >= self.prompt_len
+        return self.cached >= self.prefill_len
 
     @property
     def done(self) -> bool:

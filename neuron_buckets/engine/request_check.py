@@ -19,7 +19,8 @@ def check_request(
     prompt: Sequence[int] | Tensor, max_tokens: int, limits: StepLimits, pool: BlockPool, what: str
 ) -> list[int]:
     """The prompt's ids as ints, or a RequestError naming ``what``: empty, ids outside the
-    vocabulary, longer than max_model_len with its ``max_tokens``, or more blocks than the pool."""
+    vocabulary, longer than max_model_len with its ``max_tokens``, or a prompt alone of more blocks
+    than the pool (its output takes blocks as it is written, preempting others if it must)."""
     try:
         ids = check_token_ids(prompt, limits.vocab_size, what)
     except ValueError as e:
@@ -33,6 +34,6 @@ def check_request(
             f"max_model_len {limits.max_model_len}"
         )
     usable = pool.num_blocks - 1  # block 0 is the null block
-    if (need := pool.blocks_for(total - 1)) > usable:
+    if (need := pool.blocks_for(len(ids))) > usable:
         raise RequestError(f"{what} needs {need} blocks of {pool.block_size} tokens, the pool has {usable}")
     return ids

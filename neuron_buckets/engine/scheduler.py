@@ -5,45 +5,46 @@ last token fed back, then a token budget filled the way vLLM does: the decode ro
 count first (so they fit the prefill call when ``BucketSet.mix_decode`` lets them ride in it, and
 the step stays within ``max_num_seqs`` rows either way), then the request whose prompt was cut last
 step continues, then waiting requests are admitted in order (but for one waiting for its prefix,
-below) while the budget ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the block
-pool allow; the last one admitted may be cut, to continue next step. Blocks for every token the
-plan writes are allocated before it is returned. The caller runs the plan and hands ``commit`` the
-tokens it sampled; ``commit`` appends them, retires the requests that ended and frees their blocks.
-A request whose prompt completes in a step decodes from the next one, because a plan is decided
-before anything of it runs. Every segment carries its own context, so the plan does not depend on
-how the runtime fits it onto graphs.
+below) while the budget ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the KV cache
+allow; the last one admitted may be cut, to continue next step. The caller runs the plan and hands
+``commit`` the tokens it sampled; ``commit`` appends them, retires the requests that ended and
+frees their blocks. A request whose prompt completes in a step decodes from the next one, because
+a plan is decided before anything of it runs. Every segment carries its own context, so the plan
+does not depend on how the runtime fits it onto graphs. Requests may be added between steps.
 
-Admission is conservative: a request enters only if the pool can cover its whole final length on
-top of what the running requests may still need, so nothing is ever preempted and each
-request's tokens are exactly what it would get running alone. A request that ends (its stop
-rule, its length, an abort) gives its blocks and its reservation back at once, so waiting
-requests enter the next step. Requests may be added between steps.
+Blocks come from the KV cache manager (``engine/kv_cache_manager.py``), which does all the block
+counting; the scheduler only asks it. They are taken as tokens are written: a request is admitted
+when its prefill fits beside the manager's watermark, and grows block by block. Each step first
+grows every running request for its next token, oldest first; when the pool is short it preempts
+the most recently admitted running request (itself, when it is the newest), as vLLM does: its
+blocks go back, full ones staying in the prefix cache, and it returns to the front of the waiting
+queue with everything it generated. Readmitted, it prefills its prompt and output again (what
+the prefix cache still holds is a hit) and its last chunk samples its next token, so its
+generator continues where it was and what it reported stays reported. A step that preempted
+admits nobody. A request whose tokens the whole pool cannot hold ends with "length" (only a pool
+smaller than ``max_model_len`` allows one; a prompt alone that large is refused when added).
 
-With prefix caching a waiting request starts with the longest cached run of its prompt's full
-blocks shared (``BlockPool.cached_prefix``; the last prompt token is always computed) and
-prefills only the rest. Shared blocks count once: a request's reservation is what it still
-lacks, ``blocks_for(final_cached) - len(blocks)``, and admitting it costs its unshared blocks
-plus the cached blocks nobody held, since sharing those takes them out of ``num_free``. Blocks
-cached but unreferenced count as free, so eviction is only ever of blocks no running request or
-reservation needs. ``commit`` names each request's newly full blocks once their K/V is written.
-A waiting request whose leading blocks a running request is still prefilling waits for them
-instead of computing them again (requests sharing a system prompt that arrive together): it is
-passed over, the requests behind it may enter, and it enters the step after those blocks are
-written, as a hit. The running request is always scheduled first, so no request waits longer than
-it would take to compute those blocks itself.
+With prefix caching a waiting request starts with the longest cached run of its full blocks to
+prefill shared (the last token is always computed) and prefills only the rest; ``commit`` names
+each request's newly full blocks once their K/V is written. A waiting request whose leading
+blocks a running request is still prefilling waits for them instead of computing them again
+(requests sharing a system prompt that arrive together): it is passed over, the requests behind it
+may enter, and it enters the step after those blocks are written, as a hit. The running request is
+always scheduled first, so no request waits longer than it would take to compute those blocks
+itself.
 
 The engine drives this with a runtime and a sampler; ``nb inspect`` drives the same code with
-lengths alone, to predict the runtime's calls.
+lengths alone, to predict the runtime's calls, preemptions included.
 
 Speculation (``drafter`` and ``num_speculative_tokens``): a decode row of a request that
 speculates carries its last token and up to ``num_speculative_tokens`` drafted tokens, all
 sampled, so the target's logits at every draft position come back in one step. Drafts are
-capped so the request never passes its ``max_tokens`` (and so its ``max_model_len`` and block
-reservation). Its blocks grow to cover
-the drafts' room before the drafter runs: a draft model writes its own cache at those positions.
-The rejected drafts' K/V are written too, but ``commit`` advances ``cached`` only over the valid
-ones (the context, the last token, the accepted drafts): the next step writes its own tokens over
-those slots, so a rejected draft leaves nothing that any later token attends to.
+capped so the request never passes its ``max_tokens`` (and so its ``max_model_len``), and to the
+blocks the pool has free: a draft never preempts. Its blocks grow to cover the drafts' room before
+the drafter runs: a draft model writes its own cache at those positions. The rejected drafts' K/V
+are written too, but ``commit`` advances ``cached`` only over the valid ones (the context, the
+last token, the accepted drafts): the next step writes its own tokens over those slots, so a
+rejected draft leaves nothing that any later token attends to.
 """
 
 from __future__ import annotations
@@ -52,15 +53,15 @@ from collections import deque
 from collections.abc import Sequence
 
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.drafter import Drafter
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.request import Request
 
 
 class Scheduler:
     def __init__(
         self,
-        pool: BlockPool,
+        kv: KVCacheManager,
         budget: int,
         max_rows: int,
         drafter: Drafter | None = None,
@@ -69,10 +70,11 @@ class Scheduler:
         """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
         chunks: the packed call's block-table rows); a
         ``drafter`` proposes up to ``num_speculative_tokens`` tokens per decode row."""
-        self.pool, self.budget, self.max_rows = pool, budget, max_rows
+        self.kv, self.budget, self.max_rows = kv, budget, max_rows
         self.drafter, self.num_speculative_tokens = drafter, num_speculative_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self._ended: list[Request] = []  # ended while planning (the pool cannot hold them), for commit
 
     @property
     def busy(self) -> bool:
@@ -87,28 +89,38 @@ class Scheduler:
             self.waiting.remove(req)
         elif req in self.running:
             self.running.remove(req)
-            self.pool.free(req.blocks)
+            self.kv.release(req)
         req.finish_reason = "abort"
+
+    def preempt(self, req: Request) -> None:
+        """Take a running request's blocks back and queue it first, to prefill its prompt and
+        output again when it is readmitted; one the whole pool could not hold again ends instead,
+        with "length" (reported by the next ``commit``)."""
+        self.running.remove(req)
+        if self.kv.fits_alone(len(req.token_ids)):
+            self.kv.preempt(req)
+            self.waiting.appendleft(req)
+        else:
+            self.kv.release(req)
+            req.finish_reason = "length"
+            self._ended.append(req)
 
     def schedule(self) -> StepPlan:
         """This step's plan: prefill chunks (the continuing prompt first), then decode rows."""
+        preempted = self._make_room()
         decoding = [r for r in self.running if r.prefilled]
         rows = [(req, req.token_ids[-1:] + d) for req, d in zip(decoding, self.drafts(decoding), strict=True)]
         # decode rows' tokens and rows come first: room for them to ride in the prefill call
         chunks = self._prefill_chunks(
-            self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows)
+            self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows), not preempted
         )
-        for req, n in chunks:
-            self.pool.grow(req.blocks, req.cached + n)
-        for req, tokens in rows:
-            self.pool.grow(req.blocks, len(req.token_ids) - 1 + len(tokens))
         prefill = tuple(
             Segment(
                 req.request_id,
                 req.token_ids[req.cached : req.cached + n],
                 req.cached,
                 tuple(req.blocks),
-                int(req.cached + n == req.prompt_len),  # only a chunk that ends its prompt samples
+                int(req.cached + n == req.prefill_len),  # only a chunk that ends its prefill samples
             )
             for req, n in chunks
         )
@@ -120,17 +132,22 @@ class Scheduler:
 
     def drafts(self, decoding: Sequence[Request]) -> list[list[int]]:
         """The tokens drafted for each request's next row: none unless it speculates, and never so
-        many that the row's tokens plus the one after them pass its ``max_tokens``."""
+        many that the row's tokens plus the one after them pass its ``max_tokens``, nor more than
+        the pool's free blocks hold."""
         rooms = [
             min(self.num_speculative_tokens, r.params.max_tokens - r.num_generated - 1) if r.speculates else 0
             for r in decoding
         ]
-        asking = [i for i, room in enumerate(rooms) if room > 0]
         drafted: list[list[int]] = [[] for _ in decoding]
-        if self.drafter is None or not asking:
+        if self.drafter is None:
             return drafted
-        for i in asking:
-            self.pool.grow(decoding[i].blocks, len(decoding[i].token_ids) - 1 + rooms[i])
+        for i in (i for i, room in enumerate(rooms) if room > 0):
+            # the row writes its last token and its drafts: blocks for all of them first
+            n = len(decoding[i].token_ids)
+            rooms[i] = self.kv.grow_up_to(decoding[i], n + rooms[i]) - n
+        asking = [i for i, room in enumerate(rooms) if room > 0]
+        if not asking:
+            return drafted
         found = self.drafter.draft([decoding[i] for i in asking], [rooms[i] for i in asking])
         for i, tokens in zip(asking, found, strict=True):
             drafted[i] = tokens
@@ -142,10 +159,11 @@ class Scheduler:
         mid-draft. A segment's tokens count as cached up to the last one that ``sampled[i]``
         confirms: a decode row of ``1 + d`` tokens of which ``a`` drafts were accepted returns
         ``a + 1`` tokens and caches ``1 + a``; the slots of its rejected drafts are free for the
-        next step to overwrite. The requests that ended give their blocks back. Returns the plan's
-        requests that got tokens or ended, in plan order."""
+        next step to overwrite. The requests that ended give their blocks back. Returns the
+        requests that ended while the plan was made, then the plan's requests that got tokens or
+        ended, in plan order."""
         running = {r.request_id: r for r in self.running}
-        touched = []
+        touched, self._ended = self._ended, []
         for seg, tokens in zip(plan, sampled, strict=True):
             if (req := running.get(seg.request_id)) is None:  # aborted since it was planned
                 continue
@@ -154,78 +172,56 @@ class Scheduler:
                 req.append(token)
                 if req.done:
                     break
-            # the accepted drafts are appended now; a request that ended mid-draft has fewer
-            valid = min(req.cached, len(req.token_ids))
-            self.pool.publish(req.blocks, req.token_ids, valid, req.block_hashes)
+            self.kv.commit(req)
             if tokens:
                 touched.append(req)
         for req in [r for r in self.running if r.done]:
-            self.pool.free(req.blocks)
+            self.kv.release(req)
             self.running.remove(req)
         return touched
 
-    def _in_flight(self, req: Request) -> int:
-        """How many of ``req``'s leading prompt blocks (those a lookup may find) a running request
-        that is still prefilling will write: a lookup after it has written them hits that many
-        (none without prefix caching, which names no block)."""
-        mine = self._prompt_blocks(req)[: (req.prompt_len - 1) // self.pool.block_size]
-        longest = 0
-        for other in self.running:
-            if other.prefilled:
-                continue
-            shared = 0
-            for a, b in zip(mine, self._prompt_blocks(other), strict=False):
-                if a != b:
-                    break
-                shared += 1
-            longest = max(longest, shared)
-        return longest
+    def _make_room(self) -> bool:
+        """Grow every running request, oldest first, for the next token it writes (a decode row's
+        fed token, a continuing prompt's next one), preempting ``victim``s while the pool is
+        short; whether any was preempted."""
+        preempted = False
+        for req in list(self.running):
+            while req in self.running and not self.kv.grow(req, req.cached + 1):
+                preempted = True
+                # the victim gives way; one that could not grow even alone ends (``preempt``)
+                self.preempt(req if not self.kv.fits_alone(req.cached + 1) else self.victim())
+        return preempted
 
-    def _prompt_blocks(self, req: Request) -> list[bytes]:
-        """The names of ``req``'s full prompt blocks, hashed once per request (empty without prefix
-        caching, which names no block)."""
-        if not self.pool.enable_prefix_caching:
-            return []
-        if req.prompt_hashes is None:
-            prompt = req.token_ids[: req.prompt_len]
-            req.prompt_hashes = self.pool.chain(prompt, req.prompt_len // self.pool.block_size)
-        return req.prompt_hashes
+    def victim(self) -> Request:
+        """The running request preempted first: the most recently admitted, as vLLM does
+        (``bench/bench_preemption.py`` measures others)."""
+        return self.running[-1]
 
-    def _prefill_chunks(self, budget: int, max_rows: int) -> list[tuple[Request, int]]:
+    def _prefill_chunks(self, budget: int, max_rows: int, admit: bool) -> list[tuple[Request, int]]:
         """(request, tokens to prefill) pairs within ``budget`` tokens and ``max_rows`` chunks,
-        admitting waiting requests."""
+        admitting waiting requests if ``admit`` and the continuing prompt got all it asked."""
         step: list[tuple[Request, int]] = []
         for req in self.running:
             if not req.prefilled and budget > 0 and max_rows > 0:  # at most one is ever cut
-                step.append((req, min(req.prompt_len - req.cached, budget)))
+                want = req.cached + min(req.prefill_len - req.cached, budget)
+                got = self.kv.grow_up_to(req, want)  # at least one token: ``_make_room`` grew it
+                admit = admit and got == want
+                step.append((req, got - req.cached))
                 budget -= step[-1][1]
-        reserved = sum(self.pool.blocks_for(r.final_cached) - len(r.blocks) for r in self.running)
-        free = self.pool.num_free - reserved
         passed = 0  # waiting requests passed over this step: their prefix is being computed
-        while passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
+        while admit and passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
             req = self.waiting[passed]
-            prompt = req.token_ids[: req.prompt_len]
-            prefix = self.pool.cached_prefix(prompt, count=False, hashes=self._prompt_blocks(req))
-            if self._in_flight(req) > len(prefix):
+            prefix = self.kv.lookup(req)
+            if self.kv.in_flight(req, self.running) > len(prefix):
                 passed += 1
                 continue
-            # its own blocks, plus the cached ones nobody holds: sharing those takes them off num_free
-            need = self.pool.blocks_for(req.final_cached) - len(prefix)
-            need += sum(self.pool.refcount(b) == 0 for b in prefix)
-            if need > free:
+            if not self.kv.admit(req, prefix, alone=not self.running):
                 break
             del self.waiting[passed]
-            self.pool.count(req.prompt_len, len(prefix))
-            req.blocks = self.pool.share(prefix)
-            req.cached = len(prefix) * self.pool.block_size
-            free -= need
             self.running.append(req)
-            step.append((req, min(req.prompt_len - req.cached, budget)))
+            step.append((req, min(req.prefill_len - req.cached, budget)))
+            self.kv.grow(req, req.cached + step[-1][1])  # ``admit`` found room for its whole prefill
             budget -= step[-1][1]
-        if not step and not self.running and self.waiting:  # a caller's pool already in use
-            head = self.waiting[0]
-            raise RuntimeError(
-                f"request {head.request_id} needs {self.pool.blocks_for(head.final_cached)} blocks, "
-                f"only {self.pool.num_free} of the pool are free"
-            )
+        if not step and not self.running and self.waiting and not self._ended:  # a caller's pool in use
+            raise RuntimeError(self.kv.shortfall(self.waiting[0]))
         return step

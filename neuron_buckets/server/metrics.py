@@ -2,8 +2,9 @@
 
 Dashboards and alerts written for ``vllm serve`` read the same series here: requests running and
 waiting, time to first token, time per output token, end-to-end latency, prompt and generation
-token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens)
-and speculative decoding's draft and acceptance counters, all labelled with ``model_name``. What
+token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens),
+preemptions and the KV cache's usage, and speculative decoding's draft and acceptance counters, all
+labelled with ``model_name``. What
 vLLM has no name for is the point of nb: per-bucket calls, real and computed tokens and the
 padding share, the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
 compare with the same steps run in-process), and the steps speculation sat out because it did
@@ -61,19 +62,27 @@ class BucketCollector(Collector):
 
 
 class EngineCounterCollector(Collector):
-    """vLLM's counters that the engine keeps itself (the prefix cache's, in prompt tokens, and
-    speculative decoding's), read when Prometheus scrapes: acceptance rate = accepted / draft
-    tokens, mean accepted length = 1 + accepted / drafts."""
+    """vLLM's counters that the engine keeps itself (the prefix cache's, in prompt tokens, the
+    preemptions, and speculative decoding's), and the KV cache's usage, read when Prometheus
+    scrapes: acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted /
+    drafts."""
 
     def __init__(
         self, model_name: str, pool: Callable[[], tuple[int, int]], spec: Callable[[], SpecDecodeStats],
-        steps: Callable[[], StepStats],
+        steps: Callable[[], StepStats], kv_cache: Callable[[], tuple[int, float]],
     ) -> None:
         self.model_name, self.pool, self.spec, self.steps = model_name, pool, spec, steps
+        self.kv_cache = kv_cache
 
     def collect(self) -> Iterator[Metric]:
         (queries, hits), s, steps = self.pool(), self.spec(), self.steps()
+        preemptions, usage = self.kv_cache()
+        gauge = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage: 1 is every block held",
+                                  labels=["model_name"])
+        gauge.add_metric([self.model_name], usage)
+        yield gauge
         for name, doc, value in (
+            ("vllm:num_preemptions", "Requests preempted: blocks taken back, recomputed later", preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", hits),
             ("vllm:spec_decode_num_drafts", "Decode rows that carried drafts", s.num_drafts),
@@ -101,9 +110,11 @@ class ServerMetrics:
         prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
         spec_stats: Callable[[], SpecDecodeStats] = SpecDecodeStats,
         step_stats: Callable[[], StepStats] = StepStats,
+        kv_cache: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
     ) -> None:
         """``prefix_cache`` reads the pool's (queries, hits) counters, ``spec_stats`` the engine's
-        speculative decoding counters, ``step_stats`` its steps and their seconds."""
+        speculative decoding counters, ``step_stats`` its steps and their seconds, ``kv_cache``
+        its (preemptions, usage from 0 to 1)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -129,7 +140,8 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.registry.register(BucketCollector(model_name, bucket_stats))
-        self.registry.register(EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats))
+        engine_counters = EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats, kv_cache)
+        self.registry.register(engine_counters)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()

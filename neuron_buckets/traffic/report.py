@@ -105,7 +105,8 @@ def print_inspect(console: Console, doc: dict) -> None:
         console.print(
             f"runtime padding share {_pct(packed['padding_share'])} of computed tokens over "
             f"{packed['steps']:,} steps "
-            f"({packed['replayed_seconds']:,.1f} s on the replayed clock)"
+            f"({packed['replayed_seconds']:,.1f} s on the replayed clock), "
+            f"{packed['preemptions']:,} preemptions"
         )
         if cache := packed.get("prefix_cache"):
             console.print(

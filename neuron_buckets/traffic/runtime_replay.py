@@ -8,10 +8,11 @@ same requests run to their output lengths (as with ``ignore_eos``), reaching the
 modelled clock. Unlike the per-request figures beside it, this is the padding of packed steps:
 several prompts, continuing chunks and (mixed steps) decode rows share one token bucket.
 
-Given the prompts' tokens (a trace with prefix information, ``traffic/trace_prompts.py``) the
-replay runs the block pool with prefix caching as configured, so hits, evictions and the
-prefill they save come out as the runtime will count them; without tokens every prompt is its
-own and nothing is shared.
+The replay runs the block pool at the configured size with prefix caching as configured, so
+preemptions (a pool too small for the batch) and the prefix hits of their recompute come out as
+the runtime's. Given the prompts' tokens (a trace with prefix information,
+``traffic/trace_prompts.py``) hits, evictions and the prefill they save across requests do too;
+without tokens every prompt is its own and only a request's recompute finds its blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
@@ -36,14 +38,19 @@ from neuron_buckets.traffic.replay_load import ALL_AT_ONCE, ReplayLoad
 class Replay:
     """What the replay ran: the runtime's counters per ``Bucket.name``, every graph call in order,
     the prefill-chunk tokens of each packed call, the steps, the replayed clock at the end
-    (``ReplayLoad``'s step-time model), and the pool (its prefix-cache counters)."""
+    (``ReplayLoad``'s step-time model), and the KV cache manager (its pool's prefix-cache
+    counters, the requests it preempted: the runtime's ``vllm:num_preemptions``)."""
 
     stats: dict[str, BucketStats]
     calls: tuple[Call, ...]
     chunk_tokens: tuple[int, ...]
     steps: int
     seconds: float
-    pool: BlockPool
+    kv: KVCacheManager
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
 
     def packed_tokens(self) -> np.ndarray:
         """Prefill-chunk tokens of every call of a token bucket, riding decode rows left out:
@@ -66,11 +73,12 @@ def replay_runtime(
     waiting queue between steps as ``load`` says."""
     bucket_set = BucketSet.of(buckets)
     stats = {b.name: BucketStats() for b in buckets}
-    pool = BlockPool(num_blocks, block_size, enable_prefix_caching and prompts is not None)
-    sched = Scheduler(pool, bucket_set.token_budget, bucket_set.max_rows)
+    pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+    kv = KVCacheManager(pool)
+    sched = Scheduler(kv, bucket_set.token_budget, bucket_set.max_rows)
     requests = []
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
-        tokens = [0] * p if prompts is None else list(prompts[i][:p])
+        tokens = [-1 - i] * p if prompts is None else list(prompts[i][:p])  # no two alike
         requests.append(Request(i, tokens, p, SamplingParams(max_tokens=o, ignore_eos=True)))
     pending = deque(load.order(len(requests)))
     calls: list[Call] = []
@@ -92,7 +100,7 @@ def replay_runtime(
         clock += load.step_seconds(plan)
         steps += 1
         sched.commit(plan, [[0] * min(s.num_samples, 1) for s in plan])
-    return Replay(stats, tuple(calls), tuple(chunk_tokens), steps, clock, pool)
+    return Replay(stats, tuple(calls), tuple(chunk_tokens), steps, clock, kv)
 
 
 def fit_requests(
@@ -129,6 +137,7 @@ def packed_report(replay: Replay, requests: int, load: ReplayLoad) -> dict:
         "requests": requests,
         "load": load.to_json(),
         "steps": replay.steps,
+        "preemptions": replay.kv.num_preemptions,
         "replayed_seconds": replay.seconds,
         "per_bucket": per_bucket,
         "real_tokens": real,
