@@ -327,3 +327,14 @@ def test_artifact_weights_are_at_most_055x_the_bfloat16_artifacts(scheme: str, t
         sizes[name] = (artifact / "weights.safetensors").stat().st_size
         assert read_config(directory).quantization == (None if name == "bf16" else SCHEMES[scheme])
     assert sizes["quantized"] <= 0.55 * sizes["bf16"], sizes
+
+
+def test_the_memory_estimate_counts_the_quantized_bytes(float_model: Path, tmp_path: Path):
+    from neuron_buckets.runtime.memory import weights_bytes
+
+    quantized = quantize_checkpoint(float_model, tmp_path / "q", SCHEMES["w8a16-int8-channel"])
+    model = load_model(quantized, torch.bfloat16)
+    held = sum(t.nbytes for t in model.weights.tensors())
+    assert weights_bytes(model.config, "bfloat16") == held
+    dense = type(model.config)(**{**vars(model.config), "quantization": None})
+    assert held < 0.7 * weights_bytes(dense, "bfloat16")
