@@ -43,7 +43,9 @@ SCHEMES = {
     )
 }
 TOLERANCE = 1e-4  # of the largest |logit|
-HF_TOLERANCE = {"w8a8-int8-channel": 5e-2}  # of the largest |logit|; the others: TOLERANCE
+# transformers quantizes W8A8's activations as compressed-tensors does, each token's scale its
+# amax / 127.5; nb as vLLM does, amax / 127: other int8 values, which this random model amplifies.
+HF_TOLERANCE = {"w8a8-int8-channel": 0.1}  # of the largest |logit|; the others: TOLERANCE
 MAX_NEW = 8
 PROMPT_LENS = (5, 40, 11)
 CONFIG = (
