@@ -20,6 +20,7 @@ from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
 from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.model.quant_scheme import QuantScheme
 
 if TYPE_CHECKING:
     from neuron_buckets.compile.build_plan import BuildPlan
@@ -206,10 +207,12 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
     ok = [p for p in m.pieces.values() if p.status == "ok"]
     buckets_ok = sum(r.status == "ok" for r in m.buckets)
     size, secs = cells(counted)
+    scheme = m.model.config.get("quantization")
+    quantized = f" (projections {QuantScheme.of(scheme).name})" if scheme else ""
     console.print(
         f"{buckets_ok} of {len(m.buckets)} buckets ok, {len(ok)} of {len(m.pieces)} pieces ok; "
         f"the rows' pieces: {size}, {secs} s of compile; "
-        f"weights {m.weights.bytes / 1e6:.1f} MB, sha256 {m.weights.sha256[:12]}"
+        f"weights {m.weights.bytes / 1e6:.1f} MB{quantized}, sha256 {m.weights.sha256[:12]}"
     )
     if (directory / DRAFT / MANIFEST).is_file():
         draft = read_manifest(directory / DRAFT)

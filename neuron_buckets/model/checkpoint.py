@@ -5,7 +5,9 @@ A checkpoint directory holds ``config.json`` plus ``model.safetensors`` or a sha
 bfloat16. transformers is never imported: safetensors reads the tensors. The names live here
 only (``LAYER_PARTS``): loading turns them into the fused ``ModelWeights`` the model computes
 with, saving turns them back. The artifact stores the weights once, by the same names
-(``save_weights``), and every bucket graph shares them (``load_weights``).
+(``save_weights``), and every bucket graph shares them (``load_weights``). A quantized checkpoint
+(compressed-tensors) stores each decoder projection as its quantized ``weight`` and a
+``weight_scale``; the artifact keeps them so.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import Tensor
 
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
-from neuron_buckets.model.weights import LayerWeights, ModelWeights, part_shapes
+from neuron_buckets.model.quantized_weight import QuantizedWeight
+from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, ModelWeights, part_shapes
 
 DEFAULT_CONFIG = LlamaConfig(
     vocab_size=512,
@@ -39,6 +42,7 @@ DEFAULT_SEED = 0
 # Large enough that two layers of random weights still give clearly separated logits.
 DEFAULT_INIT_STD = 0.1
 LOADABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE = "_scale"  # a quantized weight's scale: ``<module>.weight_scale``
 ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every tensor it allocates
 # Buffers some older checkpoints stored; recomputed from the config here.
 _DERIVED = ".rotary_emb.inv_freq"
@@ -146,6 +150,20 @@ def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def scale_names(config: LlamaConfig) -> dict[str, int]:
+    """A quantized checkpoint's scale tensors by name, each with its weight's output channels
+    (a scale holds one per channel, or one for the whole tensor)."""
+    if config.quantization is None:
+        return {}
+    return {f"{name}{SCALE}": shape[0] for name, shape in checkpoint_shapes(config).items()
+            if _quantized(name)}
+
+
+def _quantized(name: str) -> bool:
+    """Whether a checkpoint tensor is a decoder projection's weight (quantized, when the model is)."""
+    return any(name.endswith(f".{n}") for f in PROJECTIONS for n in LAYER_PARTS[f] if n.endswith(".weight"))
+
+
 def load_weights(
     config: LlamaConfig, tensors: str | Path | dict[str, Tensor], dtype: torch.dtype | None = None,
     pack: Callable[[LayerWeights], LayerWeights] | None = None,
@@ -154,7 +172,8 @@ def load_weights(
 
     Checked strictly: a tied model has no ``lm_head``, so a checkpoint's redundant
     ``lm_head.weight`` is dropped; any other missing, unexpected or misshapen tensor is an error
-    that names it. Cast to ``dtype`` if given. A tensor that fuses nothing is used as it is, not
+    that names it. Cast to ``dtype`` if given, but for a quantized model's projections, which
+    stay as stored, their scales float32 per output channel. A tensor that fuses nothing is used as it is, not
     copied, unless it is not ``ALIGNMENT``-aligned (safetensors' are not): CPU BLAS picks its
     kernels by alignment, so an unaligned weight rounds differently, and a model read back from
     its file would not compute what the model that wrote it did. The tensors are taken out of
@@ -167,26 +186,46 @@ def load_weights(
         del tensors[key]
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    bad = sorted(k for k, v in tensors.items() if v.dtype not in LOADABLE_DTYPES)
+    scheme, scales = config.quantization, scale_names(config)
+    stored = getattr(torch, scheme.weights) if scheme else None
+    bad = sorted(k for k, v in tensors.items() if v.dtype not in LOADABLE_DTYPES
+                 and not (k in scales or (scheme and _quantized(k) and v.dtype == stored)))
     if bad:
-        raise ValueError(f"tensors {bad} have unsupported dtypes; use one of {LOADABLE_DTYPES}")
+        raise ValueError(f"tensors {bad} have unsupported dtypes; use one of {LOADABLE_DTYPES}"
+                         + (f" ({stored} for the quantized projections)" if scheme else ""))
     expected = checkpoint_shapes(config)
-    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected)
+    missing = sorted((expected.keys() | scales.keys()) - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys() - scales.keys())
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+        if scheme and _quantized(name) and tensors[name].dtype != stored:
+            raise ValueError(f"{name} is {tensors[name].dtype}, the quantization scheme stores {stored}")
+    for name, rows in scales.items():
+        if tensors[name].numel() not in (1, rows):
+            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}: need one scale per output "
+                             f"channel ({rows}) or one for the tensor")
 
     def take(name: str) -> Tensor:
         tensor = tensors.pop(name)
         tensor = tensor if dtype is None else tensor.to(dtype)
         return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
 
+    def take_quantized(name: str) -> QuantizedWeight:
+        data, scale = tensors.pop(name), tensors.pop(f"{name}{SCALE}").float().reshape(-1)
+        data = data if data.data_ptr() % ALIGNMENT == 0 else data.clone()
+        return QuantizedWeight(data, scale.expand(data.shape[0]).contiguous(), scheme)
+
     def layer(i: int) -> LayerWeights:
         fused = {}
         for field in part_shapes(config):
-            parts = [take(f"model.layers.{i}.{n}") for n in LAYER_PARTS[field]]
+            names = [f"model.layers.{i}.{n}" for n in LAYER_PARTS[field]]
+            if scheme and field in PROJECTIONS:
+                fused[field] = QuantizedWeight.fuse([take_quantized(n) for n in names])
+                continue
+            parts = [take(n) for n in names]
             fused[field] = parts[0] if len(parts) == 1 else torch.cat(parts)
         built = LayerWeights(**fused)
         return built if pack is None else pack(built)
@@ -202,8 +241,12 @@ def checkpoint_tensors(config: LlamaConfig, weights: ModelWeights) -> dict[str, 
     out = {"model.embed_tokens.weight": weights.embed}
     for i, layer in enumerate(weights.layers):
         for field, parts in part_shapes(config).items():
-            pieces = getattr(layer, field).split([p[0] for p in parts])
-            out.update(zip((f"model.layers.{i}.{n}" for n in LAYER_PARTS[field]), pieces, strict=True))
+            names = [f"model.layers.{i}.{n}" for n in LAYER_PARTS[field]]
+            for name, piece in zip(names, getattr(layer, field).split([p[0] for p in parts]), strict=True):
+                if isinstance(piece, QuantizedWeight):
+                    out[name], out[f"{name}{SCALE}"] = piece.tensors()
+                else:
+                    out[name] = piece
     out["model.norm.weight"] = weights.norm
     if weights.lm_head is not None:
         out["lm_head.weight"] = weights.lm_head
@@ -225,7 +268,12 @@ def save_weights(model: Llama, file: str | Path) -> None:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama:
     """Build the model of a Hugging Face style directory, weights cast to ``dtype``."""
     config = read_config(path)
-    return Llama(config, load_weights(config, read_state_dict(path), dtype))
+    tensors = read_state_dict(path)
+    if config.quantization is not None:
+        from neuron_buckets.model.compressed_tensors_format import unpack
+
+        unpack(tensors)
+    return Llama(config, load_weights(config, tensors, dtype))
 
 
 def default_model(dtype: torch.dtype = torch.float32) -> Llama:

@@ -17,6 +17,13 @@ bfloat16 takes the same path where oneDNN has native bfloat16 kernels (AVX512-BF
 shape oneDNN's kernels stream poorly, so the packed layout pays most at decode. float16 stays
 ``F.linear``: oneDNN packs it only on CPUs with native float16 arithmetic (AVX512-FP16), where
 nb has not measured it.
+
+A quantized projection (``QuantizedWeight``): int8 runs its scheme's kernel
+(``model/quantized_linear.py``). float8: no CPU kernel here reads it at speed
+(``torch._scaled_mm`` and a per-call widening both ran many times slower than the bfloat16 GEMM;
+CHANGELOG has the figures), so the runtime widens it once, at load, to the model dtype (exact),
+packed as a dense weight is, and the scale multiplies the GEMM's output. The artifact keeps the
+float8 bytes; the runtime holds the model dtype's.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from neuron_buckets.model.weights import LayerWeights
+from neuron_buckets.model.quantized_linear import QOP, QOP_SHIM, int8_linear, pack_int8
+from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
+from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, Weight
 
 torch.library.define(
     "nb::_linear_pointwise",
@@ -42,9 +51,9 @@ C_SHIMS = {
         "AOTITorchError aoti_torch_cpu__linear_pointwise(AtenTensorHandle X, AtenTensorHandle W, "
         "AtenTensorHandle* B, const char* attr, const double** scalars, int64_t scalars_len_, "
         "const char** algorithm, AtenTensorHandle* ret0)"
-    ]
+    ],
+    QOP: [QOP_SHIM],
 }
-PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the LayerWeights fields ``pack`` packs
 PACK_TOKENS = 512  # oneDNN's batch hint: one blocked layout serves every bucket (1 token and up)
 
 
@@ -83,19 +92,39 @@ def onednn() -> Iterator[None]:
         _tracing_onednn = previous
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
     """``F.linear``, through oneDNN in a oneDNN trace or on a packed weight (the eager reference
-    runs the runtime's packed weights too)."""
+    runs the runtime's packed weights too); a quantized weight by its scheme's kernel."""
+    if isinstance(weight, QuantizedWeight):
+        if weight.scheme.weights == "int8":
+            out = int8_linear(x, weight, _tracing_onednn and available(torch.float32, x.device))
+        else:  # float8, widened at load (a no-op here then); dense in the eager reference
+            out = (linear(x, weight.data.to(x.dtype)) * weight.scale).to(x.dtype)
+        return out if bias is None else out + bias
     if weight.is_mkldnn or (_tracing_onednn and available(weight.dtype, weight.device)):
         return OP(x, weight, bias, "none", [], None)
     return F.linear(x, weight, bias)
 
 
+def pack_dense(weight: Tensor) -> Tensor:
+    """A dense weight in oneDNN's blocked layout, where oneDNN computes its dtype here."""
+    if not available(weight.dtype, weight.device):
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_TOKENS)
+
+
 def pack(layer: LayerWeights) -> LayerWeights:
-    """The layer's projections in oneDNN's blocked layout, where oneDNN computes their dtype here;
-    the loader packs each layer as it builds it, so the dense copies never pile up."""
-    return replace(layer, **{
-        name: torch.ops.mkldnn._reorder_linear_weight(getattr(layer, name), PACK_TOKENS)
-        for name in PROJECTIONS
-        if available(getattr(layer, name).dtype, getattr(layer, name).device)
-    })
+    """The layer's projections in the layout their kernels read (oneDNN's blocked layout, where
+    oneDNN computes their dtype here); the loader packs each layer as it builds it, so the dense
+    copies never pile up."""
+    dtype = layer.input_norm.dtype
+    onednn = available(torch.float32, layer.input_norm.device)
+
+    def packed(w: Weight) -> Weight:
+        if not isinstance(w, QuantizedWeight):
+            return pack_dense(w)
+        if w.scheme.weights == "int8":
+            return pack_int8(w, onednn)
+        return replace(w, data=pack_dense(w.data.to(runtime_dtype(w.scheme, dtype))))
+
+    return replace(layer, **{name: packed(getattr(layer, name)) for name in PROJECTIONS})

@@ -2,7 +2,8 @@
 
 Llama, Mistral, Qwen2/2.5 and Qwen3 are one decoder with a few switches (``ARCHITECTURES``):
 biases on the attention projections, RMSNorm on each head of q and k, and a sliding attention
-window. The ``config.json`` dict comes from a user's checkpoint or from a manifest someone may have
+window; a compressed-tensors ``quantization_config`` becomes the projections' ``QuantScheme``.
+The ``config.json`` dict comes from a user's checkpoint or from a manifest someone may have
 edited, so ``parse_hf_config`` makes a list, a missing key or ``"vocab_size": "256"`` fail with one
 message naming where the dict came from and the key, not as a KeyError, or a TypeError deep in
 tensor allocation; a setting that would change the math and is not modelled is refused.
@@ -11,6 +12,8 @@ tensor allocation; a setting that would change the math and is not modelled is r
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from neuron_buckets.model.quant_scheme import QuantScheme
 
 ROPE_TYPES = ("default", "llama3")
 # model_type -> the transformers class whose math ``model/llama.py`` reproduces (tests check each
@@ -23,7 +26,7 @@ ARCHITECTURES = {
 }
 # config.json entries that would change the math; any value but the listed one is refused. Keys an
 # architecture's transformers class never reads (Qwen2's attention_bias) are not looked at.
-_UNSUPPORTED = {"hidden_act": "silu", "quantization_config": None}
+_UNSUPPORTED = {"hidden_act": "silu"}
 _UNSUPPORTED_BY_TYPE: dict[str, dict[str, object]] = {
     "llama": {"mlp_bias": False, "sliding_window": None, "use_sliding_window": False},
     "mistral": {},
@@ -64,6 +67,7 @@ class LlamaConfig:
     model_type: str = "llama"  # a key of ARCHITECTURES
     attention_bias: bool = False  # llama, qwen3: biases on q, k, v and o
     sliding_window: int | None = None  # mistral: a token sees the W positions ending at its own
+    quantization: QuantScheme | None = None  # the decoder projections' weights, if quantized
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)
@@ -118,6 +122,7 @@ class LlamaConfig:
                 raise ValueError(f"llama3 rope scaling {rope} is invalid: {e}") from None
         heads = hf["num_attention_heads"]
         return cls(
+            quantization=_quantization(hf),
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -161,7 +166,20 @@ class LlamaConfig:
             "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
             **own.get(self.model_type, {}),
+            **({"quantization": self.quantization.to_dict()} if self.quantization else {}),
         }
+
+
+def _quantization(hf: dict) -> QuantScheme | None:
+    """The scheme of a checkpoint's ``quantization_config`` (read through compressed-tensors,
+    imported only then: it takes seconds) or of nb's own ``quantization`` (``to_hf``)."""
+    if "quantization" in hf:
+        return QuantScheme.of(hf["quantization"])
+    if hf.get("quantization_config") is None:
+        return None
+    from neuron_buckets.model.compressed_tensors_format import scheme_of
+
+    return scheme_of(hf["quantization_config"])
 
 
 def check_model_type(model_type: str) -> str:

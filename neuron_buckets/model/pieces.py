@@ -28,7 +28,7 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.model.llama import decoder_layer, embed, head
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.weights import LayerWeights, layer_shapes
+from neuron_buckets.model.weights import LayerWeights, example_layer
 
 Role = Literal["embed", "layer", "head"]
 ROLES: tuple[Role, ...] = ("embed", "layer", "head")
@@ -139,7 +139,7 @@ def example_inputs(
     lens = torch.zeros(shape.rows, dtype=torch.int64, device=device)
     slots = torch.full((t,), -1, dtype=torch.int64, device=device)
     cache = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    weights = tuple(zeros(*size) for size in layer_shapes(c))
+    weights = example_layer(c, dtype, device).tensors()
     step_rows = 1 if shape.packed else shape.rows  # (B, S); its own tensor: export fakes a view's base
     segments = torch.zeros(step_rows, t // step_rows, dtype=torch.int64, device=device)
     return (zeros(t, c.hidden_size), zeros(t, c.head_dim), zeros(t, c.head_dim), slots, table, lens,

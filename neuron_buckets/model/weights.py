@@ -4,8 +4,9 @@ Projections that read the same input run as one GEMM (gpt-fast's ``wqkv``): q, k
 weight, gate and up another, concatenated along the output features once, when the weights are
 loaded, never per call. The eager model and the compiled layer piece read the same ``LayerWeights``;
 a compiled graph takes its tensors flat (``tensors()``, in field order, the architecture's absent
-ones skipped), and ``LayerWeights.of`` rebuilds the record inside the graph. Which checkpoint
-tensors each field is made of is ``model/checkpoint.py``'s business.
+ones skipped, a quantized projection as its data then its scale), and ``LayerWeights.of``
+rebuilds the record inside the graph. Which checkpoint tensors each field is made of is
+``model/checkpoint.py``'s business.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
+import torch
 from torch import Tensor
 
 from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the fields a quantized checkpoint quantizes
+Weight = Tensor | QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -24,24 +30,33 @@ class LayerWeights:
     graphs already compiled into artifacts take: reordering it needs a manifest schema bump."""
 
     input_norm: Tensor  # (hidden,)
-    qkv: Tensor  # (H*D + 2*KVH*D, hidden): q, k and v projections stacked
-    o: Tensor  # (hidden, H*D)
+    qkv: Weight  # (H*D + 2*KVH*D, hidden): q, k and v projections stacked
+    o: Weight  # (hidden, H*D)
     post_norm: Tensor  # (hidden,)
-    gate_up: Tensor  # (2*I, hidden): gate and up projections stacked
-    down: Tensor  # (hidden, I)
+    gate_up: Weight  # (2*I, hidden): gate and up projections stacked
+    down: Weight  # (hidden, I)
     qkv_bias: Tensor | None = None  # (H*D + 2*KVH*D,): qwen2 always, llama/qwen3 with attention_bias
     o_bias: Tensor | None = None  # (hidden,): attention_bias
     q_norm: Tensor | None = None  # (D,): qwen3's RMSNorm over each head of q
     k_norm: Tensor | None = None  # (D,): and of k
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """The fields the architecture has, in order: what a compiled layer piece takes."""
-        return tuple(t for t in (getattr(self, f.name) for f in fields(self)) if t is not None)
+        """The fields the architecture has, in order, a quantized one as its data and scale: what a
+        compiled layer piece takes."""
+        present = (w for w in (getattr(self, f.name) for f in fields(self)) if w is not None)
+        return tuple(t for w in present for t in (w.tensors() if isinstance(w, QuantizedWeight) else (w,)))
 
     @classmethod
     def of(cls, config: LlamaConfig, tensors: Sequence[Tensor]) -> LayerWeights:
         """``tensors()`` back as the record, for a layer of ``config``'s architecture."""
-        return cls(**dict(zip(part_shapes(config), tensors, strict=True)))
+        names, scheme = list(part_shapes(config)), config.quantization
+        if len(tensors) != len(names) + (len(PROJECTIONS) if scheme else 0):
+            raise ValueError(f"{len(tensors)} tensors do not make the layer's fields {names}")
+        flat, built = iter(tensors), {}
+        for name in names:
+            quantized = scheme is not None and name in PROJECTIONS
+            built[name] = QuantizedWeight(next(flat), next(flat), scheme) if quantized else next(flat)
+        return cls(**built)
 
 
 @dataclass(frozen=True)
@@ -91,5 +106,18 @@ def part_shapes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], ...]]:
 
 
 def layer_shapes(config: LlamaConfig) -> list[tuple[int, ...]]:
-    """Shapes of ``LayerWeights.tensors()`` for ``config``: each field's parts stacked."""
+    """Shapes of each field for ``config``: its parts stacked."""
     return [(sum(p[0] for p in parts), *parts[0][1:]) for parts in part_shapes(config).values()]
+
+
+def example_layer(config: LlamaConfig, dtype: torch.dtype, device: str = "cpu") -> LayerWeights:
+    """A layer of zeros, each tensor of the shape and dtype a graph of ``config`` takes at run
+    time: what a layer piece is traced with (only shapes and dtypes matter)."""
+    scheme, built = config.quantization, {}
+    for name, shape in zip(part_shapes(config), layer_shapes(config), strict=True):
+        if scheme is not None and name in PROJECTIONS:
+            data = torch.zeros(shape, dtype=runtime_dtype(scheme, dtype), device=device)
+            built[name] = QuantizedWeight(data, torch.zeros(shape[0], device=device), scheme)
+        else:
+            built[name] = torch.zeros(shape, dtype=dtype, device=device)
+    return LayerWeights(**built)

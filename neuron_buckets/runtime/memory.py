@@ -57,10 +57,18 @@ def cache_bytes(model: LlamaConfig, num_blocks: int, block_size: int, dtype: str
 
 
 def weights_bytes(model: LlamaConfig, dtype: str) -> int:
+    """The weights a runtime holds: a quantized model's projections at their runtime width
+    (``QuantScheme.runtime_bytes``), with a float32 scale per output channel."""
     h, q, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    layer = h * (2 * q + 2 * kv) + 3 * h * model.intermediate_size + 2 * h
+    e, i, s = DTYPE_BYTES[dtype], model.intermediate_size, model.quantization
+    projections = h * (2 * q + 2 * kv) + 3 * h * i
+    if s is None:
+        projection_bytes = projections * e
+    else:
+        projection_bytes = projections * s.runtime_bytes(e) + (q + 2 * kv + h + 2 * i + h) * FLOAT32
     heads = 1 if model.tie_word_embeddings else 2
-    return (heads * model.vocab_size * h + model.num_layers * layer + h) * DTYPE_BYTES[dtype]
+    norms = model.num_layers * 2 * h + h
+    return (heads * model.vocab_size * h + norms) * e + model.num_layers * projection_bytes
 
 
 def step_bytes(model: LlamaConfig, bucket: Bucket, dtype: str) -> int:

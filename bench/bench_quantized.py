@@ -1,0 +1,140 @@
+"""A quantized artifact against the bfloat16 one, in one run: decode step time and output tok/s.
+
+Model: the Llama-3.2-1B shape with random weights (``real_models.py``), stored in bfloat16, and
+its compressed-tensors twin quantized data-free by ``--scheme`` (``model/checkpoint_quantizer.py``).
+Both are compiled with the same grid (a decode bucket of 4 rows, one 256-token prefill bucket)
+and opened side by side; the measurements alternate between them round by round, so both see the
+same machine load. Printed, each with the quantized / bfloat16 ratio:
+
+- the batch-4 decode step: ``runtime.decode`` of 4 rows at a context of 128 tokens (median of the
+  rounds' medians);
+- output tok/s at concurrency 4: ``generate`` of 4 prompts of 128 tokens, ``--max-new`` greedy
+  tokens each, every request running to its length;
+- the artifacts' weights files.
+
+    nice -n 15 python bench/bench_quantized.py [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
+
+from neuron_buckets import BucketRuntime, PrefillChunk, SamplingParams, generate  # noqa: E402
+from neuron_buckets.compile.compiler import Compiler  # noqa: E402
+from neuron_buckets.config import load_config  # noqa: E402
+from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint  # noqa: E402
+from neuron_buckets.model.quant_scheme import QuantScheme  # noqa: E402
+
+SCHEMES = {s.name: s for s in (QuantScheme("int8", "channel"), QuantScheme("int8", "channel", "int8_token"),
+                               QuantScheme("float8_e4m3fn", "channel"))}
+CONFIG = """
+[model]
+path = "{model}"
+
+[cache]
+block_size = 16
+num_blocks = 128
+max_model_len = 512
+dtype = "bfloat16"
+
+[buckets]
+max_num_seqs = 4
+max_num_batched_tokens = 256
+num_seqs_buckets = [4]
+num_batched_tokens_buckets = [256]
+
+[compile]
+backend = "inductor"
+jobs = 2
+fresh_layers = false
+"""
+BATCH, CONTEXT = 4, 128
+MARKER = "nb-bench-quantized.json"
+
+
+def compiled(model: Path, out: Path, cache: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    config = out.with_suffix(".toml")
+    config.write_text(CONFIG.format(model=model.as_posix()))
+    start = time.perf_counter()
+    report = Compiler(load_config(config), out, cache).run(jobs=2)
+    if report.failed:
+        raise SystemExit(f"compile of {model.name} failed: {[o.error for o in report.failed]}")
+    print(f"compiled {out.name}: {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def decode_ms(runtime: BucketRuntime, repeats: int) -> float:
+    """Median ms of a batch-4 decode step at context ``CONTEXT`` (the prompts prefilled once)."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(BATCH)]
+    prompts = [torch.randint(1, 1000, (CONTEXT,), generator=gen).tolist() for _ in range(BATCH)]
+    runtime.prefill([PrefillChunk(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])
+    rows = [PrefillChunk([7], CONTEXT, b) for b in blocks]
+    runtime.decode(rows)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runtime.decode(rows)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def tok_s(runtime: BucketRuntime, max_new: int) -> float:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 1000, (CONTEXT,), generator=gen).tolist() for _ in range(BATCH)]
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
+    start = time.perf_counter()
+    outs = generate(runtime, prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_size_args(parser, "nb-bench-quantized", "3 rounds of 4 steps")
+    parser.add_argument("--scheme", choices=sorted(SCHEMES), default="w8a8-int8-channel")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-new", type=int, default=32)
+    parser.set_defaults(layers=SHAPES["llama-3.2-1b"].num_layers)
+    args = parser.parse_args()
+    layers, rounds, steps = (2, 3, 4) if args.tiny else (args.layers, args.rounds, 10)
+    shape, scheme = SHAPES["llama-3.2-1b"], SCHEMES[args.scheme]
+    dense = build_checkpoint(args.models / f"llama-3.2-1b-{layers}layers-bfloat16", shape, layers,
+                             dtype="bfloat16", tokenizer=True)
+    quantized = args.models / f"{dense.name}-{scheme.name}"
+    if not (quantized / MARKER).is_file():
+        quantize_checkpoint(dense, quantized, scheme)
+        (quantized / MARKER).write_text(scheme.name)
+    cache = args.work / "cache"
+    dirs = {"bfloat16": compiled(dense, args.work / dense.name, cache),
+            scheme.name: compiled(quantized, args.work / quantized.name, cache)}
+    runtimes = {name: BucketRuntime.open(d, preload=True) for name, d in dirs.items()}
+    decode: dict[str, list[float]] = {name: [] for name in dirs}
+    rates: dict[str, list[float]] = {name: [] for name in dirs}
+    for _ in range(rounds):  # alternating, so both see the same load
+        for name, runtime in runtimes.items():
+            decode[name].append(decode_ms(runtime, steps))
+            rates[name].append(tok_s(runtime, 4 if args.tiny else args.max_new))
+    q, b = scheme.name, "bfloat16"
+    step = {n: statistics.median(v) for n, v in decode.items()}
+    rate = {n: statistics.median(v) for n, v in rates.items()}
+    size = {n: (d / "weights.safetensors").stat().st_size for n, d in dirs.items()}
+    print(f"{shape.name}, {layers} layers, {scheme.name} against bfloat16, {rounds} rounds")
+    print(f"batch-{BATCH} decode step at context {CONTEXT}: {step[q]:.1f} ms / {step[b]:.1f} ms = "
+          f"{step[q] / step[b]:.2f}x")
+    print(f"output tok/s at concurrency {BATCH}: {rate[q]:.1f} / {rate[b]:.1f} = {rate[q] / rate[b]:.2f}x")
+    print(f"weights file: {size[q] / 1e9:.2f} GB / {size[b] / 1e9:.2f} GB = {size[q] / size[b]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
