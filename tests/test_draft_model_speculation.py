@@ -275,8 +275,8 @@ def test_nb_inspect_shows_what_speculation_costs_in_graphs_and_compile_time(self
     planned = CliRunner().invoke(app, ["inspect", "--trace", str(CODE), str(config), "--json"])
     assert planned.exit_code == 0, planned.output
     assert json.loads(planned.stdout)["speculation"] == {
-        "speculation_length": 3, "target_buckets": 4, "verify_buckets": 3, "draft_buckets": 4,
-    }  # fmt: skip
+        "speculation_length": 3, "target_buckets": 7, "verify_buckets": 3, "draft_buckets": 7,
+    }  # fmt: skip  # 4 default prefill token buckets (16-128) + 3 decode batch buckets
 
 
 def test_nb_plan_counts_the_draft_models_graphs_in_the_compile_cost(self_draft, tmp_path):
