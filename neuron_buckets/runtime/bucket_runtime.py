@@ -8,6 +8,10 @@ weights and cache slice (updated in place), then its head piece; a packed call w
 runs the bucket's fresh layer piece instead, where it has one. A step plan runs as the calls
 ``BucketSet.calls`` lists for it, the ones ``nb inspect`` counts. It never imports the compiler:
 artifacts flow one way, from ``nb compile`` to here.
+
+A tensor-parallel artifact is opened by every rank (``rank_group.py``): each holds its shard of
+the weights and its KV heads of the cache, and runs the same calls; rank 0 hands each plan to the
+others before it runs it, and gets every rank's logits back from the head piece.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import PrefillChunk, Segment, StepPlan
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import load_weights
+from neuron_buckets.model.sharding import read_shard
+from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.runtime.rank_group import RankGroup
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
@@ -66,7 +73,11 @@ class BucketRuntime:
         self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
         self._check_versions()
         self._load_libraries()
-        weights = self._load_weights()
+        self.tp = TensorParallel(manifest.parallel.tensor_parallel_size)
+        self.ranks = RankGroup.join(self.directory, self.tp.size) if self.tp.size > 1 else None
+        rank = self.ranks.rank if self.ranks else 0
+        self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
+        weights = self._load_weights(rank)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
@@ -136,16 +147,20 @@ class BucketRuntime:
             with _checked_copy(path, lib.sha256, f"kernel library {name}", f"kernel library {path}") as copy:
                 LIBRARIES[name](copy)
 
-    def _load_weights(self) -> ModelWeights:
-        """The artifact's weights, fused once as the layer pieces take them, in the backend's
-        layout; the file's own tensors are dropped layer by layer, so the model is never held twice."""
+    def _load_weights(self, rank: int) -> ModelWeights:
+        """The artifact's weights (``rank``'s shard), fused once as the layer pieces take them, in
+        the backend's layout; the file's own tensors are dropped layer by layer, so the model is
+        never held twice."""
         info = self.manifest.weights
         path = self.directory / info.file
         if not path.is_file():
             raise ArtifactError(f"weights file {path} is missing")
         if not intact(path, info.sha256):
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
-        return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
+        if self.tp.size == 1:
+            return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
+        shard = read_shard(path, self.config, rank, self.tp, self.device)
+        return load_weights(self.tp.local(self.config), shard, pack=self.backend.pack)
 
     def graph(self, key: str) -> GraphFn:
         """A piece's graph, loaded on first use after checking its file against the manifest."""
@@ -179,20 +194,23 @@ class BucketRuntime:
             layer_role, step = "fresh_layer", step.without_context()
         embed, layer, head = (self.graph(pieces[role]) for role in ("embed", layer_role, "head"))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
-        h, cos, sin = embed(input_ids, positions, self.embed_weight)
+        h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
             h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
         logits = head(h, sampling, *self.head_weights)
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
-        return logits[: step.num_samples]
+        return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
 
     def run_plan(self, plan: StepPlan) -> Tensor:
         """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
         segment: (total samples, vocab). The whole plan is checked before its first call writes
         the cache."""
         check_step(plan, self.limits)
+        calls = self.buckets.calls(plan)
+        if self.ranks is not None and self.ranks.leads:  # a plan refused above never reaches them
+            self.ranks.send(plan)
         samples: dict[int, Tensor] = {}
-        for call in self.buckets.calls(plan):
+        for call in calls:
             logits, seq = self._run_call(plan, call), call.bucket.seq
             if call.bucket.kind == "decode":  # a row returns its seq positions, real ones first
                 for k, p in enumerate(call.parts):
@@ -204,6 +222,17 @@ class BucketRuntime:
                     samples[p.segment] = part_logits
         empty = torch.empty(0, self.limits.vocab_size)
         return torch.cat([samples[i] for i in sorted(samples)] or [empty])
+
+    def follow(self) -> None:
+        """A follower rank: run each plan rank 0 sends, until it ends the group."""
+        assert self.ranks is not None and not self.ranks.leads, "only a follower rank follows"
+        while (plan := self.ranks.receive()) is not None:
+            self.run_plan(plan)
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel artifact: end the other ranks (else at exit)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
         """Pad the parts of the plan's segments that ``call`` runs to its bucket, and run it."""
