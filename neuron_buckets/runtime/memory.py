@@ -134,3 +134,20 @@ def check_compile_memory(config: Config, model: LlamaConfig, jobs: int) -> None:
     check_memory(needs, "generating from this config" + (f" (each of {ranks} ranks)" if ranks > 1 else ""))
     needs = {f"{jobs} jobs x (example KV cache and weights)": jobs * compile_job_bytes(config, model)}
     check_memory(needs, "compiling", f"use fewer --jobs or {SMALLER}")
+
+
+def ranks_report(model: LlamaConfig, tensor_parallel_size: int, buckets: Iterable[Bucket], num_blocks: int,
+                 block_size: int, dtype: str, graphs: int) -> dict:
+    """What ``nb compile --dry-run`` and ``nb inspect --manifest`` say of the ranks: the degree,
+    the graphs that serve all of them (as many as at one rank), and one rank's memory by part."""
+    local = TensorParallel(tensor_parallel_size).local(model)
+    needs = serving_needs(local, buckets, num_blocks, block_size, dtype)
+    return {"tensor_parallel_size": tensor_parallel_size, "graphs": graphs, "memory_per_rank": needs}
+
+
+def ranks_line(report: dict) -> str:
+    """``ranks_report`` as one line."""
+    parts = ", ".join(f"{name} {human(n)}" for name, n in report["memory_per_rank"].items())
+    n = report["tensor_parallel_size"]
+    return f"{report['graphs']} graphs serve {'all ' + str(n) + ' ranks' if n > 1 else 'the one rank'}; " \
+           f"memory per rank at least: {parts}"
