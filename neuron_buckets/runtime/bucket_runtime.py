@@ -16,8 +16,9 @@ others before it runs it, and gets every rank's logits back from the head piece.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
-from neuron_buckets.runtime.rank_group import RankGroup
+from neuron_buckets.runtime.rank_group import RankGroup, RankLost
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
@@ -64,6 +65,21 @@ def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Pa
             yield copy
     except DigestMismatch:
         raise ArtifactError(f"{named} does not match its sha256 (corrupt or tampered)") from None
+
+
+def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Tensor-parallel: a call that fails leaves the ranks out of step (a rank died, a collective
+    timed out), so no later step can run: the failure is ``RankLost``."""
+    @functools.wraps(run)
+    def guarded(self: BucketRuntime, *args: object) -> Tensor:
+        try:
+            return run(self, *args)
+        except Exception as e:
+            if self.ranks is None:
+                raise
+            raise RankLost(f"a step failed across the {self.tp.size} ranks: {e}") from e
+
+    return guarded
 
 
 class BucketRuntime:
@@ -186,6 +202,7 @@ class BucketRuntime:
         return rec
 
     @torch.inference_mode()
+    @_ranks_stay_in_step
     def run(self, bucket: Bucket, step: StepInputs) -> Tensor:
         """Run one padded step through the bucket's pieces; logits of the real samples only."""
         pieces = self.record(bucket).pieces
