@@ -23,6 +23,7 @@ import torch
 from filelock import FileLock
 
 from neuron_buckets import SamplingParams, generate
+from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.backends import get_backend
 from neuron_buckets.compile.build_plan import BuildPlan
 from neuron_buckets.config import ConfigError, load_config
@@ -98,6 +99,22 @@ def test_the_shards_are_the_checkpoint_cut_by_field_and_half_its_bytes(arch, tmp
     for rank in range(2):
         mine = nbytes(load_weights(TP2.local(config), read_shard(file, config, rank, TP2)))
         assert mine <= 0.55 * whole
+
+
+def test_one_graph_set_serves_every_rank_as_a_tp1_build_of_one_ranks_shapes(tiny_config_file, tmp_path):
+    """The TP=2 plan builds the pieces a TP=1 plan of a checkpoint with one rank's shapes builds, over
+    the same cache, one key each whatever the rank: no piece is compiled per rank (the keys differ
+    from TP=1's by the degree: the graphs hold collectives)."""
+    config = load_config(tiny_config_file)
+    model = read_config(config.model.path)
+    tp2 = replace(config, parallel=replace(config.parallel, tensor_parallel_size=2))
+    backend = get_backend("inductor")
+    plans = [BuildPlan.make(tp2, tmp_path, backend, model, None),
+             BuildPlan.make(config, tmp_path, backend, TP2.local(model), None)]
+    assert [s.name for s in plans[0].shapes] == [s.name for s in plans[1].shapes]
+    assert len(set(plans[0].keys.values())) == len(plans[0].keys) == len(plans[1].keys)
+    assert plans[0].header.cache == plans[1].header.cache  # one rank's KV heads
+    assert plans[0].header.parallel.tensor_parallel_size == 2 != plans[1].header.parallel.tensor_parallel_size
 
 
 def test_a_plan_reaches_the_other_ranks_as_it_was():
@@ -215,6 +232,9 @@ def test_two_ranks_generate_what_one_rank_and_transformers_do(compiled: Compiled
     """Packed prefill of several segments, a chunked prompt, mixed steps, speculative rows and
     prefix hits: TP=2's greedy tokens are TP=1's and transformers' up to the first near-tie (its
     top two logits within twice the dtype's tolerance), which float32 never meets here."""
+    manifests = [read_manifest(compiled.directories[n]) for n in (1, 2)]
+    names = [sorted(p.name for p in m.pieces.values()) for m in manifests]
+    assert names[0] == names[1]  # the same graphs, once for both ranks
     one = BucketRuntime.open(compiled.directories[1])
     one.k_cache.fill_(float("nan"))
     one.v_cache.fill_(float("nan"))
