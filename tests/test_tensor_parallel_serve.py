@@ -40,11 +40,13 @@ def nb_serve(directory: Path) -> Iterator[tuple[str, subprocess.Popen]]:
            "--served-model-name", MODEL]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
+        seen = []
         for line in proc.stderr:
+            seen.append(line)
             if m := re.search(r"serving 'tiny' at (http://127\.0\.0\.1:\d+)", line):
                 break
         else:
-            pytest.fail(f"nb serve exited with {proc.wait()} before listening")
+            pytest.fail(f"nb serve exited with {proc.wait()} before listening: {''.join(seen[-5:])}")
         yield m.group(1), proc
     finally:
         for child in children(proc.pid):

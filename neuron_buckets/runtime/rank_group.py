@@ -33,7 +33,9 @@ from neuron_buckets.model.tensor_parallel import GROUP
 
 # How long a collective (a step's all-reduce) or a store wait may take before the rank gives up.
 TIMEOUT = timedelta(seconds=20)
-POLL = timedelta(seconds=1)  # a follower's wait for the next plan, between looks at rank 0
+# A follower's wait for the next plan: an idle server sends none, and each wait that runs out logs a
+# line; rank 0 gone ends the wait at once (its store's socket closes).
+POLL = timedelta(hours=1)
 ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 STOP = b""  # the plan that ends the followers
 FIELDS = 5  # request_id, context_len, num_samples, tokens, blocks: per segment
