@@ -77,7 +77,7 @@ def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
         except Exception as e:
             if self.ranks is None:
                 raise
-            raise RankLost(f"a step failed across the {self.tp.size} ranks: {e}") from e
+            raise RankLost(f"a step failed across the {self.tp.size} ranks", e) from e
 
     return guarded
 

@@ -44,6 +44,10 @@ FIELDS = 5  # request_id, context_len, num_samples, tokens, blocks: per segment
 class RankLost(RuntimeError):
     """Another rank of the group died or stopped answering: no step can run any more."""
 
+    def __init__(self, what: str, cause: BaseException | None = None) -> None:
+        # torch's distributed errors carry a C++ backtrace after their first line
+        super().__init__(what if cause is None else f"{what}: {str(cause).splitlines()[0]}")
+
 
 def encode(plan: StepPlan) -> bytes:
     """A plan as one int64 tensor's bytes: a header row per segment, then tokens, then blocks."""
@@ -107,7 +111,7 @@ class RankGroup:
         except (RuntimeError, ValueError) as e:
             for w in workers:
                 w.kill()
-            raise RankLost(f"cannot join the {size} ranks: {e}") from None
+            raise RankLost(f"cannot join the {size} ranks", e) from None
         if dist.group.WORLD.group_name != GROUP:
             raise RankLost(f"the world process group is named {dist.group.WORLD.group_name!r}, not "
                            f"{GROUP!r}: open a tensor-parallel artifact before creating other groups")
@@ -127,7 +131,7 @@ class RankGroup:
             if self.step > 1:  # every follower ran the previous step's collectives: it read it
                 self.store.delete_key(f"plan{self.step - 1}")
         except RuntimeError as e:
-            raise RankLost(f"the ranks' store failed: {e}") from None
+            raise RankLost("the ranks' store failed", e) from None
 
     def receive(self) -> StepPlan | None:
         """A follower: the next plan, or None when rank 0 ends the group."""
@@ -140,7 +144,7 @@ class RankGroup:
                 return None if data == STOP else decode(data)
             except dist.DistStoreError as e:
                 if "timeout" not in str(e).lower():  # not just an idle server: rank 0 is gone
-                    raise RankLost(f"rank 0 is gone: {e}") from None
+                    raise RankLost("rank 0 is gone", e) from None
 
     def close(self) -> None:
         """Rank 0: end the followers (they exit), then leave the group."""

@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
     try:
         BucketRuntime.open(argv[0]).follow()
     except Exception as e:  # any failure ends this rank with one line; rank 0 sees it lost
-        print(f"error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: rank {os.environ.get('RANK', '?')}: {first}", file=sys.stderr)
         return 1
     return 0
 
