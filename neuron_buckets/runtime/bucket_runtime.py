@@ -130,13 +130,16 @@ class BucketRuntime:
 
     @classmethod
     def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:
-        """Open an artifact directory; ``preload`` loads every graph now instead of on first use.
+        """Open an artifact directory; ``preload`` loads every graph now instead of on first use
+        (always, for a tensor-parallel artifact's ranks).
         The weights are cast, packed and the cache filled on a passing thread, so the thread that
         opens leaves no OpenMP pool to slow the one that steps (``utils/passing_thread.py``)."""
         def load() -> BucketRuntime:
             manifest = read_manifest(Path(path))
             runtime = cls(Path(path), manifest, device or manifest.backend.device)
-            if preload:
+            # Ranks load every graph first: one loading a graph on first use mid-step would keep
+            # the others waiting in a collective, towards its timeout.
+            if preload or runtime.ranks is not None:
                 for record in runtime.records.values():
                     for key in record.pieces.values():
                         runtime.graph(key)

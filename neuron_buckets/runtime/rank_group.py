@@ -31,8 +31,9 @@ import torch.distributed as dist
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.model.tensor_parallel import GROUP
 
-# How long a collective (a step's all-reduce) or a store wait may take before the rank gives up.
-TIMEOUT = timedelta(seconds=20)
+# How long a collective (a step's all-reduce) or a store wait may take before the rank gives up:
+# a step's ranks meet every layer, so only a hung (or badly starved) rank comes near it.
+TIMEOUT = timedelta(seconds=60)
 # A follower's wait for the next plan: an idle server sends none, and each wait that runs out logs a
 # line; rank 0 gone ends the wait at once (its store's socket closes).
 POLL = timedelta(hours=1)
