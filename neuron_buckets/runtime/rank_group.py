@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,6 +38,8 @@ TIMEOUT = timedelta(seconds=60)
 # A follower's wait for the next plan: an idle server sends none, and each wait that runs out logs a
 # line; rank 0 gone ends the wait at once (its store's socket closes).
 POLL = timedelta(hours=1)
+# How long the ranks may take to start (imports, artifact checks) before they form the group.
+START = timedelta(minutes=10)
 ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 STOP = b""  # the plan that ends the followers
 FIELDS = 5  # request_id, context_len, num_samples, tokens, blocks: per segment
@@ -107,12 +110,13 @@ class RankGroup:
             hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             store = dist.TCPStore(env["MASTER_ADDR"] or "", int(env["MASTER_PORT"] or 0), size, hosts,
                                   timeout=TIMEOUT, wait_for_workers=False)
+            _all_arrive(store, size, workers)
             dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
                                     world_size=size, timeout=TIMEOUT)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError) as e:  # RankLost too
             for w in workers:
                 w.kill()
-            raise RankLost(f"cannot join the {size} ranks", e) from None
+            raise e if isinstance(e, RankLost) else RankLost(f"cannot join the {size} ranks", e) from None
         if dist.group.WORLD.group_name != GROUP:
             raise RankLost(f"the world process group is named {dist.group.WORLD.group_name!r}, not "
                            f"{GROUP!r}: open a tensor-parallel artifact before creating other groups")
@@ -159,6 +163,19 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 w.kill()
         dist.destroy_process_group()
+
+
+def _all_arrive(store: dist.Store, size: int, workers: list[subprocess.Popen]) -> None:
+    """Wait, up to ``START``, for every rank to reach the store: gloo's own rendezvous would give a
+    rank still importing torch only ``TIMEOUT``. A rank this one spawned that exits ends the wait."""
+    store.add("arrived", 1)
+    deadline = time.monotonic() + START.total_seconds()
+    while store.add("arrived", 0) < size:
+        if any(w.poll() is not None for w in workers):
+            raise RankLost("a rank exited while starting")
+        if time.monotonic() > deadline:
+            raise RankLost(f"the {size} ranks did not all start within {START.total_seconds():.0f} s")
+        time.sleep(0.1)
 
 
 def _spawn(directory: Path, env: dict[str, str]) -> subprocess.Popen:
