@@ -62,6 +62,7 @@ CHANGES = {
     ("speculative", "auto_off"): (False, "engine"),
     ("speculative", "auto_off_window"): (4, "engine"),
     ("speculative", "auto_off_probe_interval"): (7, "engine"),
+    ("parallel", "tensor_parallel_size"): (2, "plan"),
 }
 
 

@@ -240,3 +240,26 @@ def test_the_nki_kernels_torch_glue_lowers_to_one_static_graph_and_runs_as_on_cp
     ]  # fmt: skip
     for got, expected in zip(XlaGraph(KernelGlue())(*args), want, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_a_tensor_parallel_layer_lowers_to_one_graph_with_its_two_all_reduces(hf_model_dir, tmp_path):
+    """At TP=2 the layer piece (one rank's heads and MLP features) stays one static graph, no host
+    fallback, with the all-reduces after o and down as XLA collectives over every replica."""
+    from neuron_buckets.backends import get_backend
+    from neuron_buckets.backends.xla_lowering import entry_computation
+    from neuron_buckets.model.checkpoint import read_config
+    from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
+    from neuron_buckets.model.tensor_parallel import TensorParallel
+
+    config, tp = read_config(hf_model_dir), TensorParallel(2)
+    shape = PieceShape("layer", 16, rows=2, ctx=128, packed=True)
+    example = example_inputs(shape, tp.local(config), 8, 64, torch.float32)
+    with tp.tracing():
+        get_backend("xla").compile(build_piece("layer", config, tp), example, tmp_path / "l.json", {}, None)
+    graph = json.loads((tmp_path / "l.json").read_text())
+    s = graph["summary"]
+    assert (s["graphs"], s["host_fallbacks"], s["static"]) == (1, [], True)
+    assert graph["tensor_parallel_size"] == 2 and s["ops"]["all-reduce"] == 2
+    reduces = [i for i in entry_computation(graph["hlo"])["instructions"] if i["opcode"] == "all-reduce"]
+    assert all(not i.get("replicaGroups") for i in reduces)  # every rank takes part
+    assert f"f32[16,{config.hidden_size}]" in s["outputs"]  # the whole hidden state, summed

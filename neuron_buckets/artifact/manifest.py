@@ -117,6 +117,14 @@ class DecodeInfo:
 
 
 @dataclass(frozen=True)
+class ParallelInfo:
+    """Tensor parallelism: every rank runs the same pieces over its shard of the weights and of
+    the KV cache (``cache.num_kv_heads`` is one rank's)."""
+
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
 class TextInfo:
     """What turns the model's ids into text and ends a generation: the tokenizer files copied into
     ``tokenizer/`` (relative path -> sha256) and the end-of-sequence ids of the model directory's
@@ -177,6 +185,7 @@ class Manifest:
     weights: WeightsInfo | None = None
     text: TextInfo | None = None  # None in manifests written before nb copied tokenizers
     libraries: dict[str, LibraryInfo] = field(default_factory=dict)
+    parallel: ParallelInfo = field(default_factory=ParallelInfo)
     pieces: dict[str, PieceRecord] = field(default_factory=dict)
     buckets: list[BucketRecord] = field(default_factory=list)
     created: str = ""
@@ -198,6 +207,7 @@ class Manifest:
             weights=WeightsInfo(**d["weights"]),
             text=TextInfo(**d["text"]) if "text" in d else None,
             libraries={k: LibraryInfo(**v) for k, v in d.get("libraries", {}).items()},
+            parallel=ParallelInfo(**d.get("parallel", {})),
             pieces={k: PieceRecord(**v) for k, v in d["pieces"].items()},
             buckets=[BucketRecord(**b) for b in d["buckets"]],
             created=d["created"],
@@ -210,6 +220,8 @@ class Manifest:
             del d["text"]
         if not d["libraries"]:
             del d["libraries"]
+        if self.parallel == ParallelInfo():
+            del d["parallel"]
         for piece in d["pieces"].values():
             if piece["compiled_for"] is None:
                 del piece["compiled_for"]
@@ -228,6 +240,8 @@ class Manifest:
         facts |= {f"model.config.{k}": v for k, v in self.model.config.items()}
         facts["model.dtype"] = self.model.dtype
         facts["decode.speculation_length"] = self.decode.speculation_length
+        if self.parallel != ParallelInfo():
+            facts["parallel.tensor_parallel_size"] = self.parallel.tensor_parallel_size
         return facts
 
     def files(self) -> list[tuple[str, str, str]]:

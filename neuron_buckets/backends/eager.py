@@ -42,20 +42,33 @@ class EagerBackend:
         self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None
     ) -> None:
         shapes = None if dynamic else [list(t.shape) for t in tree_leaves(example)]
-        out_file.write_text(json.dumps({"piece": type(piece).__name__, "input_shapes": shapes}))
+        record = {"piece": type(piece).__name__, "input_shapes": shapes, **piece_parallel(piece)}
+        out_file.write_text(json.dumps(record))
 
     def pack(self, layer: LayerWeights) -> LayerWeights:
         return layer  # the eager model reads the checkpoint's dense tensors
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
-        from neuron_buckets.model.model_config import LlamaConfig
-        from neuron_buckets.model.pieces import PIECES
-
         spec = json.loads(path.read_text())
-        pieces = {cls.__name__: cls for cls in PIECES.values()}
-        piece = pieces[spec["piece"]](LlamaConfig.from_hf(model_config))
+        piece = piece_of(spec, model_config)
         shapes = spec["input_shapes"]
         return EagerGraph(piece, shapes and [tuple(s) for s in shapes], path.name)
+
+
+def piece_parallel(piece: nn.Module) -> dict[str, int]:
+    """What a graph file records of its piece's tensor-parallel degree (nothing at 1)."""
+    size = piece.tp.size
+    return {"tensor_parallel_size": size} if size > 1 else {}
+
+
+def piece_of(record: dict[str, Any], model_config: dict[str, Any]) -> nn.Module:
+    """The piece a graph file of ``piece_parallel``'s record names, built again for the model."""
+    from neuron_buckets.model.model_config import LlamaConfig
+    from neuron_buckets.model.pieces import build_piece
+    from neuron_buckets.model.tensor_parallel import TensorParallel
+
+    tp = TensorParallel(record.get("tensor_parallel_size", 1))
+    return build_piece(record["piece"], LlamaConfig.from_hf(model_config), tp)
 
 
 class EagerGraph:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
-from neuron_buckets.backends.eager import EagerGraph
+from neuron_buckets.backends.eager import EagerGraph, piece_of, piece_parallel
 from neuron_buckets.backends.neuron import StackedLayer, layer_input, stacked_of, trace_spec
 from neuron_buckets.backends.xla_lowering import (
     lower,
@@ -109,19 +109,17 @@ class XlaBackend:
             raise ValueError(f"{type(piece).__name__} does not lower as Neuron needs: {'; '.join(problems)}")
         shapes = [list(t.shape) for t in tree_leaves(example)]
         record = {"piece": type(piece).__name__, "input_shapes": shapes, "summary": lowering.summary,
-                  "hlo": lowering.hlo}
+                  "hlo": lowering.hlo, **piece_parallel(piece)}
         out_file.write_text(json.dumps(record))
 
     def pack(self, layer: LayerWeights) -> LayerWeights:
         return layer  # the traced graph takes the dense tensors
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
-        from neuron_buckets.model.llama import LlamaConfig
-        from neuron_buckets.model.pieces import PIECES, LayerPiece
+        from neuron_buckets.model.pieces import LayerPiece
 
         record = json.loads(path.read_text())
-        pieces = {cls.__name__: cls for cls in PIECES.values()}
-        piece = pieces[record["piece"]](LlamaConfig.from_hf(model_config))
+        piece = piece_of(record, model_config)
         if isinstance(piece, LayerPiece):  # the state is the runtime's cache, placed at each call
             fn: GraphFn = XlaLayer(XlaGraph(StackedLayer(piece, torch.empty(0), torch.empty(0))))
         else:

@@ -180,6 +180,7 @@ def generate(
     stream(engine, [engine.add_request(p, params) for p in checked], bool(prompt), max_new_tokens)
     if stats:
         print_stats(engine)
+    runtime.close()  # a tensor-parallel artifact's other ranks end with it
 
 
 def register(app: typer.Typer) -> None:

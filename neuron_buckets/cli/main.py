@@ -21,6 +21,7 @@ from neuron_buckets.config import enumerate_grid, load_config
 from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.runtime.memory import ranks_line, ranks_report
 
 if TYPE_CHECKING:
     from neuron_buckets.compile.build_plan import BuildPlan
@@ -169,6 +170,10 @@ def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
         f"{counts['output dir']} in the output dir, {counts['local cache']} in the local cache, "
         f"{counts['remote cache']} in the remote cache"
     )
+    c = build.config.cache
+    ranks = ranks_report(build.model_config, build.config.parallel.tensor_parallel_size, build.buckets,
+                         c.num_blocks, c.block_size, c.dtype, len(build.keys))
+    console.print(ranks_line(ranks), highlight=False)
     if build.draft is not None:
         print_dry_run(build.draft, cache)
 

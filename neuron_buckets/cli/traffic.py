@@ -18,7 +18,7 @@ from neuron_buckets.cli.console import err, int_list, out
 from neuron_buckets.config import Config, enumerate_grid, load_config
 from neuron_buckets.config.buckets import DEFAULT_MAX_NUM_SEQS
 from neuron_buckets.core.bucket import powers_of_two, validate_buckets
-from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets
+from neuron_buckets.traffic.compile_cost import ManifestBuckets, load_manifest_buckets, manifest_ranks
 from neuron_buckets.traffic.padding_stats import inspect_trace, peak_blocks
 from neuron_buckets.traffic.planned_config import Limits, PlannedConfig
 from neuron_buckets.traffic.planner import DEFAULT_TOKEN_BUDGET, PlanOptions, plan, plan_replayed
@@ -140,6 +140,8 @@ def inspect(
     doc |= inspect_trace(data, prefill, num_seqs, slots, decode_rate, built.cost if built else None)
     if replays:
         doc["packed"] = _packed(load_config(config), data, replay_requests, trace_block_size, load)[0]
+    if manifest:
+        doc["ranks"] = manifest_ranks(manifest)
     spec = measured_speculation(manifest) if manifest else planned_speculation(load_config(config))
     if spec is not None:
         doc["speculation"] = spec

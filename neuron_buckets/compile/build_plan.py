@@ -21,24 +21,35 @@ from neuron_buckets.artifact.manifest import (
     DecodeInfo,
     Manifest,
     ModelInfo,
+    ParallelInfo,
 )
 from neuron_buckets.backends import Backend
 from neuron_buckets.compile.cache_key import backend_source_digest, graph_key
 from neuron_buckets.compile.worker import Toolchain
-from neuron_buckets.config import Config, enumerate_grid
+from neuron_buckets.config import Config, ConfigError, enumerate_grid
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
+from neuron_buckets.model.tensor_parallel import TensorParallel
+
+
+def tensor_parallel(config: Config, model: LlamaConfig) -> TensorParallel:
+    """The config's tensor-parallel degree, once the model splits over it."""
+    tp = TensorParallel(config.parallel.tensor_parallel_size)
+    if tp.size > 1 and (problem := tp.check(model)):
+        raise ConfigError(f"parallel.tensor_parallel_size: {problem}")
+    return tp
 
 
 def cache_geometry(model: LlamaConfig, config: Config) -> CacheGeometry:
+    """The cache one rank allocates: its KV heads only, under tensor parallelism."""
     c = config.cache
     return CacheGeometry(
         block_size=c.block_size,
         num_blocks=c.num_blocks,
         num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
+        num_kv_heads=tensor_parallel(config, model).local(model).num_kv_heads,
         head_dim=model.head_dim,
         dtype=c.dtype,
         max_model_len=c.max_model_len,
@@ -72,6 +83,7 @@ def manifest_header(config: Config, model: LlamaConfig, backend: BackendInfo) ->
             max_num_batched_tokens=b.max_num_batched_tokens,
             enable_prefix_caching=config.cache.enable_prefix_caching,
         ),
+        parallel=ParallelInfo(config.parallel.tensor_parallel_size),
     )
 
 
@@ -103,7 +115,8 @@ class BuildPlan:
         toolchain = Toolchain(backend_source_digest(backend), info.versions)
         keys = {
             s: graph_key(piece=s, model_config=header.model.config, cache=asdict(header.cache),
-                         backend=asdict(info), sources=toolchain.sources)
+                         backend=asdict(info), sources=toolchain.sources,
+                         tensor_parallel_size=header.parallel.tensor_parallel_size)
             for s in shapes
         }
         return cls(config, Path(out), backend, model, buckets, pieces, keys, header, toolchain, previous)

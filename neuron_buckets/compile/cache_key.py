@@ -74,8 +74,10 @@ def graph_key(
     cache: dict[str, Any],
     backend: dict[str, Any],
     sources: str,
+    tensor_parallel_size: int = 1,
 ) -> str:
-    """sha256 of everything that changes one piece's compiled graph, as canonical JSON."""
+    """sha256 of everything that changes one piece's compiled graph, as canonical JSON (the
+    tensor-parallel degree where above 1: its pieces have one rank's shapes and collectives)."""
     material = {
         "piece": [piece.role, piece.tokens, piece.rows, piece.ctx, piece.samples, piece.packed],
         "model_config": model_config,
@@ -83,5 +85,7 @@ def graph_key(
         "backend": backend,
         "sources": sources,
     }
+    if tensor_parallel_size > 1:
+        material["tensor_parallel_size"] = tensor_parallel_size
     text = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()

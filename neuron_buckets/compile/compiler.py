@@ -58,8 +58,8 @@ class Compiler:
         self.text_sources = text_sources(config.model.path)
         self.eos_token_ids = eos_token_ids(config.model.path, model.vocab_size)
         local_jobs = config.compile.jobs if config.compile.executor == "local" else 0
-        check_compile_memory(config, model, local_jobs)
         plan = BuildPlan.make(config, Path(out), backend, model, previous)
+        check_compile_memory(config, model, local_jobs)
         self.queue = PieceQueue(config, model, self.cache, plan.toolchain, fail_fast, ray_address)
         self.cache.check()  # an unusable store fails here, before anything is written
         self.draft = self._draft_compiler(plan, cache_dir, local_cache)

@@ -27,7 +27,8 @@ from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config
 from neuron_buckets.model.checkpoint import model_config_of
-from neuron_buckets.model.pieces import PIECES, PieceShape, dynamic_shapes, example_inputs
+from neuron_buckets.model.pieces import PieceShape, build_piece, dynamic_shapes, example_inputs
+from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.utils.files import sha256_file
 
 
@@ -60,10 +61,11 @@ def compile_piece(
 ) -> tuple[float, str | None]:
     """Compile one piece and publish it; returns (seconds, the traceback if it failed).
 
-    The piece is built from the model config alone: pieces take weights as inputs, so zeros of
-    their shapes trace, and no weights are read. ``before_publish`` is a test hook, called with
-    the graph built and not yet published: a fixed point where a test's worker dies or hangs,
-    instead of a kill racing the compile (an executor's ``run`` swaps in such a worker)."""
+    The piece is built from the model config alone, at one rank's shapes: pieces take weights as
+    inputs, so zeros of their shapes trace, and no weights are read. ``before_publish`` is a test
+    hook, called with the graph built and not yet published: a fixed point where a test's worker
+    dies or hangs, instead of a kill racing the compile (an executor's ``run`` swaps in such a
+    worker)."""
     torch.set_num_threads(task.threads)
     # torch's own pickling of export specs trips its own deprecation on every compile; it says
     # nothing a user can act on and would scroll the progress bar away.
@@ -76,12 +78,13 @@ def compile_piece(
         store = GraphStore(task.store)
         mirror = GraphStore(task.mirror) if task.mirror else None
         model_config = model_config_of(config.model.path)
-        piece = PIECES[shape.role](model_config).to(config.compile.device)
+        tp = TensorParallel(config.parallel.tensor_parallel_size)
+        piece = build_piece(shape.role, model_config, tp).to(config.compile.device)
         example = example_inputs(
-            shape, model_config, config.cache.block_size, config.cache.num_blocks,
+            shape, tp.local(model_config), config.cache.block_size, config.cache.num_blocks,
             getattr(torch, config.cache.dtype), config.compile.device,
         )
-        with (mirror or store).scratch() as scratch:
+        with (mirror or store).scratch() as scratch, tp.tracing():
             graph = scratch / f"{task.key}.{backend.graph_ext}"  # a fixed name: packages embed it
             backend.compile(piece, example, graph, config.compile.flags, dynamic_shapes(shape))
             seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.config.loader import load_config, parse_config
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.parallel import ParallelConfig
 from neuron_buckets.config.speculative import SpeculativeConfig
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ModelSource",
+    "ParallelConfig",
     "SpeculativeConfig",
     "enumerate_grid",
     "load_config",

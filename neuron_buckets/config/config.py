@@ -10,6 +10,7 @@ from neuron_buckets.config.cache import CacheConfig
 from neuron_buckets.config.compile import CompileConfig
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.parallel import ParallelConfig
 from neuron_buckets.config.speculative import SpeculativeConfig
 
 
@@ -20,6 +21,7 @@ class Config:
     buckets: BucketConfig
     compile: CompileConfig
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         """Decode contexts and speculation against the cache: derived when left out, and each
@@ -38,6 +40,11 @@ class Config:
         if self.speculative.uses_draft_model and self.speculative.draft_model is None:
             raise ConfigError(
                 "speculative.draft_model: method 'draft_model' needs the draft checkpoint's directory"
+            )
+        if self.speculative.uses_draft_model and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError(
+                "speculative.method: 'draft_model' runs on one rank; with parallel.tensor_parallel_size > 1 "
+                "draft with 'ngram'"
             )
         if contexts != spec:
             object.__setattr__(self, "buckets", replace(b, decode_context_length_buckets=contexts))

@@ -18,10 +18,14 @@ from neuron_buckets.config.compile import CompileConfig
 from neuron_buckets.config.config import Config
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.model import ModelSource
+from neuron_buckets.config.parallel import ParallelConfig
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.utils.package_data import read_package_data
 
-SECTIONS = {s.SECTION: s for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig, SpeculativeConfig)}
+SECTIONS = {
+    s.SECTION: s
+    for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig, SpeculativeConfig, ParallelConfig)
+}
 # Keys of earlier releases, with what replaced them.
 REMOVED = {
     "buckets.prefill_batch_buckets": "was removed in 0.2: a prefill step now packs up to max_num_seqs "

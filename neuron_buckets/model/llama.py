@@ -24,6 +24,7 @@ from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.dispatch import block_kv_attention, write_kv_cache
 from neuron_buckets.model.linear import linear
 from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.model.tensor_parallel import SINGLE, TensorParallel
 from neuron_buckets.model.weights import LayerWeights, ModelWeights
 
 
@@ -64,13 +65,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def embed(
-    config: LlamaConfig, input_ids: Tensor, positions: Tensor, embed_weight: Tensor
+    config: LlamaConfig, input_ids: Tensor, positions: Tensor, embed_weight: Tensor,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Hidden states (T, hidden) and rotary cos/sin (T, head_dim) in the model dtype."""
+    """Hidden states (T, hidden) and rotary cos/sin (T, head_dim) in the model dtype.
+
+    Tensor-parallel: ``embed_weight`` is the rank's vocabulary rows and ``input_ids`` are relative
+    to its first row; a token outside them embeds as zeros here and is summed in from its rank."""
     inv_freq = rope_inv_freq(config, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2), float32 as HF
     angles = torch.cat([freqs, freqs], dim=-1)
-    h = F.embedding(input_ids, embed_weight)
+    if tp.size == 1:
+        h = F.embedding(input_ids, embed_weight)
+    else:
+        rows = embed_weight.shape[0]
+        mine = (input_ids >= 0) & (input_ids < rows)
+        h = tp.all_reduce(F.embedding(input_ids.clamp(0, rows - 1), embed_weight) * mine[:, None])
     return h, angles.cos().to(h.dtype), angles.sin().to(h.dtype)
 
 
@@ -84,9 +94,13 @@ def decoder_layer(
     k_cache: Tensor,
     v_cache: Tensor,
     w: LayerWeights,
+    tp: TensorParallel = SINGLE,
 ) -> Tensor:
     """One decoder layer over one layer's (NB, BS, KVH, D) caches, which it updates in place: the
-    step's K/V go to ``slot_mapping`` (T,), its B rows of S tokens attend as ``step`` says."""
+    step's K/V go to ``slot_mapping`` (T,), its B rows of S tokens attend as ``step`` says.
+
+    Tensor-parallel: ``config`` has the rank's heads and MLP features (``TensorParallel.local``);
+    the o and down projections give partial sums, all-reduced before the residual adds them."""
     c = config
     tokens, (batch, seq) = h.shape[0], step.segment_ids.shape
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -105,15 +119,21 @@ def decoder_layer(
         q.view(batch, seq, c.num_heads, c.head_dim), k.view(kv_shape), v.view(kv_shape),
         k_cache, v_cache, step, c.head_dim**-0.5, c.sliding_window,
     )
-    h = h + linear(out.reshape(tokens, q_size), w.o, w.o_bias)
+    if tp.size == 1:
+        h = h + linear(out.reshape(tokens, q_size), w.o, w.o_bias)
+    else:  # the bias once, after the sum
+        attn = tp.all_reduce(linear(out.reshape(tokens, q_size), w.o))
+        h = h + (attn if w.o_bias is None else attn + w.o_bias)
     x = rms_norm(h, w.post_norm, c.rms_norm_eps)
     gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
-    return h + linear(F.silu(gate) * up, w.down)
+    return h + tp.all_reduce(linear(F.silu(gate) * up, w.down))
 
 
-def head(config: LlamaConfig, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor) -> Tensor:
-    """(N, vocab) float32 logits of the tokens at ``sampling_positions`` only."""
-    return linear(rms_norm(h[sampling_positions], norm, config.rms_norm_eps), out).float()
+def head(config: LlamaConfig, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor,
+         tp: TensorParallel = SINGLE) -> Tensor:
+    """(N, vocab) float32 logits of the tokens at ``sampling_positions`` only; tensor-parallel,
+    every rank's vocabulary rows gathered, (N, size * vocab_rows), padding rows last."""
+    return tp.all_gather(linear(rms_norm(h[sampling_positions], norm, config.rms_norm_eps), out).float())
 
 
 class Llama(nn.Module):

@@ -4,9 +4,11 @@ A bucket's step is ``embed`` once, the layer piece once per layer (each call wit
 weights and its slice of the stacked KV cache), then ``head``. The layer is compiled once per
 bucket shape whatever the depth, so compile time does not grow with the number of layers.
 Weights are graph inputs, never constants: one compiled layer serves every layer, and the
-runtime's one weights copy feeds them all. ``embed`` and ``head`` depend only on the token and
-sample counts; on backends with dynamic shapes each is compiled once for every bucket (its
-``PieceShape`` has ``tokens == 0``), elsewhere once per count, shared by buckets of that count.
+runtime's one weights copy feeds them all. Tensor-parallel pieces are built at one rank's shapes
+(``config`` is ``TensorParallel.local``'s) and serve every rank. ``embed`` and ``head`` depend
+only on the token and sample counts; on backends with dynamic shapes each is compiled once for
+every bucket (its ``PieceShape`` has ``tokens == 0``), elsewhere once per count, shared by
+buckets of that count.
 
 A packed prefill bucket may have a second layer piece, its ``fresh_layer``: the same layer over
 no context (``ctx`` 0), which the runtime runs when no segment of a call has anything cached.
@@ -28,6 +30,7 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.model.llama import decoder_layer, embed, head
 from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.model.tensor_parallel import SINGLE, TensorParallel
 from neuron_buckets.model.weights import LayerWeights, example_layer
 
 Role = Literal["embed", "layer", "head"]
@@ -80,18 +83,18 @@ def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1, fresh: boo
 
 
 class EmbedPiece(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
 
     def forward(self, input_ids: Tensor, positions: Tensor, embed_weight: Tensor) -> tuple[Tensor, ...]:
-        return embed(self.config, input_ids, positions, embed_weight)
+        return embed(self.config, input_ids, positions, embed_weight, self.tp)
 
 
 class LayerPiece(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_table: Tensor,
                 cache_lens: Tensor, segment_ids: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -99,22 +102,28 @@ class LayerPiece(nn.Module):
         """``weights``: the layer's ``LayerWeights.tensors()``, flat as a compiled graph takes them."""
         step = AttentionStep(block_table, cache_lens, segment_ids)
         layer = LayerWeights.of(self.config, weights)
-        return decoder_layer(self.config, h, cos, sin, slot_mapping, step, k_cache, v_cache, layer)
+        return decoder_layer(self.config, h, cos, sin, slot_mapping, step, k_cache, v_cache, layer, self.tp)
 
 
 class HeadPiece(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
 
     def forward(self, h: Tensor, sampling_positions: Tensor, norm: Tensor, out: Tensor) -> Tensor:
-        return head(self.config, h, sampling_positions, norm, out)
+        return head(self.config, h, sampling_positions, norm, out, self.tp)
 
 
 # Counts a dynamic piece is traced with (above 1, so that export does not specialise on them).
 EXAMPLE_TOKENS, EXAMPLE_SAMPLES, MAX_DYNAMIC = 8, 4, 1 << 20
 
 PIECES: dict[Role, type[nn.Module]] = {"embed": EmbedPiece, "layer": LayerPiece, "head": HeadPiece}
+
+
+def build_piece(name: str, config: LlamaConfig, tp: TensorParallel = SINGLE) -> nn.Module:
+    """The piece of role (or class name) ``name`` for the model ``config``, at one rank's shapes."""
+    cls = PIECES.get(name) or {c.__name__: c for c in PIECES.values()}[name]  # type: ignore[call-overload]
+    return cls(tp.local(config), tp)
 
 
 def example_inputs(
@@ -159,6 +168,7 @@ def dynamic_shapes(shape: PieceShape) -> tuple | None:
 __all__ = [
     "PIECES",
     "ROLES",
+    "build_piece",
     "BucketRole",
     "PieceShape",
     "bucket_pieces",

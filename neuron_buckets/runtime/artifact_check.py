@@ -34,6 +34,7 @@ from neuron_buckets.config.cache import geometry_problem
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
 from neuron_buckets.model.pieces import bucket_pieces
+from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.runtime.memory import check_memory, serving_needs
 from neuron_buckets.utils.files import checked_copy
 from neuron_buckets.utils.owner_only import check_owner_only
@@ -127,13 +128,17 @@ def check_servable(manifest: Manifest, directory: Path, device: str, dynamic: bo
         if problem:
             raise ManifestError(f"{where}: {problem}")
     model = parse_hf_config(manifest.model.config, f"{where} model.config")
+    tp = TensorParallel(manifest.parallel.tensor_parallel_size)
+    if tp.size > 1 and (problem := tp.check(model)):
+        raise ManifestError(f"{where}: {problem}")
+    local = tp.local(model)  # what one rank holds: its cache's KV heads, its memory
     buckets = [r.bucket for r in manifest.buckets]
-    if problem := _geometry_problem(manifest.cache, model, buckets):
+    if problem := _geometry_problem(manifest.cache, local, buckets):
         raise ManifestError(f"{where}: {problem}")
     if problem := _device_problem(device):
         raise ManifestError(f"{where}: cannot serve on device {device!r}: {problem}")
     if device.split(":")[0] == "cpu":
         geo = manifest.cache
-        needs = serving_needs(model, buckets, geo.num_blocks, geo.block_size, geo.dtype)
-        check_memory(needs, f"serving {directory}")
+        needs = serving_needs(local, buckets, geo.num_blocks, geo.block_size, geo.dtype)
+        check_memory(needs, f"serving {directory}" + (f" (one of {tp.size} ranks)" if tp.size > 1 else ""))
     return model

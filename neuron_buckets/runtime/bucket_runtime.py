@@ -8,12 +8,17 @@ weights and cache slice (updated in place), then its head piece; a packed call w
 runs the bucket's fresh layer piece instead, where it has one. A step plan runs as the calls
 ``BucketSet.calls`` lists for it, the ones ``nb inspect`` counts. It never imports the compiler:
 artifacts flow one way, from ``nb compile`` to here.
+
+A tensor-parallel artifact is opened by every rank (``rank_group.py``): each holds its shard of
+the weights and its KV heads of the cache, and runs the same calls; rank 0 hands each plan to the
+others before it runs it, and gets every rank's logits back from the head piece.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,11 +33,14 @@ from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.model.checkpoint import load_weights
+from neuron_buckets.model.sharding import read_shard
+from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.prefill_chunk import PrefillChunk
+from neuron_buckets.runtime.rank_group import RankGroup, RankLost
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
@@ -59,6 +67,21 @@ def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Pa
         raise ArtifactError(f"{named} does not match its sha256 (corrupt or tampered)") from None
 
 
+def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Tensor-parallel: a call that fails leaves the ranks out of step (a rank died, a collective
+    timed out), so no later step can run: the failure is ``RankLost``."""
+    @functools.wraps(run)
+    def guarded(self: BucketRuntime, *args: object) -> Tensor:
+        try:
+            return run(self, *args)
+        except Exception as e:
+            if self.ranks is None:
+                raise
+            raise RankLost(f"a step failed across the {self.tp.size} ranks", e) from e
+
+    return guarded
+
+
 class BucketRuntime:
     def __init__(self, directory: Path, manifest: Manifest, device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
@@ -66,7 +89,11 @@ class BucketRuntime:
         self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
         self._check_versions()
         self._load_libraries()
-        weights = self._load_weights()
+        self.tp = TensorParallel(manifest.parallel.tensor_parallel_size)
+        self.ranks = RankGroup.join(self.directory, self.tp.size) if self.tp.size > 1 else None
+        rank = self.ranks.rank if self.ranks else 0
+        self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
+        weights = self._load_weights(rank)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
@@ -103,13 +130,16 @@ class BucketRuntime:
 
     @classmethod
     def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:
-        """Open an artifact directory; ``preload`` loads every graph now instead of on first use.
+        """Open an artifact directory; ``preload`` loads every graph now instead of on first use
+        (always, for a tensor-parallel artifact's ranks).
         The weights are cast, packed and the cache filled on a passing thread, so the thread that
         opens leaves no OpenMP pool to slow the one that steps (``utils/passing_thread.py``)."""
         def load() -> BucketRuntime:
             manifest = read_manifest(Path(path))
             runtime = cls(Path(path), manifest, device or manifest.backend.device)
-            if preload:
+            # Ranks load every graph first: one loading a graph on first use mid-step would keep
+            # the others waiting in a collective, towards its timeout.
+            if preload or runtime.ranks is not None:
                 for record in runtime.records.values():
                     for key in record.pieces.values():
                         runtime.graph(key)
@@ -136,16 +166,20 @@ class BucketRuntime:
             with _checked_copy(path, lib.sha256, f"kernel library {name}", f"kernel library {path}") as copy:
                 LIBRARIES[name](copy)
 
-    def _load_weights(self) -> ModelWeights:
-        """The artifact's weights, fused once as the layer pieces take them, in the backend's
-        layout; the file's own tensors are dropped layer by layer, so the model is never held twice."""
+    def _load_weights(self, rank: int) -> ModelWeights:
+        """The artifact's weights (``rank``'s shard), fused once as the layer pieces take them, in
+        the backend's layout; the file's own tensors are dropped layer by layer, so the model is
+        never held twice."""
         info = self.manifest.weights
         path = self.directory / info.file
         if not path.is_file():
             raise ArtifactError(f"weights file {path} is missing")
         if not intact(path, info.sha256):
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
-        return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
+        if self.tp.size == 1:
+            return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
+        shard = read_shard(path, self.config, rank, self.tp, self.device)
+        return load_weights(self.tp.local(self.config), shard, pack=self.backend.pack)
 
     def graph(self, key: str) -> GraphFn:
         """A piece's graph, loaded on first use after checking its file against the manifest."""
@@ -171,6 +205,7 @@ class BucketRuntime:
         return rec
 
     @torch.inference_mode()
+    @_ranks_stay_in_step
     def run(self, bucket: Bucket, step: StepInputs) -> Tensor:
         """Run one padded step through the bucket's pieces; logits of the real samples only."""
         pieces = self.record(bucket).pieces
@@ -179,20 +214,23 @@ class BucketRuntime:
             layer_role, step = "fresh_layer", step.without_context()
         embed, layer, head = (self.graph(pieces[role]) for role in ("embed", layer_role, "head"))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
-        h, cos, sin = embed(input_ids, positions, self.embed_weight)
+        h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
             h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
         logits = head(h, sampling, *self.head_weights)
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
-        return logits[: step.num_samples]
+        return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
 
     def run_plan(self, plan: StepPlan) -> Tensor:
         """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
         segment: (total samples, vocab). The whole plan is checked before its first call writes
         the cache."""
         check_step(plan, self.limits)
+        calls = self.buckets.calls(plan)
+        if self.ranks is not None and self.ranks.leads:  # a plan refused above never reaches them
+            self.ranks.send(plan)
         samples: dict[int, Tensor] = {}
-        for call in self.buckets.calls(plan):
+        for call in calls:
             logits, seq = self._run_call(plan, call), call.bucket.seq
             if call.bucket.kind == "decode":  # a row returns its seq positions, real ones first
                 for k, p in enumerate(call.parts):
@@ -204,6 +242,17 @@ class BucketRuntime:
                     samples[p.segment] = part_logits
         empty = torch.empty(0, self.limits.vocab_size)
         return torch.cat([samples[i] for i in sorted(samples)] or [empty])
+
+    def follow(self) -> None:
+        """A follower rank: run each plan rank 0 sends, until it ends the group."""
+        assert self.ranks is not None and not self.ranks.leads, "only a follower rank follows"
+        while (plan := self.ranks.receive()) is not None:
+            self.run_plan(plan)
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel artifact: end the other ranks (else at exit)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
         """Pad the parts of the plan's segments that ``call`` runs to its bucket, and run it."""

@@ -19,6 +19,7 @@ from neuron_buckets.config.config import Config
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.model.tensor_parallel import TensorParallel
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FLOAT32 = 4  # attention scores and logits are float32 whatever the dtype
@@ -118,9 +119,15 @@ def check_memory(needs: dict[str, int], purpose: str, hint: str = SMALLER) -> No
         )
 
 
+def rank_model(config: Config, model: LlamaConfig) -> LlamaConfig:
+    """The shapes one rank of ``config``'s tensor-parallel degree holds and computes."""
+    return TensorParallel(config.parallel.tensor_parallel_size).local(model)
+
+
 def compile_job_bytes(config: Config, model: LlamaConfig) -> int:
-    """What one compile job holds at least: the example KV cache and the weights' shapes."""
-    c = config.cache
+    """What one compile job holds at least: the example KV cache and the weights' shapes (one
+    rank's: a piece is compiled at one rank's shapes)."""
+    c, model = config.cache, rank_model(config, model)
     return cache_bytes(model, c.num_blocks, c.block_size, c.dtype) + weights_bytes(model, c.dtype)
 
 
@@ -129,8 +136,26 @@ def check_compile_memory(config: Config, model: LlamaConfig, jobs: int) -> None:
     machine must fit side by side (0 when they run elsewhere, as Ray tasks)."""
     if config.compile.device != "cpu":
         return
-    c = config.cache
-    needs = serving_needs(model, enumerate_grid(config), c.num_blocks, c.block_size, c.dtype)
-    check_memory(needs, "generating from this config")
+    c, local = config.cache, rank_model(config, model)
+    needs = serving_needs(local, enumerate_grid(config), c.num_blocks, c.block_size, c.dtype)
+    ranks = config.parallel.tensor_parallel_size
+    check_memory(needs, "generating from this config" + (f" (each of {ranks} ranks)" if ranks > 1 else ""))
     needs = {f"{jobs} jobs x (example KV cache and weights)": jobs * compile_job_bytes(config, model)}
     check_memory(needs, "compiling", f"use fewer --jobs or {SMALLER}")
+
+
+def ranks_report(model: LlamaConfig, tensor_parallel_size: int, buckets: Iterable[Bucket], num_blocks: int,
+                 block_size: int, dtype: str, graphs: int) -> dict:
+    """What ``nb compile --dry-run`` and ``nb inspect --manifest`` say of the ranks: the degree,
+    the graphs that serve all of them (as many as at one rank), and one rank's memory by part."""
+    local = TensorParallel(tensor_parallel_size).local(model)
+    needs = serving_needs(local, buckets, num_blocks, block_size, dtype)
+    return {"tensor_parallel_size": tensor_parallel_size, "graphs": graphs, "memory_per_rank": needs}
+
+
+def ranks_line(report: dict) -> str:
+    """``ranks_report`` as one line."""
+    parts = ", ".join(f"{name} {human(n)}" for name, n in report["memory_per_rank"].items())
+    n = report["tensor_parallel_size"]
+    return f"{report['graphs']} graphs serve {'all ' + str(n) + ' ranks' if n > 1 else 'the one rank'}; " \
+           f"memory per rank at least: {parts}"

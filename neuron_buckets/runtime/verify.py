@@ -92,6 +92,10 @@ def random_step(
 
 def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[BucketCheck]:
     """Run every bucket graph against the eager model; one result per bucket."""
+    if (size := read_manifest(Path(directory)).parallel.tensor_parallel_size) > 1:
+        raise ManifestError(f"{directory}: nb verify runs one process's graphs against the eager model; "
+                            f"the {size} ranks of a tensor-parallel artifact run together: compare its "
+                            f"nb generate output with a tensor_parallel_size 1 artifact's")
     runtime = BucketRuntime.open(directory)
     manifest = runtime.manifest
     dtype = manifest.cache.dtype

@@ -467,6 +467,7 @@ def create_app(
         title="nb serve", lifespan=lifespan, dependencies=[Depends(access.check_host)],
         openapi_url=None, docs_url=None, redoc_url=None,
     )
+    app.state.engine_loop = server.loop
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(access.check_key)])
     described = APIRouter(dependencies=[Depends(access.check_key)], include_in_schema=False)
@@ -531,7 +532,9 @@ def run_server(
     The address is taken first, so a port in use is one error line before any weight is read.
     On a signal uvicorn stops accepting connections and lets open responses finish for up to
     ``shutdown_timeout`` seconds; what is still open then is cancelled (and aborted in the
-    engine), and the engine loop ends once the engine has released every request.
+    engine), and the engine loop ends once the engine has released every request. A lost rank
+    of a tensor-parallel artifact ends it too: open requests get 503, and the server stops with
+    one line.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
@@ -555,4 +558,15 @@ def run_server(
         if access.api_key is None and not is_loopback(host):
             log.warning("serving on %s without --api-key: anyone who can reach it may generate", host)
         log.info("serving %r at %s (CTRL+C to quit)", model_name, url)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        stopped: list[str] = []
+
+        def fatal(why: str) -> None:  # the engine can never step again: end the server
+            stopped.append(why)
+            server.should_exit = True
+
+        app.state.engine_loop.on_fatal = fatal
+        server.run(sockets=[sock])
+        engine.runtime.close()
+        if stopped:
+            raise UserError(f"the engine stopped: {stopped[0]}")

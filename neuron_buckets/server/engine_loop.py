@@ -17,7 +17,9 @@ touched: a batch cannot say which row caused it, so each of them gets ``StepFail
 aborted, its blocks back in the pool. Requests still waiting were not touched and go on, and so
 does the loop: one bucket's broken graph fails that bucket's requests, not the server. A step
 that fails with no open request to blame is a broken engine: the loop stops, every request
-still open gets the error, and ``/health`` says so.
+still open gets the error, and ``/health`` says so. So does a step that loses a rank of a
+tensor-parallel artifact (``RankLost``): no later step can run, and ``on_fatal`` is told, which
+ends the server.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.runtime.rank_group import RankLost
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.utils.errors import UserError
 
@@ -126,6 +129,7 @@ class EngineLoop:
         self._connections: dict[int, Connection] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="nb-engine-loop", daemon=True)
+        self.on_fatal: Callable[[str], None] | None = None  # told why, when a rank is lost
 
     def start(self) -> None:
         self._thread.start()
@@ -233,6 +237,8 @@ class EngineLoop:
             for connection in self._connections.values():
                 connection.stream.deliver(self.dead())
             self._drain(block=False)  # requests queued meanwhile are refused
+            if isinstance(e, RankLost) and self.on_fatal is not None:
+                self.on_fatal(self.error)
 
     def _step(self) -> list[RequestOutput]:
         """``engine.step()``; if it raises, the requests it touched (all but the waiting ones)
@@ -243,7 +249,7 @@ class EngineLoop:
         except Exception as e:
             waiting = {r.request_id for r in self.engine.scheduler.waiting}
             failed = [rid for rid in self._connections if rid not in waiting]
-            if not failed:
+            if not failed or isinstance(e, RankLost):
                 raise
             why = f"{type(e).__name__}: {e}"
             if isinstance(e, UserError):  # a refused graph: its message says it all

@@ -26,6 +26,8 @@ import numpy as np
 from neuron_buckets.artifact.manifest import MANIFEST, BucketRecord, ManifestError, read_manifest
 from neuron_buckets.config.draft import DRAFT
 from neuron_buckets.core.bucket import Bucket
+from neuron_buckets.model.model_config import parse_hf_config
+from neuron_buckets.runtime.memory import ranks_report
 
 
 @dataclass(frozen=True)
@@ -120,3 +122,13 @@ def load_manifest_buckets(directory: str | Path) -> ManifestBuckets:
         num_seqs=tuple(sorted({e.batch for e in entries if e.kind == "decode"})),
         cost=fitted,
     )
+
+
+def manifest_ranks(directory: str | Path) -> dict:
+    """An artifact's ``ranks_report``: its tensor-parallel degree, graphs and one rank's memory."""
+    manifest = read_manifest(Path(directory))
+    model = parse_hf_config(manifest.model.config, f"{directory} model.config")
+    geo, ok = manifest.cache, [r.bucket for r in manifest.buckets if r.status == "ok"]
+    graphs = sum(p.status == "ok" for p in manifest.pieces.values())
+    return ranks_report(model, manifest.parallel.tensor_parallel_size, ok, geo.num_blocks, geo.block_size,
+                        geo.dtype, graphs)

@@ -7,6 +7,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from neuron_buckets.runtime.memory import ranks_line
+
 
 def _pct(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
@@ -95,6 +97,8 @@ def print_inspect(console: Console, doc: dict) -> None:
         f"largest bucket ({prefill['buckets'][-1]}) ran in chunks"
     )
     _print_decode(console, doc["decode"], doc["graphs"])
+    if ranks := doc.get("ranks"):
+        console.print(ranks_line(ranks), highlight=False)
     if packed := doc.get("packed"):
         title = f"runtime replay: {_load_text(packed['load'], packed['requests'])}, packed steps"
         table = _table(title, ["bucket", "calls", "real tokens", "computed tokens", "padding share"])

@@ -1,0 +1,184 @@
+"""The ranks of a tensor-parallel artifact: one process each, joined by torch.distributed (gloo).
+
+Rank 0 is the process that opened the artifact: it runs the engine (scheduler and sampler) and
+hands every step plan to the other ranks, which run the same graph calls on their shards; the
+collectives inside the pieces join them. Started on one machine, rank 0 spawns the others
+(``python -m neuron_buckets.runtime.rank_worker``) on a free local port. Across machines every
+rank is started by hand or by torchrun with torch.distributed's own rendezvous variables
+(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``): rank 0 runs ``nb serve`` or
+``nb generate``, the others the worker module (README, "Tensor parallelism").
+
+Plans travel through the group's TCP store, not a gloo broadcast: a rank waiting for the next
+step of an idle server would otherwise sit in a collective past gloo's timeout, and that timeout
+is what keeps a hung rank from hanging the others (``TIMEOUT``). A rank that dies closes its
+sockets, so the others' next collective fails at once (``RankLost``) and rank 0's engine stops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from neuron_buckets.core.step_plan import Segment, StepPlan
+from neuron_buckets.model.tensor_parallel import GROUP
+
+# How long a collective (a step's all-reduce) or a store wait may take before the rank gives up:
+# a step's ranks meet every layer, so only a hung (or badly starved) rank comes near it.
+TIMEOUT = timedelta(seconds=60)
+# A follower's wait for the next plan: an idle server sends none, and each wait that runs out logs a
+# line; rank 0 gone ends the wait at once (its store's socket closes).
+POLL = timedelta(hours=1)
+# How long the ranks may take to start (imports, artifact checks) before they form the group.
+START = timedelta(minutes=10)
+ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+STOP = b""  # the plan that ends the followers
+FIELDS = 5  # request_id, context_len, num_samples, tokens, blocks: per segment
+
+
+class RankLost(RuntimeError):
+    """Another rank of the group died or stopped answering: no step can run any more."""
+
+    def __init__(self, what: str, cause: BaseException | None = None) -> None:
+        # torch's distributed errors carry a C++ backtrace after their first line
+        super().__init__(what if cause is None else f"{what}: {str(cause).splitlines()[0]}")
+
+
+def encode(plan: StepPlan) -> bytes:
+    """A plan as one int64 tensor's bytes: a header row per segment, then tokens, then blocks."""
+    head = [[s.request_id, s.context_len, s.num_samples, len(s.token_ids), len(s.block_ids)] for s in plan]
+    parts = [torch.tensor(head, dtype=torch.int64).flatten()]
+    parts += [torch.as_tensor(s.token_ids, dtype=torch.int64).flatten() for s in plan]
+    parts += [torch.as_tensor(s.block_ids, dtype=torch.int64) for s in plan]
+    return torch.cat([torch.tensor([len(plan)]), *parts]).numpy().tobytes()
+
+
+def decode(data: bytes) -> StepPlan:
+    """``encode``'s plan back."""
+    flat = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    n = int(flat[0])
+    head = flat[1 : 1 + FIELDS * n].view(n, FIELDS).tolist()
+    lengths = [h[3] for h in head] + [h[4] for h in head]
+    pieces = flat[1 + FIELDS * n :].split(lengths)
+    return tuple(
+        Segment(rid, pieces[i], ctx, pieces[n + i].tolist(), samples)
+        for i, (rid, ctx, samples, _, _) in enumerate(head)
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    """This process's place among the ranks; rank 0 sends plans, the others receive them."""
+
+    def __init__(self, rank: int, size: int, store: dist.Store, workers: list[subprocess.Popen]) -> None:
+        self.rank, self.size, self.store, self.workers = rank, size, store, workers
+        self.step = 0
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def join(cls, directory: Path, size: int) -> RankGroup:
+        """Join the group of ``size`` ranks: as the rank the environment names (set by torchrun,
+        by hand, or by a rank 0 that spawned this one), else as rank 0, spawning the others here."""
+        env = {k: os.environ.get(k) for k in ENV}
+        workers: list[subprocess.Popen] = []
+        if env["RANK"] is None:
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(size)}
+            workers = [_spawn(directory, {**env, "RANK": str(r)}) for r in range(1, size)]
+            env["RANK"] = "0"
+        try:
+            rank, world = int(env["RANK"] or 0), int(env["WORLD_SIZE"] or 0)
+            if world != size:
+                raise RankLost(f"WORLD_SIZE is {world}, but the artifact has tensor_parallel_size {size}")
+            # Under torchrun its agent hosts the store on MASTER_PORT; every rank is its client.
+            hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            store = dist.TCPStore(env["MASTER_ADDR"] or "", int(env["MASTER_PORT"] or 0), size, hosts,
+                                  timeout=TIMEOUT, wait_for_workers=False)
+            _all_arrive(store, size, workers)
+            dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
+                                    world_size=size, timeout=TIMEOUT)
+        except (RuntimeError, ValueError) as e:  # RankLost too
+            for w in workers:
+                w.kill()
+            raise e if isinstance(e, RankLost) else RankLost(f"cannot join the {size} ranks", e) from None
+        if dist.group.WORLD.group_name != GROUP:
+            raise RankLost(f"the world process group is named {dist.group.WORLD.group_name!r}, not "
+                           f"{GROUP!r}: open a tensor-parallel artifact before creating other groups")
+        group = cls(rank, size, dist.PrefixStore("nb", store), workers)
+        if group.leads:
+            atexit.register(group.close)
+        return group
+
+    def send(self, plan: StepPlan) -> None:
+        """Rank 0: hand the followers the plan it is about to run."""
+        self._put(encode(plan))
+
+    def _put(self, data: bytes) -> None:
+        self.step += 1
+        try:
+            self.store.set(f"plan{self.step}", data)
+            if self.step > 1:  # every follower ran the previous step's collectives: it read it
+                self.store.delete_key(f"plan{self.step - 1}")
+        except RuntimeError as e:
+            raise RankLost("the ranks' store failed", e) from None
+
+    def receive(self) -> StepPlan | None:
+        """A follower: the next plan, or None when rank 0 ends the group."""
+        self.step += 1
+        key = f"plan{self.step}"
+        while True:
+            try:
+                self.store.wait([key], POLL)
+                data = self.store.get(key)
+                return None if data == STOP else decode(data)
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():  # not just an idle server: rank 0 is gone
+                    raise RankLost("rank 0 is gone", e) from None
+
+    def close(self) -> None:
+        """Rank 0: end the followers (they exit), then leave the group."""
+        if not self.leads or not dist.is_initialized():
+            return
+        with contextlib.suppress(RankLost):
+            self._put(STOP)
+        for w in self.workers:
+            try:
+                w.wait(TIMEOUT.total_seconds())
+            except subprocess.TimeoutExpired:
+                w.kill()
+        dist.destroy_process_group()
+
+
+def _all_arrive(store: dist.Store, size: int, workers: list[subprocess.Popen]) -> None:
+    """Wait, up to ``START``, for every rank to reach the store: gloo's own rendezvous would give a
+    rank still importing torch only ``TIMEOUT``. A rank this one spawned that exits ends the wait."""
+    store.add("arrived", 1)
+    deadline = time.monotonic() + START.total_seconds()
+    while store.add("arrived", 0) < size:
+        if any(w.poll() is not None for w in workers):
+            raise RankLost("a rank exited while starting")
+        if time.monotonic() > deadline:
+            raise RankLost(f"the {size} ranks did not all start within {START.total_seconds():.0f} s")
+        time.sleep(0.1)
+
+
+def _spawn(directory: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A follower rank on this machine, its output beside this process's."""
+    cmd = [sys.executable, "-m", "neuron_buckets.runtime.rank_worker", str(directory)]
+    return subprocess.Popen(cmd, env={**os.environ, **env})

@@ -1,0 +1,257 @@
+"""Tensor parallelism: the split, the shards, the plans the ranks share, and two ranks generating.
+
+The compiled cases run an artifact at ``tensor_parallel_size = 2`` as two processes: this one as
+rank 0 (the engine) and a follower it starts as torch.distributed's rendezvous variables say, each
+over a NaN-poisoned cache, against the same grid compiled at TP=1 and against transformers. The
+grid is test_architectures.py's: one 80-token packed prefill bucket (a 100-token prompt chunks over
+two calls, the other prompts pack beside it), decode rows of 1 + 2 speculative positions, ngram
+drafting on, and a second round whose prompts extend the first's (prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+
+from neuron_buckets import SamplingParams, generate
+from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.backends import get_backend
+from neuron_buckets.compile.build_plan import BuildPlan
+from neuron_buckets.config import ConfigError, load_config
+from neuron_buckets.config.speculative import SpeculativeConfig
+from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.model.checkpoint import load_weights, read_config, read_state_dict
+from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.sharding import part_rank, read_shard
+from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.runtime.rank_group import decode, encode
+from tests.conftest import free_port, save_tiny_model, write_config
+from tests.test_architectures import ARCH_CONFIG, TOLERANCE
+
+TP2 = TensorParallel(2)
+
+
+def tiny(**overrides) -> LlamaConfig:
+    base = dict(vocab_size=255, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    return LlamaConfig(**{**base, **overrides})
+
+
+def test_a_rank_holds_its_heads_and_one_kv_head_replicated_when_fewer_than_ranks():
+    config = tiny()
+    local = TP2.local(config)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (4, 1, 64)
+    assert local.vocab_size == 128  # 255 rows over two ranks: the last one padded
+    four = TensorParallel(4)
+    assert (four.local(config).num_heads, four.local(config).num_kv_heads) == (2, 1)
+    # ranks 0 and 1 share KV head 0, ranks 2 and 3 KV head 1: the heads their q heads group with
+    assert [part_rank(config, "qkv", 1, r, four) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [part_rank(config, "qkv", 0, r, four) for r in range(4)] == [(r, 4) for r in range(4)]
+    w8a8 = QuantScheme("int8", "channel", "int8_token")
+    for bad, problem in ((tiny(num_heads=6, num_kv_heads=3), "num_key_value_heads 3"),
+                         (tiny(intermediate_size=129), "intermediate_size 129"),
+                         (tiny(quantization=w8a8), r"checkpoint \(w8a8-int8-channel\) runs on one rank")):
+        with pytest.raises(ValueError, match=problem):
+            TP2.local(bad)
+
+
+def test_a_size_that_does_not_split_the_model_is_one_config_error(tiny_config_file):
+    config = load_config(tiny_config_file)
+    config = replace(config, parallel=replace(config.parallel, tensor_parallel_size=3))
+    model = read_config(config.model.path)
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size: num_attention_heads 4"):
+        BuildPlan.make(config, Path("out"), get_backend("eager"), model, None)
+
+
+@pytest.mark.parametrize("arch", ["llama-bias", "qwen3"])
+def test_the_shards_are_the_checkpoint_cut_by_field_and_half_its_bytes(arch, tmp_path):
+    """Both ranks' shards put back together are the checkpoint; each holds at most 0.55 of it."""
+    model_dir = save_tiny_model(tmp_path / "m", arch)
+    config, full = read_config(model_dir), read_state_dict(model_dir)
+    (file,) = model_dir.glob("*.safetensors")
+    shards = [read_shard(file, config, r, TP2) for r in range(2)]
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for name, tensor in full.items():
+        parts = [s[name] for s in shards]
+        if name.endswith(("norm.weight", "o_proj.bias")):  # replicated (o's bias added after the sum)
+            assert all(torch.equal(p, tensor) for p in parts), name
+            continue
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0  # input or output features
+        whole = torch.cat(parts, dim=dim)
+        assert whole.shape[dim] == 2 * parts[0].shape[dim], name
+        assert torch.equal(whole.narrow(dim, 0, tensor.shape[dim]), tensor), name  # vocab: padding last
+    assert shards[1]["model.layers.0.self_attn.q_proj.weight"].shape[0] == q // 2
+    assert shards[1]["model.layers.0.self_attn.k_proj.weight"].shape[0] == kv // 2
+
+    def nbytes(weights) -> int:
+        return sum(t.numel() * t.element_size() for t in weights.tensors())
+
+    whole = nbytes(load_weights(config, read_state_dict(model_dir)))
+    for rank in range(2):
+        mine = nbytes(load_weights(TP2.local(config), read_shard(file, config, rank, TP2)))
+        assert mine <= 0.55 * whole
+
+
+def test_one_graph_set_serves_every_rank_as_a_tp1_build_of_one_ranks_shapes(tiny_config_file, tmp_path):
+    """The TP=2 plan builds the pieces a TP=1 plan of a checkpoint with one rank's shapes builds, over
+    the same cache, one key each whatever the rank: no piece is compiled per rank (the keys differ
+    from TP=1's by the degree: the graphs hold collectives)."""
+    config = load_config(tiny_config_file)
+    model = read_config(config.model.path)
+    tp2 = replace(config, parallel=replace(config.parallel, tensor_parallel_size=2))
+    backend = get_backend("inductor")
+    plans = [BuildPlan.make(tp2, tmp_path, backend, model, None),
+             BuildPlan.make(config, tmp_path, backend, TP2.local(model), None)]
+    assert [s.name for s in plans[0].shapes] == [s.name for s in plans[1].shapes]
+    assert len(set(plans[0].keys.values())) == len(plans[0].keys) == len(plans[1].keys)
+    assert plans[0].header.cache == plans[1].header.cache  # one rank's KV heads
+    assert plans[0].header.parallel.tensor_parallel_size == 2 != plans[1].header.parallel.tensor_parallel_size
+
+
+def test_a_plan_reaches_the_other_ranks_as_it_was():
+    plan = (Segment(3, [5, 6, 7], 16, [2, 3, 9], 1), Segment(0, torch.tensor([1]), 4, [7], 1),
+            Segment(9, [], 0, [], 0))
+    got = decode(encode(plan))
+    assert [(s.request_id, list(map(int, s.token_ids)), s.context_len, list(s.block_ids), s.num_samples)
+            for s in got] == [(3, [5, 6, 7], 16, [2, 3, 9], 1), (0, [1], 4, [7], 1), (9, [], 0, [], 0)]
+    assert decode(encode(())) == ()
+
+
+# Compiled: both architectures the split treats differently (Qwen3's q/k norms and head_dim), each in
+# float32 and bfloat16.
+CASES = [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")]
+MAX_NEW = 10
+SPEC = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2, auto_off=False)
+FOLLOWER = (
+    "import sys; from neuron_buckets import BucketRuntime\n"
+    "runtime = BucketRuntime.open(sys.argv[1])\n"
+    "runtime.k_cache.fill_(float('nan')); runtime.v_cache.fill_(float('nan'))\n"
+    "runtime.follow()\n"
+)
+
+
+@dataclass
+class Compiled:
+    arch: str
+    dtype: str
+    directories: dict[int, Path]  # tensor_parallel_size -> artifact
+    hf: torch.nn.Module
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(
+        c, id="-".join(c), marks=[pytest.mark.slow, pytest.mark.xdist_group("tp-" + "-".join(c))]
+    ) for c in CASES],
+)
+def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir: Path) -> Compiled:
+    import transformers
+
+    from neuron_buckets.compile.compiler import Compiler
+
+    arch, dtype = request.param
+    root = tmp_path_factory.mktemp(f"tp-{arch}-{dtype}")
+    model_dir = save_tiny_model(root / "model", arch, dtype=getattr(torch, dtype))
+    text = ARCH_CONFIG.replace("DTYPE", dtype).replace("fresh_layers = true", "fresh_layers = false")
+    directories = {}
+    for size in (1, 2):
+        parallel = f"\n[parallel]\ntensor_parallel_size = {size}\n"
+        config = load_config(write_config(root, model_dir, text + parallel))
+        graph_cache_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(graph_cache_dir) + ".lock"):
+            report = Compiler(config, root / f"tp{size}", graph_cache_dir).run(jobs=2)
+        assert not report.failed, [o.error for o in report.failed]
+        directories[size] = root / f"tp{size}"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    hf.generation_config.eos_token_id = None
+    return Compiled(arch, dtype, directories, hf)
+
+
+@contextlib.contextmanager
+def two_ranks(directory: Path) -> Iterator[BucketRuntime]:
+    """Rank 0 here and rank 1 in a process of its own, joined by the rendezvous variables (as on two
+    machines), both caches NaN everywhere."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(directory)],
+                                env={**os.environ, **env, "RANK": "1"})
+    saved = {k: os.environ.get(k) for k in [*env, "RANK"]}
+    os.environ.update({**env, "RANK": "0"})
+    try:
+        runtime = BucketRuntime.open(directory)
+        runtime.k_cache.fill_(float("nan"))
+        runtime.v_cache.fill_(float("nan"))
+        yield runtime
+        runtime.close()
+        assert follower.wait(30) == 0
+    finally:
+        follower.kill()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def prompts() -> list[list[int]]:
+    """A 100-token prompt (two chunks), a repeating one (ngram drafts that get accepted), and one
+    more to pack beside them."""
+    gen = torch.Generator().manual_seed(5)
+    short, other, long = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 33, 100))
+    return [long, short * 3, other]
+
+
+def rounds(runtime: BucketRuntime) -> tuple[list[list[int]], int]:
+    """Greedy tokens of two rounds with drafting (the second's prompts extend the first's: prefix
+    hits), and the prompt tokens the second round's prefill computed."""
+    engine = LLMEngine(runtime, speculative=SPEC)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    first = prompts()
+    out = [o.token_ids for o in generate(engine, first, params)]
+    before = runtime.stats["prefill_s80"].real_tokens
+    out += [o.token_ids for o in generate(engine, [p + [7, 8] for p in first], params)]
+    assert engine.spec_stats.num_accepted_tokens > 0
+    return out, runtime.stats["prefill_s80"].real_tokens - before
+
+
+def hf_tokens(compiled: Compiled, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = compiled.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=MAX_NEW, pad_token_id=0, return_dict_in_generate=True,
+                                   output_logits=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+
+
+def test_two_ranks_generate_what_one_rank_and_transformers_do(compiled: Compiled):
+    """Packed prefill of several segments, a chunked prompt, mixed steps, speculative rows and
+    prefix hits: TP=2's greedy tokens are TP=1's and transformers' up to the first near-tie (its
+    top two logits within twice the dtype's tolerance), which float32 never meets here."""
+    manifests = [read_manifest(compiled.directories[n]) for n in (1, 2)]
+    names = [sorted(p.name for p in m.pieces.values()) for m in manifests]
+    assert names[0] == names[1]  # the same graphs, once for both ranks
+    one = BucketRuntime.open(compiled.directories[1])
+    one.k_cache.fill_(float("nan"))
+    one.v_cache.fill_(float("nan"))
+    want, want_computed = rounds(one)
+    with two_ranks(compiled.directories[2]) as runtime:
+        got, computed = rounds(runtime)
+    assert computed == want_computed < sum(len(p) + 2 for p in prompts())  # prefix hits
+    tolerance = TOLERANCE[compiled.dtype]
+    for tokens, one_tokens, prompt in zip(got, want, prompts(), strict=False):
+        hf, logits = hf_tokens(compiled, prompt)
+        top = logits.topk(2, dim=-1).values
+        decided = int((top[:, 0] - top[:, 1] > 2 * tolerance * logits.abs().max()).cumprod(0).sum())
+        assert tokens[:decided] == hf[:decided] == one_tokens[:decided]
+        if compiled.dtype == "float32":
+            assert decided == MAX_NEW
+    if compiled.dtype == "float32":
+        assert got == want
