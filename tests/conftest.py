@@ -8,6 +8,7 @@ workers share the graph cache (under a file lock), so the second worker only lin
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -178,6 +179,17 @@ def error_line(result) -> str:
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     return lines[0]
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str) -> tuple[re.Match, list[str]]:
+    """Read a started ``nb serve``'s stderr up to the line matching ``pattern`` (the one saying where
+    it listens), and the lines so far; the test fails if the server exits before it."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if m := re.search(pattern, line):
+            return m, lines
+    pytest.fail(f"nb serve exited with {proc.wait()} before listening: {''.join(lines[-5:])}")
 
 
 def free_port() -> int:

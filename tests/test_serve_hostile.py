@@ -29,6 +29,7 @@ from neuron_buckets.server.api_server import ServerLimits, create_app
 from neuron_buckets.server.engine_loop import MAX_COMMANDS, EngineLoop
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.slow_clients import HeaderTimeoutH11
+from tests.conftest import wait_for_line
 from tests.test_serve import MODEL, PausableEngine, eventually, post
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve")]
@@ -238,7 +239,6 @@ def test_text_is_tokenized_off_the_engine_thread_and_bad_text_is_a_400(text_arti
 
 
 def test_nb_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(compiled_dir):
-    import re
     import signal
     import subprocess
     import sys
@@ -254,13 +254,7 @@ def test_nb_serve_warns_once_when_it_listens_beyond_loopback_without_a_key(compi
            "--port", "0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if m := re.search(r"serving .* at http://0\.0\.0\.0:(\d+)", line):
-                break
-        else:
-            pytest.fail(f"nb serve exited with {proc.wait()}: {lines}")
+        m, lines = wait_for_line(proc, r"serving .* at http://0\.0\.0\.0:(\d+)")
         warnings = [line for line in lines if "without --api-key" in line]
         assert len(warnings) == 1 and "WARNING" in warnings[0]
         with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/health", timeout=60) as r:

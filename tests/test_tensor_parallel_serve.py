@@ -4,7 +4,6 @@ gives open requests a 503 and ends the server with one line, well within 30 s.""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
-from tests.conftest import TEXT_EAGER, text_artifact, text_model, write_config  # noqa: F401
+from tests.conftest import TEXT_EAGER, text_artifact, text_model, wait_for_line, write_config  # noqa: F401
 from tests.test_serve import MODEL, client, nb_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve-tp")]
@@ -40,13 +39,7 @@ def nb_serve(directory: Path) -> Iterator[tuple[str, subprocess.Popen]]:
            "--served-model-name", MODEL]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if m := re.search(r"serving 'tiny' at (http://127\.0\.0\.1:\d+)", line):
-                break
-        else:
-            pytest.fail(f"nb serve exited with {proc.wait()} before listening: {''.join(seen[-5:])}")
+        m, _ = wait_for_line(proc, r"serving 'tiny' at (http://127\.0\.0\.1:\d+)")
         yield m.group(1), proc
     finally:
         for child in children(proc.pid):
