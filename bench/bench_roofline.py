@@ -51,12 +51,27 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import decode_step_ms, median_ms, prefill_call  # noqa: E402
 from bench_matrix import matrix_artifact  # noqa: E402
 from real_models import SHAPES, Shape, add_size_args  # noqa: E402
+from results_table import PROVENANCE, RESULTS, ResultsTable, provenance  # noqa: E402
 from serve_limits import DTYPE_BYTES  # noqa: E402
 from workloads import TOKEN_LOW, Workload  # noqa: E402
 
 from neuron_buckets.core.padding import pad_prefill  # noqa: E402
 from neuron_buckets.core.step_plan import Segment  # noqa: E402
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
+
+TABLE = ResultsTable(
+    heading="Roofline per shape and dtype (bench_roofline.py)",
+    about="""
+`bench/bench_roofline.py`: how far nb's calls are from this machine's limits. Prefill: a
+512-token call's GEMM rate as a share of the dtype's GEMM rate at its shapes (target at least
+0.90). Decode at context 400: the step against max(memory floor, compute floor) (target at most
+1.5x at batch 8) and batch 8 against batch 4 (target at most 1.2). A ride: a 300-token arrival
+with 4 decode rows in one call against its call plus the rows' decode call (target at most 1.00).
+""",
+    columns=("shape", "dtype", "GEMM GFLOP/s", "prefill share", "decode b4 ms (x floor)",
+             "decode b8 ms (x floor)", "b8 / b4", "ride / two calls", *PROVENANCE),
+    key=2,
+)
 
 TOKENS = 512  # the step budget: a full prefill call
 DECODE_BATCHES, DECODE_CONTEXT = (4, 8), 400
@@ -276,6 +291,10 @@ def roofline(args: argparse.Namespace, key: str, dtype_name: str) -> None:
         print(f"  {label:40s} {ms:8.1f} ms")
     print(f"  riding / two calls: {ratio:.2f} (median of {args.repeats} rounds, the two back to back; "
           "target: at most 1.00)")
+    if not args.tiny:
+        TABLE.merge(RESULTS, [[shape.name, dtype_name, f"{rate:.0f}", f"{statistics.median(shares):.2f}",
+                               *(f"{decode[b]:.1f} ({decode[b] / floors[b]:.2f}x)" for b in DECODE_BATCHES),
+                               f"{decode[large] / decode[small]:.2f}", f"{ratio:.2f}", *provenance()]])
 
 
 def main() -> None:
