@@ -16,6 +16,7 @@ from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import validate
 from neuron_buckets.cli import app
 from neuron_buckets.config import parse_config
+from neuron_buckets.model.checkpoint import model_config_of
 from tests.conftest import error_line
 
 runner = CliRunner()
@@ -134,7 +135,7 @@ def manifest_of(layers: list[tuple[str, int, int, int, float, int]], max_model_l
         "backend": {
             "name": "eager", "device": "cpu", "versions": {"torch": "2", "compiler": "-"}, "flags": {},
         },
-        "model": {"source": "embedded-default", "config": {}, "dtype": "float32"},
+        "model": {"source": "embedded-default", "config": model_config_of(None).to_hf(), "dtype": "float32"},
         "weights": {"file": "weights.safetensors", "sha256": "0" * 64, "bytes": 1},
         "cache": {
             "block_size": 16, "num_blocks": max_model_len // 16 + 1, "num_layers": 2, "num_kv_heads": 2,

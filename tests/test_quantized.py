@@ -21,7 +21,6 @@ import pytest
 import torch
 from filelock import FileLock
 
-from neuron_buckets.core.step_plan import PrefillChunk
 from neuron_buckets.model.checkpoint import checkpoint_tensors, load_model, load_weights, read_config
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
 from neuron_buckets.model.compressed_tensors_format import scheme_of
@@ -29,7 +28,7 @@ from neuron_buckets.model.quant_scheme import QuantScheme
 from neuron_buckets.model.quantized_weight import QuantizedWeight
 from neuron_buckets.model.weights import LayerWeights, example_layer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import TINY_CONFIG, error_line, save_tiny_model, write_config
+from tests.conftest import TINY_CONFIG, decode_plan, error_line, prefill_plan, save_tiny_model, write_config
 from tests.test_architectures import prompts
 from tests.test_engine import greedy
 
@@ -216,10 +215,10 @@ def along(directory: Path, batch: list[list[int]], tokens: list[list[int]]) -> t
     """(prompts, steps, vocab) logits of each step with ``tokens`` fed back: prefill, then decode."""
     runtime = poisoned(directory)
     blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(batch))]  # 64 positions each
-    steps = [runtime.prefill([PrefillChunk(p, 0, b) for p, b in zip(batch, blocks, strict=True)])]
+    steps = [runtime.run_plan(prefill_plan((p, 0, b) for p, b in zip(batch, blocks, strict=True)))]
     for i in range(MAX_NEW - 1):
-        rows = [PrefillChunk([t[i]], len(p) + i, b) for p, t, b in zip(batch, tokens, blocks, strict=True)]
-        steps.append(runtime.decode(rows)[:, 0])
+        rows = decode_plan(([t[i]], len(p) + i, b) for p, t, b in zip(batch, tokens, blocks, strict=True))
+        steps.append(runtime.run_plan(rows))
     return torch.stack(steps, dim=1)
 
 
