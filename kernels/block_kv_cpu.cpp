@@ -46,6 +46,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kShortTokens = 16;  // segments up to this long take the per-key path
 constexpr int64_t kTileRows = 192;    // stacked query rows of a long segment's tile (tokens x group)
 constexpr int64_t kChunk = 256;       // keys per GEMM chunk of a long segment
+constexpr int64_t kFoldKeys = 64;     // context keys a short segment's softmax folds at once
 
 // Row-major c (m x n, ldc) = a (m x k) . b^T for b (n x k): BLAS is column-major, so this is
 // c^T = b . a^T there.
@@ -301,12 +302,15 @@ void Attention<C>::run_short(const Task& t, Scratch& w) const {
     query[i] = q_at(t.b, t.s0 + i / span) + head * dim;
   }
   auto sees = [&](int64_t i, int64_t position) { return !window || t.context + i / span - position < *window; };
-  const int64_t stride = std::max(block, t.tokens);
+  // Several blocks' keys are scored before the softmax folds them: a fold per block of 16 rescaled
+  // every query's sums and reduced across registers about as often as it scored keys.
+  const int64_t fold = std::max<int64_t>(1, kFoldKeys / block) * block;
+  const int64_t stride = std::max(fold, t.tokens);
   w.scores.resize(queries * stride);
   w.rows.resize(stride);
   w.kt.resize(((dim + Vec::size() - 1) / Vec::size()) * Vec::size() * Vec::size());
   w.sm.reset(queries, dim);
-  if constexpr (!kWide) w.block_k.resize(block * key_stride), w.block_v.resize(block * key_stride);
+  if constexpr (!kWide) w.block_k.resize(fold * key_stride), w.block_v.resize(fold * key_stride);
   auto update = [&](int64_t n) {  // fold n keys whose values are w.rows into every query
     for (int64_t i = 0; i < queries; ++i) {
       float* s = w.scores.data() + i * stride;
@@ -314,6 +318,7 @@ void Attention<C>::run_short(const Task& t, Scratch& w) const {
     }
   };
   const int64_t first = first_seen(t.context, 0);
+  int64_t held = 0;  // keys scored and not folded yet: columns 0 .. held - 1
   for (int64_t j = first / block; j * block < t.context; ++j) {
     const int64_t n = std::min(block, t.context - j * block);
     const int64_t base = slot(t.row, j * block) * key_stride;
@@ -331,13 +336,14 @@ void Attention<C>::run_short(const Task& t, Scratch& w) const {
       k_block = k_cache + base, v_block = v_cache + base;
     } else {
       const int64_t from = t.h0 * dim, width = (t.h1 - t.h0) * dim;
+      float *k_wide = w.block_k.data() + held * key_stride, *v_wide = w.block_v.data() + held * key_stride;
       for (int64_t u = 0; u < n; ++u) {
-        to_float(k_cache + base + u * key_stride + from, w.block_k.data() + u * key_stride + from, width);
-        to_float(v_cache + base + u * key_stride + from, w.block_v.data() + u * key_stride + from, width);
+        to_float(k_cache + base + u * key_stride + from, k_wide + u * key_stride + from, width);
+        to_float(v_cache + base + u * key_stride + from, v_wide + u * key_stride + from, width);
       }
-      k_block = w.block_k.data(), v_block = w.block_v.data();
+      k_block = k_wide, v_block = v_wide;
     }
-    for (int64_t u = 0; u < n; ++u) w.rows[u] = v_block + u * key_stride;
+    for (int64_t u = 0; u < n; ++u) w.rows[held + u] = v_block + u * key_stride;
     for (int64_t t0 = 0; t0 < n; t0 += Vec::size()) {  // Vec::size() slots at a time
       const int m = static_cast<int>(std::min<int64_t>(Vec::size(), n - t0));
       for (int64_t kh = t.h0; kh < t.h1; ++kh) {
@@ -348,15 +354,16 @@ void Attention<C>::run_short(const Task& t, Scratch& w) const {
         for (int64_t tok = 0; tok < t.tokens; ++tok)
           for (int64_t gi = 0; gi < group; ++gi) {
             const int64_t i = tok * span + (kh - t.h0) * group + gi;
-            scores_of(query[i], w.kt.data(), dim, scale, w.scores.data() + i * stride + t0, m);
+            scores_of(query[i], w.kt.data(), dim, scale, w.scores.data() + i * stride + held + t0, m);
           }
       }
     }
     if (window || j * block < first)  // the few keys a window hides
       for (int64_t i = 0; i < queries; ++i)
         for (int64_t u = 0; u < n; ++u)
-          if (j * block + u < first || !sees(i, j * block + u)) w.scores[i * stride + u] = kNegInf;
-    update(n);
+          if (j * block + u < first || !sees(i, j * block + u)) w.scores[i * stride + held + u] = kNegInf;
+    held += n;
+    if (held + block > fold || (j + 1) * block >= t.context) update(held), held = 0;
   }
   for (int64_t u = 0; u < t.tokens; ++u) {  // the segment's own tokens, causal
     const float* key = k_at(t.b, t.s0 + u);

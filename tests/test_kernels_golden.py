@@ -380,6 +380,31 @@ def test_the_cpu_kernel_reads_half_precision_decode_rows(dtype, lens, seq, fill,
     assert_half_agrees((q, k_act, v_act, k_cache, v_cache, step), window, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=["fp32", "bf16", "fp16"])
+@settings(max_examples=15, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+    seq=st.integers(1, 4),
+    bs=st.sampled_from([8, 16, 128]),
+    fill=st.sampled_from([float("nan"), 1e30]),
+    window=st.sampled_from([None, 5, 70, 200]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_kernel_folds_long_decode_contexts_a_few_blocks_at_a_time(dtype, lens, seq, bs, fill, window,
+                                                                         seed):
+    """Decode rows over contexts of many blocks, which the kernel's softmax folds several blocks at
+    a time (a partial last fold, windows that start inside a fold, blocks larger than a fold),
+    poison past every context: the golden's output."""
+    q, k_act, v_act, k_cache, v_cache, table, _, _ = paged_case(lens, seq, bs, -(-300 // bs), KVH * 3, seed)
+    k_cache, v_cache = poisoned(k_cache, v_cache, table, lens, bs, fill)
+    step = AttentionStep(remap_null_block_to_sentinel(table), torch.tensor(lens),
+                         torch.zeros(len(lens), seq, dtype=torch.int64))
+    if dtype != torch.float32:
+        return assert_half_agrees((q, k_act, v_act, k_cache, v_cache, step), window, dtype)
+    args = (q, k_act, v_act, k_cache, v_cache, step, 0.3, window)
+    torch.testing.assert_close(block_kv_cpu.block_kv_attention(*args), block_kv_attention(*args))
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 @settings(max_examples=12, deadline=None)
 @given(

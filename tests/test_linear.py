@@ -103,3 +103,21 @@ def test_a_compiled_graph_calls_onednn_directly_on_packed_weights(tmp_path) -> N
     run = subprocess.run([sys.executable, "-c", RUN_WITHOUT_NB, str(out), str(tmp_path / "inputs.pt")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_the_runtime_packs_the_head_and_computes_what_the_dense_head_does(compiled_dir) -> None:
+    """The head's projection is read whole by every decode step, so the runtime packs it as it
+    packs the layers'; the logits are the dense head's."""
+    from conftest import decode_plan, prefill_plan
+
+    from neuron_buckets import BucketRuntime
+
+    runtime = BucketRuntime.open(compiled_dir)
+    norm, packed = runtime.head_weights
+    assert packed.is_mkldnn
+    prompt = prefill_plan([(list(range(3, 15)), 0, [1, 2])])
+    rows = decode_plan([([7], 12, [1, 2]), ([9], 5, [3])])
+    runtime.run_plan(prompt)
+    with_packed = runtime.run_plan(rows)
+    runtime.head_weights = (norm, packed.to_dense())
+    assert torch.equal(runtime.run_plan(rows), with_packed)

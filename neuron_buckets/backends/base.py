@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.errors import UserError
@@ -65,6 +65,11 @@ class Backend(Protocol):
     def pack(self, layer: LayerWeights) -> LayerWeights:
         """One layer's weights in the layout this backend's graphs read (the same record for
         most): the runtime applies it to each layer as it loads the weights."""
+        ...
+
+    def pack_head(self, weight: Tensor) -> Tensor:
+        """The head's output projection in the layout its graph reads; a tied embedding keeps its
+        dense tensor for the embed piece beside it."""
         ...
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:

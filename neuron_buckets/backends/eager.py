@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from neuron_buckets.backends.base import GraphFn
@@ -47,6 +47,9 @@ class EagerBackend:
 
     def pack(self, layer: LayerWeights) -> LayerWeights:
         return layer  # the eager model reads the checkpoint's dense tensors
+
+    def pack_head(self, weight: Tensor) -> Tensor:
+        return weight
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         spec = json.loads(path.read_text())

@@ -171,6 +171,9 @@ class InductorBackend:
     def pack(self, layer: LayerWeights) -> LayerWeights:
         return linear.pack(layer)
 
+    def pack_head(self, weight: Tensor) -> Tensor:
+        return linear.pack_dense(weight)
+
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
             torch.set_num_threads(MAX_THREADS)

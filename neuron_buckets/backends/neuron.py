@@ -274,6 +274,9 @@ class NeuronBackend:
     def pack(self, layer: LayerWeights) -> LayerWeights:
         return layer  # the traced graph takes the dense tensors
 
+    def pack_head(self, weight: Tensor) -> Tensor:
+        return weight
+
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         sdk = _sdk()
         traced = torch.jit.load(str(path))

@@ -115,6 +115,9 @@ class XlaBackend:
     def pack(self, layer: LayerWeights) -> LayerWeights:
         return layer  # the traced graph takes the dense tensors
 
+    def pack_head(self, weight: Tensor) -> Tensor:
+        return weight
+
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         from neuron_buckets.model.pieces import LayerPiece
 

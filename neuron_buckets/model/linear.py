@@ -7,10 +7,11 @@ CPU (``onednn()`` around the trace), each projection is one call of ``nb::_linea
 op opaque to inductor, whose schema is oneDNN's ``mkldnn::_linear_pointwise``, so that AOTInductor
 calls that op's C shim directly (``C_SHIMS``) and a loaded graph needs nothing registered from
 Python. It computes the same product over a dense weight or over the packed one ``pack`` makes;
-the runtime packs the layers' projections once, as it loads them, and keeps no dense copy. The head
-reads the tied embedding, which the embed piece reads densely, so it stays dense: a packed copy
-would hold the embedding twice for a gain smaller than the weight streaming it adds (CHANGELOG has
-the figures).
+the runtime packs the layers' projections once, as it loads them, and keeps no dense copy. It packs
+the head's projection too: a decode step reads the whole vocabulary's rows, and over the plain
+layout oneDNN streams a few rows' product well below memory speed. A tied embedding is then held
+twice, dense for the embed piece's gather and packed for the head; the memory estimates
+(``runtime/memory.py``) count it once, as the lower bound they are.
 
 bfloat16 takes the same path where oneDNN has native bfloat16 kernels (AVX512-BF16, AMX): its
 ``F.linear`` is oneDNN already, but over the plain layout a small batch reads the weight in a

@@ -103,7 +103,8 @@ class BucketRuntime:
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
-        self.head_weights = weights.head
+        norm, out = weights.head
+        self.head_weights = (norm, self.backend.pack_head(out))
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
