@@ -49,6 +49,8 @@ Server = AbstractContextManager[subprocess.Popen]  # a server process, up while 
 SERVED = "smollm2"  # the model name both servers answer to
 OUTPUT_LEN = 32
 LIMITS = ("--max-num-seqs", "16", "--max-num-batched-tokens", "512")  # vLLM's side of nb's artifact
+# nb's default grid for those limits, as ``serve_artifact`` reads it from the arguments
+GRID = {"prefill_buckets": "[64, 256, 512]", "num_seqs_buckets": "[1, 8, 16]", "context_buckets": None}
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "random": ("--dataset-name", "random", "--random-input-len", "300", "--random-output-len",
                str(OUTPUT_LEN), "--random-range-ratio", '{"input": 0.25, "output": 0}'),
@@ -215,8 +217,8 @@ def common_parser(doc: str) -> argparse.ArgumentParser:
                    help="python of the vLLM CPU virtualenv (default: $VLLM_PYTHON)")
     add_size_args(p, "nb-bench-serve", "few prompts")
     p.add_argument("--artifact", type=Path, help="serve this artifact instead of compiling one")
-    p.add_argument("--prefill-buckets", default="[64, 256, 512]")
-    p.add_argument("--num-seqs-buckets", default="[1, 8, 16]")
+    p.add_argument("--prefill-buckets", default=GRID["prefill_buckets"])
+    p.add_argument("--num-seqs-buckets", default=GRID["num_seqs_buckets"])
     p.add_argument("--context-buckets", help='decode context buckets, e.g. "[256, 512]" (default: nb\'s)')
     return p
 
