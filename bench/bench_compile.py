@@ -7,7 +7,8 @@ a fresh inductor cache, as on a new machine. Layer-granular artifacts compile on
 per bucket whatever the depth, so the ratio should stay near 1 (0.1's whole-model graphs grew
 with the depth; CHANGELOG has the figures).
 Then a warm no-op ``nb compile`` of the 30-layer directory is timed beside ``python -c "import
-torch"``: with nothing to build it should cost at most 1 s more.
+torch"``: with nothing to build it should cost at most 1 s more. Its row goes into
+``bench/RESULTS.md`` (``--results`` names another file).
 Run: python bench/bench_compile.py [--models DIR]
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from real_models import build_smollm  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 
 GRID = """
 [model]
@@ -44,6 +46,19 @@ num_batched_tokens_buckets = [64, 256]
 backend = "inductor"
 jobs = 2
 """
+TABLE = ResultsTable(
+    heading="Compile time against depth (bench_compile.py)",
+    about="""
+`bench/bench_compile.py`: seconds of a cold `nb compile --jobs 2` (fresh graph and inductor caches,
+a process of its own) of one small serving grid (prefill 64/256, decode batches 1/8, contexts 256
+and 512: 7 buckets) for SmolLM2-135M-wide models of 2 and 30 layers (target: 30 / 2 at most 2x),
+and a warm no-op `nb compile` of the 30-layer directory beside `python -c "import torch"`
+(medians of 3; target: at most 1 s more).
+""",
+    columns=("grid", "cold 2 layers s", "cold 30 layers s", "30 / 2", "warm no-op s", "import torch s",
+             "no-op - import s", *PROVENANCE),
+    key=1,
+)
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> float:
@@ -66,6 +81,7 @@ def cold(model: Path, root: Path) -> tuple[float, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
+    add_results_argument(parser)
     args = parser.parse_args()
     shallow = build_smollm(args.models / "smollm2-2layers", num_layers=2)
     deep = build_smollm(args.models / "smollm2-30layers", num_layers=30)
@@ -83,6 +99,8 @@ def main() -> None:
         w, t = statistics.median(warm), statistics.median(torch_import)
         print(f"warm no-op nb compile {w:.2f} s; python -c 'import torch' {t:.2f} s; "
               f"difference {w - t:+.2f} s (target at most +1 s)")
+    TABLE.write(args.results, [["SmolLM2-135M width, 7 buckets, --jobs 2", f"{two:.1f}", f"{thirty:.1f}",
+                                f"{thirty / two:.2f}x", f"{w:.2f}", f"{t:.2f}", f"{w - t:+.2f}"]])
 
 
 if __name__ == "__main__":

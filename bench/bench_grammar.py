@@ -6,21 +6,29 @@ each request held to the length its constrained run had (``ignore_eos``), so bot
 the same rows, and prints the wall seconds per output token of each, their ratio, and the host
 cost of the masks themselves (filling xgrammar's bitmask and applying it to the logits) per
 masked row, from the engine's step stats. A model of random weights writes noise, so the
-grammar decides every token: the worst case for the mask.
-Prints figures only; nothing is asserted.
-Run: python bench/bench_grammar.py ARTIFACT_DIR [--requests 8] [--max-tokens 128]
+grammar decides every token: the worst case for the mask. Without ``ARTIFACT_DIR`` it compiles
+``bench_serve.py``'s model (with its word tokenizer, ``--layers`` deep) at its default grid. The
+figures go into ``bench/RESULTS.md`` (``--results`` names another file); nothing is asserted.
+Run: python bench/bench_grammar.py [ARTIFACT_DIR] [--requests 8] [--max-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from neuron_buckets import LLMEngine, SamplingParams, generate
-from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import GRID, bench_model, serve_artifact  # noqa: E402
+from real_models import add_size_args  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+
+from neuron_buckets import LLMEngine, SamplingParams, generate  # noqa: E402
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -34,6 +42,19 @@ SCHEMA = {
     },
     "required": ["name", "kind", "age", "tags", "owner"],
 }
+TABLE = ResultsTable(
+    heading="What a grammar costs per output token (bench_grammar.py)",
+    about="""
+`bench/bench_grammar.py`: a batch of `requests` through an `LLMEngine` (temperature 1, seeded), once
+under a JSON schema (`structured_outputs`, the path of `response_format`) and once unconstrained,
+each request held to the length of its constrained run, so both step the same rows: wall ms per
+output token of each, and the host cost of the masks (filling xgrammar's bitmask and applying it)
+per masked row. Random weights write noise, so the grammar decides every token: the mask's worst case.
+""",
+    columns=("artifact", "requests", "unconstrained ms/token", "json_schema ms/token", "json / unconstrained",
+             "mask ms per masked row", "masked rows", *PROVENANCE),
+    key=2,
+)
 
 
 def timed(
@@ -47,11 +68,18 @@ def timed(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact")
+    parser.add_argument("artifact", nargs="?", type=Path, help="default: compile bench_serve.py's model")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    add_size_args(parser, "nb-bench-serve", "the model only")
+    add_results_argument(parser)
+    parser.set_defaults(layers=4, **GRID)
     args = parser.parse_args()
-    engine = LLMEngine.open(args.artifact)
+    if args.tiny:
+        args.layers, args.results = 2, args.work / "RESULTS.md"
+    args.work.mkdir(parents=True, exist_ok=True)
+    artifact = args.artifact or serve_artifact(args.work, bench_model(args.models, args.layers), args)
+    engine = LLMEngine.open(artifact)
     if engine.tokenizer is None:
         raise SystemExit("error: the artifact has no tokenizer; a grammar needs one")
     prompts = [engine.tokenizer.encode(f"pet number {i}:") for i in range(args.requests)]
@@ -73,6 +101,8 @@ def main() -> None:
     print(f"unconstrained  {base * 1e3:8.3f} ms per output token")
     print(f"json_schema    {shaped * 1e3:8.3f} ms per output token  ({shaped / base - 1:+.1%})")
     print(f"mask           {mask_ms:8.3f} ms per masked row ({rows} rows)")
+    TABLE.write(args.results, [[artifact.name, str(args.requests), f"{base * 1e3:.3f}", f"{shaped * 1e3:.3f}",
+                                f"{shaped / base:.2f}x", f"{mask_ms:.3f}", str(rows)]])
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_config  # noqa: E402
 from bench_serve import load_args, run_client  # noqa: E402
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import RESULTS, ResultsTable, commit, cpu_description, now  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument, commit, cpu_description  # noqa: E402
 from serve_limits import ServeLimits  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
@@ -101,7 +101,7 @@ Ratios are nb / vLLM: above 1 is better for tok/s, below 1 for TTFT and TPOT. Wo
 """ + "".join(f"\n- `{name}`: {wl.about}" for name, wl in WORKLOADS.items()),
     columns=("shape", "dtype", "workload", "conc", "prompts", "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "TTFT p50 s nb / vLLM", "TTFT nb/vLLM", "TPOT p50 ms nb / vLLM", "TPOT nb/vLLM", "KV",
-             "date (UTC)", "CPU", "nb commit", "load avg", "note"),
+             *PROVENANCE, "load avg", "note"),
     key=4,
 )
 
@@ -183,7 +183,7 @@ def row(args: argparse.Namespace, cell: Cell, nb: dict, vllm: dict) -> list[str]
         str(num_prompts(args, cell)),
         f"{tok[0]:.1f} / {tok[1]:.1f}", ratio(*tok), f"{ttft[0]:.2f} / {ttft[1]:.2f}", ratio(*ttft),
         f"{tpot[0]:.0f} / {tpot[1]:.0f}", ratio(*tpot), args.limits.kv_cell(SHAPES[cell.shape], cell.dtype),
-        now(), args.cpu, args.commit, load, args.note,
+        load, args.note,
     ]
 
 
@@ -208,8 +208,7 @@ def run_group(args: argparse.Namespace, group: list[Cell]) -> None:
                  for s, res in results.items()}
     (args.work / f"{model.name}-{dtype}.json").write_text(json.dumps(by_server, default=str))
     if len(results) == 2:
-        TABLE.merge(args.results, [row(args, c, results["nb"][c], results["vLLM"][c]) for c in group])
-        print(f"  rows written to {args.results}", flush=True)
+        TABLE.write(args.results, [row(args, c, results["nb"][c], results["vLLM"][c]) for c in group])
 
 
 def parse_args() -> argparse.Namespace:
@@ -229,7 +228,7 @@ def parse_args() -> argparse.Namespace:
                    help="rows are written only when both run")
     p.add_argument("--nb-buckets", default="",
                    help='extra [buckets] lines for nb, e.g. "num_seqs_buckets = [4, 8]"')
-    p.add_argument("--results", type=Path, default=RESULTS)
+    add_results_argument(p)
     p.add_argument("--note", default="",
                    help="a note for every row this run writes (say if the machine is busy)")
     args = p.parse_args()

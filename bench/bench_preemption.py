@@ -6,7 +6,8 @@ fourth request runs to 150 tokens, so the pool runs short and requests are preem
 runs: the scheduler plans every step and commits the stop token at each request's length, as
 ``nb inspect`` replays a trace. Prints, per pool size and watermark, the steps, the peak and mean
 running batch, the preemptions and the tokens computed (recomputed ones included), for each
-policy choosing the request to preempt.
+policy choosing the request to preempt, and writes them into ``bench/RESULTS.md`` (``--results`` names
+another file). The figures follow from the scheduler alone, so they change only with the code.
 
     python bench/bench_preemption.py --num-blocks 40,80 --watermarks 0,0.01,0.05,0.1 [--long]
     python bench/bench_preemption.py --long --num-blocks 24 --policies newest,least-computed,oldest
@@ -15,7 +16,9 @@ policy choosing the request to preempt.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.kv_cache_manager import KVCacheManager
@@ -23,7 +26,23 @@ from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 
+sys.path.insert(0, str(Path(__file__).parent))
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+
 STOP = 2  # the stop token; every other token generated is 1
+TABLE = ResultsTable(
+    heading="Preemption policy and watermark (bench_preemption.py)",
+    about="""
+`bench/bench_preemption.py`: the scheduler alone, no model: requests of 20-token prompts and
+`max_tokens` 200 whose stop token ends them after 5-9 tokens (`long`: every fourth runs to 150
+tokens, so the pool runs short), block_size 16, a 128-token step budget, through a pool of
+`num_blocks` with an admission `watermark` (a share of the pool), for each policy choosing the
+request to preempt. Computed: the tokens the steps computed, recomputed ones included.
+""",
+    columns=("workload", "policy", "num_blocks", "watermark", "steps", "peak running", "mean running",
+             "preemptions", "computed", *PROVENANCE),
+    key=4,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,10 @@ class Workload:
         if self.long_every and i % self.long_every == self.long_every - 1:
             return self.long_len
         return 5 + i % 5  # 5 to 9 tokens, 7 on average
+
+    def describe(self) -> str:
+        long = f", every {self.long_every}th to {self.long_len}" if self.long_every else ""
+        return f"{self.requests} requests, max_num_seqs {self.max_rows}{long}"
 
 
 @dataclass(frozen=True)
@@ -102,15 +125,21 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=4, help="max_num_seqs")
     parser.add_argument("--policies", default="newest", help=f"comma separated, of {', '.join(POLICIES)}")
     parser.add_argument("--long", action="store_true", help="every fourth request runs to 150 tokens")
+    add_results_argument(parser)
     args = parser.parse_args()
     work = Workload(requests=args.requests, long_every=4 if args.long else 0, max_rows=args.max_rows)
     print("policy          num_blocks  watermark  steps  peak running  mean running  preemptions  computed")
+    rows = []
     for policy in args.policies.split(","):
         for blocks in (int(b) for b in args.num_blocks.split(",")):
             for mark in (float(w) for w in args.watermarks.split(",")):
                 o = run_workload(work, blocks, mark, policy)
                 print(f"{policy:<14}  {blocks:>10}  {mark:>9.2f}  {o.steps:>5}  {o.peak_running:>12}"
                       f"  {o.mean_running:>12.2f}  {o.preemptions:>11}  {o.computed:>8}")
+                rows.append([work.describe(), policy, str(blocks), f"{mark:.2f}", str(o.steps),
+                             str(o.peak_running), f"{o.mean_running:.2f}", str(o.preemptions),
+                             str(o.computed)])
+    TABLE.write(args.results, rows)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from bench_generate import compile_config  # noqa: E402
 from bench_matrix import ratio  # noqa: E402
 from bench_serve import load_args, run_client  # noqa: E402
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import RESULTS, ResultsTable, commit, cpu_description, now  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument, commit, cpu_description  # noqa: E402
 from serve_limits import NB_CONFIG, ServeLimits  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
@@ -75,7 +75,7 @@ prompts. Mean running batch: `vllm:num_requests_running` read every 0.2 s during
 averaged; preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM, above 1 is better.""",
     columns=("layers", "blocks", "max_tokens", "prompts", "mean out tokens nb / vLLM",
              "mean running nb / vLLM", "running nb/vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
-             "preemptions nb / vLLM", "date (UTC)", "CPU", "nb commit", "load avg", "note"),
+             "preemptions nb / vLLM", *PROVENANCE, "load avg", "note"),
     key=4,
 )
 
@@ -165,7 +165,7 @@ def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
     return [str(args.layers), str(args.num_blocks), str(args.max_tokens), str(args.num_prompts),
             pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
             pair("output_throughput", ".1f"), ratio(nb["output_throughput"], vllm["output_throughput"]),
-            pair("preemptions", ".0f"), now(), cpu_description(), commit(),
+            pair("preemptions", ".0f"),
             f"{nb['load_avg']:.1f} / {vllm['load_avg']:.1f}", args.note]
 
 
@@ -180,7 +180,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--typical-output", type=int, default=25,
                    help="1 / the share of the vocabulary that ends a request")
     p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--results", type=Path, default=RESULTS)
+    add_results_argument(p)
     p.add_argument("--note", default="", help="a note for the row (say if the machine is busy)")
     args = p.parse_args()
     if args.vllm_python is None:
@@ -214,8 +214,7 @@ def main() -> None:
     print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, output tok/s "
           f"{ratio(nb['output_throughput'], vllm['output_throughput'])}; max_tokens {args.max_tokens} over a "
           f"mean output of {nb['mean_out']:.1f} (nb) / {vllm['mean_out']:.1f} (vLLM) tokens", flush=True)
-    TABLE.merge(args.results, [row(args, nb, vllm)])
-    print(f"row written to {args.results}", flush=True)
+    TABLE.write(args.results, [row(args, nb, vllm)])
 
 
 if __name__ == "__main__":

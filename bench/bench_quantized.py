@@ -6,11 +6,14 @@ Both are compiled with the same grid (a decode bucket of 4 rows, one 256-token p
 and opened side by side; the measurements alternate between them round by round, so both see the
 same machine load. Printed, each with the quantized / bfloat16 ratio:
 
-- the batch-4 decode step: ``runtime.decode`` of 4 rows at a context of 128 tokens (median of the
+- the batch-4 decode step: a plan of 4 decode rows at a context of 128 tokens (median of the
   rounds' medians);
 - output tok/s at concurrency 4: ``generate`` of 4 prompts of 128 tokens, ``--max-new`` greedy
   tokens each, every request running to its length;
 - the artifacts' weights files.
+
+The row goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny`` writes
+``WORK/RESULTS.md``), with the machine's load average as the measurements start.
 
     nice -n 15 python bench/bench_quantized.py [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
 """
@@ -18,6 +21,7 @@ same machine load. Printed, each with the quantized / bfloat16 ratio:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -28,8 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 
-from neuron_buckets import BucketRuntime, PrefillChunk, SamplingParams, generate  # noqa: E402
+from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate  # noqa: E402
 from neuron_buckets.compile.compiler import Compiler  # noqa: E402
 from neuron_buckets.config import load_config  # noqa: E402
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint  # noqa: E402
@@ -60,6 +65,20 @@ fresh_layers = false
 """
 BATCH, CONTEXT = 4, 128
 MARKER = "nb-bench-quantized.json"
+TABLE = ResultsTable(
+    heading="Quantized against bfloat16 (bench_quantized.py)",
+    about="""
+`bench/bench_quantized.py`: the Llama-3.2-1B shape (16 layers, random weights, stored bfloat16) and
+its compressed-tensors twin quantized data-free, both compiled with the same grid (decode bucket
+of 4 rows, one 256-token prefill bucket) and opened side by side, measured alternately round by
+round (5 rounds) in one process. Decode: a plan of 4 decode rows at context 128 (median of the
+rounds' medians). tok/s: `generate` of 4 prompts of 128 tokens, 32 greedy tokens each. Ratios are
+quantized / bfloat16. The weights file keeps the tied embedding in bfloat16.
+""",
+    columns=("shape", "scheme", "decode step ms q / bf16", "step q/bf16", "out tok/s c4 q / bf16",
+             "tok/s q/bf16", "weights GB q / bf16", "weights q/bf16", *PROVENANCE, "load avg", "note"),
+    key=2,
+)
 
 
 def compiled(model: Path, out: Path, cache: Path) -> Path:
@@ -79,13 +98,14 @@ def decode_ms(runtime: BucketRuntime, repeats: int) -> float:
     gen = torch.Generator().manual_seed(0)
     blocks = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(BATCH)]
     prompts = [torch.randint(1, 1000, (CONTEXT,), generator=gen).tolist() for _ in range(BATCH)]
-    runtime.prefill([PrefillChunk(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])
-    rows = [PrefillChunk([7], CONTEXT, b) for b in blocks]
-    runtime.decode(rows)
+    prompt_plan = tuple(Segment(i, p, 0, b, 1) for i, (p, b) in enumerate(zip(prompts, blocks, strict=True)))
+    runtime.run_plan(prompt_plan)
+    rows = tuple(Segment(i, [7], CONTEXT, b, 1) for i, b in enumerate(blocks))
+    runtime.run_plan(rows)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runtime.decode(rows)
+        runtime.run_plan(rows)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
@@ -105,9 +125,12 @@ def main() -> None:
     parser.add_argument("--scheme", choices=sorted(SCHEMES), default="w8a8-int8-channel")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--note", default="", help="a note for the row (say if the machine is busy)")
+    add_results_argument(parser)
     parser.set_defaults(layers=SHAPES["llama-3.2-1b"].num_layers)
     args = parser.parse_args()
     layers, rounds, steps = (2, 3, 4) if args.tiny else (args.layers, args.rounds, 10)
+    results = args.work / "RESULTS.md" if args.tiny else args.results
     shape, scheme = SHAPES["llama-3.2-1b"], SCHEMES[args.scheme]
     dense = build_checkpoint(args.models / f"llama-3.2-1b-{layers}layers-bfloat16", shape, layers,
                              dtype="bfloat16", tokenizer=True)
@@ -119,6 +142,7 @@ def main() -> None:
     dirs = {"bfloat16": compiled(dense, args.work / dense.name, cache),
             scheme.name: compiled(quantized, args.work / quantized.name, cache)}
     runtimes = {name: BucketRuntime.open(d, preload=True) for name, d in dirs.items()}
+    load = os.getloadavg()[0]
     decode: dict[str, list[float]] = {name: [] for name in dirs}
     rates: dict[str, list[float]] = {name: [] for name in dirs}
     for _ in range(rounds):  # alternating, so both see the same load
@@ -134,6 +158,10 @@ def main() -> None:
           f"{step[q] / step[b]:.2f}x")
     print(f"output tok/s at concurrency {BATCH}: {rate[q]:.1f} / {rate[b]:.1f} = {rate[q] / rate[b]:.2f}x")
     print(f"weights file: {size[q] / 1e9:.2f} GB / {size[b] / 1e9:.2f} GB = {size[q] / size[b]:.2f}x")
+    TABLE.write(results, [[shape.name, q, f"{step[q]:.1f} / {step[b]:.1f}", f"{step[q] / step[b]:.2f}x",
+                           f"{rate[q]:.1f} / {rate[b]:.1f}", f"{rate[q] / rate[b]:.2f}x",
+                           f"{size[q] / 1e9:.2f} / {size[b] / 1e9:.2f}", f"{size[q] / size[b]:.2f}x",
+                           f"{load:.1f}", args.note]])
 
 
 if __name__ == "__main__":

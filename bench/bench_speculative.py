@@ -13,8 +13,8 @@ temperature 1: a flat distribution, whose tokens drafts rarely guess: where look
 Greedy tokens must be identical across the runs, and a seeded sampled request's tokens between
 the runs without drafts; the script fails otherwise. Random weights decide how much the output
 repeats, so acceptance is what it is on this model: the figures say what drafts cost and save
-here, not what a trained model accepts. Run it on an idle machine; timings vary by machine and
-load.
+here, not what a trained model accepts. The rows go into ``bench/RESULTS.md`` (``--results`` names
+another file). Run it on an idle machine; timings vary by machine and load.
 
     python bench/bench_speculative.py [--layers 30] [--k 3] [--new-tokens 64] [--requests 4]
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from real_models import build_smollm  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from workloads import TOKEN_HIGH, TOKEN_LOW, Workload  # noqa: E402
 
 from neuron_buckets import BucketRuntime, LLMEngine, SamplingParams, generate  # noqa: E402
@@ -57,6 +58,22 @@ speculation_length = {k}
 backend = "{backend}"
 jobs = 1
 """
+TABLE = ResultsTable(
+    heading="N-gram speculative decoding at concurrency 1 (bench_speculative.py)",
+    about="""
+`bench/bench_speculative.py`: generated tokens per second of one request at a time on the
+random-weight SmolLM2-135M shape (`layers` deep, float32), `requests` prompts per workload: the
+artifact without speculation (`plain`), the one whose decode rows carry 1 + K tokens without drafts
+(`wide rows`), with prompt-lookup drafts as the engine runs them (`ngram`, turning drafts off where
+they do not pay: `off` is the steps it sat out) and drafting every step (`always`). `repeat`:
+greedy, a prompt repeating one passage; `random`: greedy, random prompts; `sampled`: random prompts
+at temperature 1. Acceptance is what random weights give, not what a trained model accepts.
+""",
+    columns=("layers", "K", "workload", "backend", "requests x new", "plain tok/s", "wide rows tok/s",
+             "ngram tok/s", "ngram / plain", "ngram accept", "mean accepted length", "off / steps",
+             "always tok/s", "always / plain", "always accept", *PROVENANCE),
+    key=4,
+)
 
 
 @dataclass(frozen=True)
@@ -111,7 +128,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="prompts per workload, run one at a time")
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-models")
+    add_results_argument(ap)
     args = ap.parse_args()
+    rows = []
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -140,6 +159,12 @@ def main() -> None:
                   f"{gated_tps / base_tps:>5.2f}x {s.acceptance_rate:>6.0%} {s.mean_accepted_length:>8.2f} "
                   f"{s.num_steps_off:>4}/{steps:<4} "
                   f"{every_tps:>7.1f} {every_tps / base_tps:>5.2f}x {a.acceptance_rate:>6.0%}")  # fmt: skip
+            rows.append([str(args.layers), str(args.k), name, args.backend,
+                         f"{args.requests} x {args.new_tokens}", f"{base_tps:.1f}", f"{bare_tps:.1f}",
+                         f"{gated_tps:.1f}", f"{gated_tps / base_tps:.2f}x", f"{s.acceptance_rate:.0%}",
+                         f"{s.mean_accepted_length:.2f}", f"{s.num_steps_off}/{steps}", f"{every_tps:.1f}",
+                         f"{every_tps / base_tps:.2f}x", f"{a.acceptance_rate:.0%}"])
+    TABLE.write(args.results, rows)
 
 
 if __name__ == "__main__":

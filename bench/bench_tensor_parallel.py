@@ -7,7 +7,8 @@ same graphs on half the heads, with an all-reduce after o and down and the logit
 run generates ``--new`` greedy tokens for ``--requests`` prompts of ``--prompt`` tokens, after one
 warm-up run that loads every graph; it prints decode-inclusive tokens per second of each and the
 ratio. On a machine with fewer cores than ranks times useful threads, TP=2 is expected to lose: the
-number says by how much here, it is not a target.
+number says by how much here, it is not a target. The row goes into ``bench/RESULTS.md``
+(``--results`` names another file).
 
     python bench/bench_tensor_parallel.py [--shape llama-3.2-1b] [--layers 2]
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from real_models import SHAPES, build_checkpoint  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 
 GRID = """
 [model]
@@ -48,6 +50,20 @@ fresh_layers = false
 [parallel]
 tensor_parallel_size = {tp}
 """
+TABLE = ResultsTable(
+    heading="Tensor parallelism on this machine (bench_tensor_parallel.py)",
+    about="""
+`bench/bench_tensor_parallel.py`: decode-inclusive generated tokens per second of one small grid
+(one packed prefill bucket, one decode bucket) at tensor_parallel_size 1 and 2 (two processes over
+gloo, each with half the heads and MLP), on a shallow twin of `shape` (`layers` deep, random
+weights, float32): `requests` prompts of `prompt` tokens, `new` greedy tokens each, after a warm-up
+run. On fewer cores than ranks times useful threads TP=2 is expected to lose; the ratio says by
+how much here.
+""",
+    columns=("shape", "layers", "requests x prompt, new", "TP=1 tok/s", "TP=2 tok/s", "TP=2 / TP=1",
+             *PROVENANCE),
+    key=3,
+)
 
 
 def run(directory: Path, prompts: list[list[int]], new: int) -> float:
@@ -74,6 +90,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-tp")
+    add_results_argument(parser)
     args = parser.parse_args()
 
     from neuron_buckets.compile.compiler import Compiler
@@ -95,6 +112,9 @@ def main() -> None:
         print(f"tensor_parallel_size {tp}: {rates[tp]:.1f} tok/s", flush=True)
     print(f"TP=2 / TP=1: {rates[2] / rates[1]:.2f}x ({args.shape}, {args.layers} layers, float32, "
           f"{args.requests} x {args.prompt} prompt tokens, {args.new} new)")
+    TABLE.write(args.results, [[SHAPES[args.shape].name, str(args.layers),
+                                f"{args.requests} x {args.prompt}, {args.new}", f"{rates[1]:.1f}",
+                                f"{rates[2]:.1f}", f"{rates[2] / rates[1]:.2f}x"]])
 
 
 if __name__ == "__main__":

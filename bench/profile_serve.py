@@ -17,7 +17,8 @@ the server's memory (same user; ptrace not restricted to descendants).
 Also printed, from ``/metrics`` and ``/proc`` over the same window: graph calls per second of each
 kind and their real and padded positions, the share of the graph time spent on padding positions
 (if a call's time follows the positions it computes), generated tokens per second, and CPU seconds per
-wall second of each thread, the native ones (OpenMP workers) included.
+wall second of each thread, the native ones (OpenMP workers) included. The figures go into
+``bench/RESULTS.md`` as rows (``--results`` names another file; ``--tiny`` writes ``WORK/RESULTS.md``).
 
     python bench/profile_serve.py --vllm-python VENV/bin/python [--py-spy PATH] [--tiny]
 """
@@ -48,6 +49,7 @@ from bench_serve import (  # noqa: E402
     serve_artifact,
     start_client,
 )
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from servers import free_port  # noqa: E402
 
 # kernels/ sits beside the package in a checkout, inside it once installed: match where it is.
@@ -82,6 +84,19 @@ HTTP = tuple(f"/{lib}/" for lib in ("uvicorn", "starlette", "fastapi", "h11", "h
 # Stages whose own time outranks the stage of the code beneath them: the tokenizer's decode
 # runs for the detokenizer, and torch's ops run for the sampler.
 OUTER = {"detokenization", "sampling"}
+TABLE = ResultsTable(
+    heading="Where a second of nb serve goes (profile_serve.py)",
+    about="""
+`bench/profile_serve.py`: `nb serve` under `bench_serve.py`'s load (SmolLM2-135M shape with a word
+tokenizer, 30 layers, float32; vLLM's load generator, a closed loop of `conc` streams), sampled by
+two py-spy samplers side by side over a window after a warm-up. Per thread: the share of its wall
+time in each stage, charged by the innermost frame of nb's own code (idle: waiting, or waiting for
+the GIL), and its CPU seconds per wall second; for the whole process: CPU seconds per second, graph
+calls per second with their real and padded positions, and generated tokens per second.
+""",
+    columns=("workload", "conc", "thread", "what", "value", *PROVENANCE),
+    key=4,
+)
 
 
 def frames(stack: str) -> tuple[str, str, list[tuple[str, str]]]:
@@ -198,48 +213,61 @@ def bucket_totals(w: Window) -> dict[str, dict[str, float]]:
     return kinds
 
 
-def print_thread(w: Window, tid: str, kinds: dict[str, dict[str, float]]) -> None:
-    """One thread's wall time by stage, padding inside graph calls, and idle."""
-    ticks = w.ticks[tid]
+def print_thread(w: Window, tid: str, kinds: dict[str, dict[str, float]]) -> list[list[str]]:
+    """One thread's wall time by stage, padding inside graph calls, and idle; as rows too."""
+    ticks, name = w.ticks[tid], w.names[tid] or tid
     stages = {s: n for (t, _, s), n in w.active.items() if t == tid and s != IDLE}
     cpu = w.cpu.get(tid, ("", 0.0))[1] / w.seconds
     real, padded = (sum(k[f] for k in kinds.values()) for f in ("real", "padded"))
-    print(f"  thread {w.names[tid] or tid} (CPU {cpu:.2f} s per s):")
+    print(f"  thread {name} (CPU {cpu:.2f} s per s):")
+    rows = [[name, "CPU s per s", f"{cpu:.2f}"]]
     for s, n in sorted(stages.items(), key=lambda kv: -kv[1]):
         print(f"    {s:34s}{n / ticks:7.1%}")
+        rows.append([name, s, f"{n / ticks:.1%}"])
         if s.startswith("graph: ") and padded:  # a step's calls of every kind, under run_plan
             pad = 1 - real / padded
             print(f"      {'of which padding positions':32s}{pad * n / ticks:7.1%}  ({pad:.0%} of them)")
-    print(f"    {'idle (or waiting for the GIL)':34s}{max(ticks - sum(stages.values()), 0) / ticks:7.1%}")
+            rows.append([name, f"{s}, of which padding positions", f"{pad * n / ticks:.1%}"])
+    idle = max(ticks - sum(stages.values()), 0) / ticks
+    print(f"    {'idle (or waiting for the GIL)':34s}{idle:7.1%}")
+    return [*rows, [name, "idle (or waiting for the GIL)", f"{idle:.1%}"]]
 
 
-def print_calls(w: Window, kinds: dict[str, dict[str, float]]) -> None:
+def print_calls(w: Window, kinds: dict[str, dict[str, float]]) -> list[list[str]]:
     """Graph calls per second of each bucket kind and their real and padded positions, from
     /metrics (one ``run_plan`` sample covers every call of its step, so time per kind is not
-    told apart here; ``bench_roofline.py`` times the calls themselves)."""
+    told apart here; ``bench_roofline.py`` times the calls themselves); as rows too."""
+    rows = []
     for kind, k in sorted(kinds.items()):
         if k["calls"]:
-            print(f"  {kind}: {k['calls'] / w.seconds:.1f} calls per s, "
-                  f"{k['real'] / k['calls']:.0f} real of {k['padded'] / k['calls']:.0f} positions per call")
+            said = (f"{k['calls'] / w.seconds:.1f} calls per s, "
+                    f"{k['real'] / k['calls']:.0f} real of {k['padded'] / k['calls']:.0f} positions per call")
+            print(f"  {kind}: {said}")
+            rows.append(["whole process", f"{kind} graph calls", said])
+    return rows
 
 
-def report(w: Window, load: Load) -> None:
-    """The table: per thread, the share of its wall time in each stage, then the counters."""
+def report(w: Window, load: Load) -> list[list[str]]:
+    """The table: per thread, the share of its wall time in each stage, then the counters; as
+    ``TABLE``'s rows too."""
     rate = max(w.ticks.values()) / w.seconds
     print(f"\nwhere one second of nb serve goes: {load.workload} at concurrency {load.concurrency}, "
           f"{w.seconds:.1f} s window, py-spy at {rate:.0f} samples/s")
     if not w.load_ran_throughout:
         print("  warning: the load ended inside the window; raise --num-prompts or lower --duration")
     kinds = bucket_totals(w)
-    for tid, _ in w.ticks.most_common():
-        print_thread(w, tid, kinds)
+    rows = [row for tid, _ in w.ticks.most_common() for row in print_thread(w, tid, kinds)]
     native = sum(sec for tid, (_, sec) in w.cpu.items() if tid not in w.ticks) / w.seconds
     total = sum(sec for _, sec in w.cpu.values()) / w.seconds
     print(f"  native threads (OpenMP workers...): CPU {native:.2f} s per s; "
           f"whole process {total:.2f} s per s on {os.cpu_count()} cores")
-    print_calls(w, kinds)
+    rows += print_calls(w, kinds)
     gen = w.metrics.get(("vllm:generation_tokens_total", ""), 0.0)
     print(f"  generated {gen / w.seconds:.1f} tokens per s in the window")
+    rows += [["native threads", "CPU s per s", f"{native:.2f}"],
+             ["whole process", "CPU s per s", f"{total:.2f}"],
+             ["whole process", "generated tokens per s", f"{gen / w.seconds:.1f}"]]
+    return [[load.workload, str(load.concurrency), *row] for row in rows]
 
 
 def main() -> None:
@@ -252,9 +280,10 @@ def main() -> None:
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     p.add_argument("--py-spy", type=Path, default=os.environ.get("PY_SPY", "py-spy"),
                    help="the py-spy binary (default: $PY_SPY, else py-spy on PATH)")
+    add_results_argument(p)
     args = resolve(p.parse_args())
     if args.tiny:
-        args.num_prompts, args.warmup, args.duration = 48, 5.0, 5
+        args.num_prompts, args.warmup, args.duration, args.results = 48, 5.0, 5, args.work / "RESULTS.md"
     model = bench_model(args.models, args.layers)
     artifact = serve_artifact(args.work, model, args)
     load = Load(args.workload, args.concurrency, args.num_prompts)
@@ -276,7 +305,7 @@ def main() -> None:
             client.wait(60)
     print(f"SmolLM2-135M shape, {args.layers} layers, float32, {os.cpu_count()} CPUs; "
           f"nb serves {artifact.name}")
-    report(window, load)
+    TABLE.write(args.results, report(window, load))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ A measured request's TTFT (arrival to the end of the step that samples its first
 Also printed: prefill calls by how many decode rows rode in them (their mean time), chunks per
 prompt, and other prompts packed beside it. Workloads: ``independent`` (random prompts of 225-375
 tokens) and ``shared-prefix`` (two 256-token prefixes + 64 own tokens), ``--output-len`` new
-tokens each, random token ids. The first ``--warmup`` requests are not measured.
+tokens each, random token ids. The first ``--warmup`` requests are not measured. The breakdown's row
+goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny`` writes ``WORK/RESULTS.md``).
 
     python bench/profile_ttft.py [--shape llama-3.2-1b --dtype bfloat16 --concurrency 4 --requests 16]
 """
@@ -40,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_matrix import matrix_artifact  # noqa: E402
 from real_models import SHAPES, add_size_args  # noqa: E402
+from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from serve_limits import DTYPE_BYTES  # noqa: E402
 from workloads import TOKEN_LOW  # noqa: E402
 
@@ -49,6 +51,19 @@ from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 PARTS = ("running step, a prompt's call", "running step, decode only", "queued, budget",
          "queued, prefix wait", "own: prefill call, riders in it", "own: prefill call, no riders",
          "own: other calls", "own: rest of step", "gaps between steps")
+TABLE = ResultsTable(
+    heading="Where an arrival's TTFT goes (profile_ttft.py)",
+    about="""
+`bench/profile_ttft.py`: `nb serve`'s engine loop in miniature, in one process, on
+`bench_matrix.py`'s artifact: a closed loop of `conc` streams of random-id prompts (`independent`:
+225-375 tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens), `out` new tokens each, an
+arrival joining the engine after the step that was running. The measured requests' mean TTFT,
+cut into where it went: mean seconds (share of the TTFT) of each part.
+""",
+    columns=("shape", "dtype", "workload", "conc", "out", "requests", "TTFT mean s", "TTFT p50 s",
+             *(f"{part} s" for part in PARTS), *PROVENANCE),
+    key=5,
+)
 
 
 @dataclass
@@ -198,8 +213,8 @@ def report(args: argparse.Namespace, tracked: dict[int, Tracked], steps: list[St
           f"max {max(ttft):.2f} s")
     print(f"\n{'where the TTFT goes':36s}{'mean s':>8s}{'share':>8s}")
     total = statistics.mean(ttft)
-    for part in PARTS:
-        mean = statistics.mean(p[part] for p, _ in rows)
+    means = {part: statistics.mean(p[part] for p, _ in rows) for part in PARTS}
+    for part, mean in means.items():
         print(f"  {part:34s}{mean:8.2f}{mean / total:8.0%}")
     for key in rows[0][1]:
         print(f"  per request, {key}: mean {statistics.mean(c[key] for _, c in rows):.1f}")
@@ -210,6 +225,10 @@ def report(args: argparse.Namespace, tracked: dict[int, Tracked], steps: list[St
     print("\ngraph calls by kind and the decode rows in them (riders, in a prefill call):")
     for (kind, n), secs in sorted(groups.items()):
         print(f"  {kind:8s}{n} rows: {len(secs):4d} calls, mean {statistics.mean(secs) * 1e3:7.0f} ms")
+    TABLE.write(args.results, [[SHAPES[args.shape].name, args.dtype, args.workload, str(args.concurrency),
+                                str(args.output_len), str(len(measured)), f"{total:.2f}",
+                                f"{statistics.median(ttft):.2f}",
+                                *(f"{mean:.2f} ({mean / total:.0%})" for mean in means.values())]])
 
 
 def parse_args() -> argparse.Namespace:
@@ -224,9 +243,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="requests before them, not measured")
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    add_results_argument(p)
     args = p.parse_args()
     if args.tiny:
         args.layers, args.requests, args.warmup, args.output_len = 2, 6, 2, 8
+        args.results = args.work / "RESULTS.md"
     args.work.mkdir(parents=True, exist_ok=True)
     return args
 

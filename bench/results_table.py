@@ -9,6 +9,7 @@ place. Sections that are not this table's (notes written by hand) are kept as th
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ def now() -> str:
 def provenance() -> list[str]:
     """The ``PROVENANCE`` cells of a row measured now, here."""
     return [now(), cpu_description(), commit()]
+
+
+def add_results_argument(parser: argparse.ArgumentParser) -> None:
+    """``--results PATH``: where a bench merges its rows (a scratch copy, to check a bench's table)."""
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="the results file to merge the rows into (default: bench/RESULTS.md)")
 
 
 def _cells(line: str) -> list[str]:
@@ -109,6 +116,13 @@ class ResultsTable:
             sections.insert(1, mine)  # newest table first, before any notes
         text = "".join(s if s.endswith("\n\n") else s.rstrip("\n") + "\n\n" for s in sections)
         path.write_text(text.rstrip("\n") + "\n")
+
+    def write(self, path: Path, rows: list[list[str]]) -> None:
+        """Merge rows measured now, here: each gets the ``PROVENANCE`` cells where the columns name
+        them (a row holds every other cell, in column order)."""
+        at, made = self.columns.index(PROVENANCE[0]), provenance()
+        self.merge(path, [[*row[:at], *made, *row[at:]] for row in rows])
+        print(f"{len(rows)} rows written to {path}", flush=True)
 
     def render(self, rows: list[list[str]]) -> str:
         lines = [f"## {self.heading}", "", self.about.strip(), "",

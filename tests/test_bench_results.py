@@ -1,15 +1,21 @@
-"""The serving matrix's bookkeeping: rows merged by cell into RESULTS.md, and equal KV capacity."""
+"""The benches' bookkeeping: every bench `make bench` runs writes its own section of RESULTS.md,
+rows merged by cell with their provenance; and the serving matrix's equal KV capacity."""
 
 from __future__ import annotations
 
+import ast
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+ROOT = Path(__file__).parents[1]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+import bench_preemption  # noqa: E402
 from real_models import SHAPES  # noqa: E402
-from results_table import ResultsTable  # noqa: E402
+from results_table import PROVENANCE, ResultsTable  # noqa: E402
 from serve_limits import GIB, ServeLimits  # noqa: E402
 
 TABLE = ResultsTable("Serving", "What the rows are.", ("shape", "conc", "tok/s", "note"), key=2)
@@ -60,3 +66,66 @@ def test_llama_1b_bfloat16_bytes_per_token() -> None:
     # 16 layers x 8 kv heads x 64 dims, K and V, 2 bytes: 32 KiB a token, so 1 GiB is 2048 blocks of 16
     assert ServeLimits().bytes_per_token(SHAPES["llama-3.2-1b"], "bfloat16") == 32768
     assert ServeLimits().num_blocks(SHAPES["llama-3.2-1b"], "bfloat16") == 2048
+
+
+def make_bench() -> list[str]:
+    """The scripts the Makefile's ``bench`` target runs, in order."""
+    target = (ROOT / "Makefile").read_text().split("\nbench:\n", 1)[1].split("\n\n", 1)[0]
+    return list(dict.fromkeys(re.findall(r"bench/(\w+\.py)", target)))
+
+
+def tables(script: str) -> dict[str, ast.Call]:
+    """The module-level ``ResultsTable(...)`` assignments of a bench script, by name."""
+    tree = ast.parse((BENCH / script).read_text())
+    return {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "ResultsTable"
+            for t in node.targets}
+
+
+def test_make_bench_runs_every_bench_the_readme_lists_and_every_bench_there_is() -> None:
+    run = make_bench()
+    scripts = sorted(p.name for p in BENCH.glob("*.py") if p.name.startswith(("bench_", "profile_")))
+    assert sorted(run) == scripts
+    section = (ROOT / "README.md").read_text().split("\n## Benchmarks\n", 1)[1].split("\n## ", 1)[0]
+    listed = {name for line in section.splitlines() if line.startswith("| `")
+              for name in re.findall(r"`(\w+\.py)`", line.split("|")[1])}
+    assert listed == set(run)
+
+
+@pytest.mark.parametrize("script", make_bench())
+def test_every_bench_make_bench_runs_writes_its_own_section(script: str) -> None:
+    source = (BENCH / script).read_text()
+    found = tables(script)
+    assert found, f"{script} defines no ResultsTable"
+    written = {node.func.value.id for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+               and isinstance(node.func, ast.Attribute) and node.func.attr in ("write", "merge")
+               and isinstance(node.func.value, ast.Name)}
+    assert set(found) <= written, f"{script} never writes {set(found) - written}"
+    for call in found.values():
+        fields = {k.arg: k.value for k in call.keywords}
+        assert ast.literal_eval(fields["heading"]).endswith(f"({script})")
+        assert ast.get_source_segment(source, fields["about"]).lstrip('f"\n').startswith(f"`bench/{script}`")
+        columns = ast.get_source_segment(source, fields["columns"])
+        assert "*PROVENANCE" in columns, f"{script}: rows without their date, CPU and commit"
+    assert "add_results_argument(" in source, f"{script} takes no --results"
+
+
+def test_no_two_benches_write_the_same_section() -> None:
+    headings = [ast.literal_eval({k.arg: k.value for k in call.keywords}["heading"])
+                for script in make_bench() for call in tables(script).values()]
+    assert len(headings) == len(set(headings)) > len(make_bench())
+
+
+def test_a_bench_run_writes_rows_with_their_provenance(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\n## Notes (written by hand)\n\nkept\n")
+    argv = ["bench_preemption.py", "--num-blocks", "24,40", "--watermarks", "0", "--requests", "8", "--long",
+            "--results", str(path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_preemption.main()
+    rows = bench_preemption.TABLE.rows(path)
+    assert [r[2:4] for r in rows] == [["24", "0.00"], ["40", "0.00"]]
+    date, cpu, commit = (rows[0][bench_preemption.TABLE.columns.index(c)] for c in PROVENANCE)
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d \d\d:\d\d", date) and "cores" in cpu and commit
+    text = path.read_text()
+    assert "`bench/bench_preemption.py`: the scheduler alone" in text and text.rstrip().endswith("kept")
