@@ -160,6 +160,12 @@ def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
         estimate = "-" if b.place != "to compile" else "?" if b.estimate_s is None else f"{b.estimate_s:.1f}"
         table.add_row(b.bucket.name, b.place, estimate)
     console.print(table)
+    if (e := build.header.embedding) is not None:
+        console.print(
+            f"embedding artifact: prefill buckets only, each ending in a norm piece (no decode graphs, "
+            f"no LM head); pooling {e.pooling}, {'L2-normalized' if e.normalize else 'not normalized'}",
+            highlight=False,
+        )
     counts = {p: sum(place == p for place in plan.places.values()) for p in PLACES}
     jobs = build.config.compile.jobs
     total = "time unknown (no history)"
