@@ -125,7 +125,7 @@ class HeadPiece(nn.Module):
 class NormPiece(nn.Module):
     def __init__(self, config: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
 
     def forward(self, h: Tensor, norm: Tensor) -> Tensor:
         """The final norm's (T, hidden) float32 output at every position: the hidden states that

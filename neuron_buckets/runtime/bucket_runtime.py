@@ -231,9 +231,7 @@ class BucketRuntime:
         """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
         segment: (total samples, vocab). The whole plan is checked before its first call writes
         the cache."""
-        if self.embeds:
-            raise ArtifactError(f"{self.directory} is an embedding artifact (model.task = \"embed\"): it has "
-                                "no LM head or decode graphs, so it cannot generate; compile one without it")
+        self.check_generates()
         check_step(plan, self.limits)
         calls = self.buckets.calls(plan)
         if self.ranks is not None and self.ranks.leads:  # a plan refused above never reaches them
@@ -251,6 +249,12 @@ class BucketRuntime:
                     samples[p.segment] = part_logits
         empty = torch.empty(0, self.limits.vocab_size)
         return torch.cat([samples[i] for i in sorted(samples)] or [empty])
+
+    def check_generates(self) -> None:
+        """Refuse an embedding artifact where logits are wanted: it has no LM head."""
+        if self.embeds:
+            raise ArtifactError(f"{self.directory} is an embedding artifact (model.task = \"embed\"): it has "
+                                "no LM head or decode graphs, so it cannot generate; compile one without it")
 
     @torch.inference_mode()
     def hidden_states(self, plan: StepPlan) -> list[Tensor]:

@@ -163,6 +163,8 @@ class BucketSet:
 
     def _group_decode(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[Call]:
         """Rows sorted by the context they reach, in calls as wide as the widest decode bucket."""
+        if not indices:
+            return []
         width = max(b.batch for b in self.decode)
         ctxs = sorted({b.ctx for b in self.decode})
         order = sorted(indices, key=lambda i: plan[i].end)

@@ -451,11 +451,14 @@ LOOPBACK_ONLY = ServerAccess()
 
 
 def create_app(
-    engine: LLMEngine, model_name: str, limits: ServerLimits = ServerLimits(),
+    engine: LLMEngine | Embedder, model_name: str, limits: ServerLimits = ServerLimits(),
     access: ServerAccess = LOOPBACK_ONLY,
 ) -> FastAPI:
     """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread.
-    ``access`` defaults to no key and a loopback server's Host check."""
+    ``access`` defaults to no key and a loopback server's Host check. An embedding artifact's
+    ``Embedder`` gets ``create_embedding_app``'s."""
+    if isinstance(engine, Embedder):
+        return create_embedding_app(engine, model_name, limits, access)
     server = OpenAIServer(engine, model_name, limits)
 
     @asynccontextmanager
@@ -607,12 +610,11 @@ def run_server(
             if speculative is not None and speculative.enabled:
                 raise UserError("an embedding artifact does not decode: drop the speculative options")
             engine = Embedder.open(directory, pooling=pooling, preload=preload)
-            app = create_embedding_app(engine, model_name, limits, access)
         else:
             if pooling is not None:
                 raise UserError(f"--pooling: {NOT_EMBEDDING}")
             engine = LLMEngine.open(directory, speculative=speculative, preload=preload)
-            app = create_app(engine, model_name, limits, access)
+        app = create_app(engine, model_name, limits, access)
         loaded = f"{len(engine.runtime.loaded)} graphs" if preload else "graphs load on first use"
         log.info("opened %s in %.1f s (%s)", directory, time.perf_counter() - start, loaded)
         config = uvicorn.Config(
