@@ -40,7 +40,8 @@ def expected(model_dir: Path, inputs: list[list[int]], pooling: str) -> torch.Te
 
 
 def test_an_embedding_config_has_prefill_buckets_only_and_checks_its_keys():
-    raw = {"model": {"task": "embed", "pooling": "mean"}, "buckets": {"num_batched_tokens_buckets": [16, 32]}}
+    raw = {"model": {"task": "embed", "pooling": "mean"}, "buckets": {"max_num_batched_tokens": 32,
+                                                                    "num_batched_tokens_buckets": [16, 32]}}
     config = parse_config(raw)
     assert [b.kind for b in enumerate_grid(config)] == ["prefill", "prefill"]
     assert config.model.normalize and config.model.pooling == "mean"
@@ -67,13 +68,17 @@ def test_pooler_takes_each_inputs_last_token_or_mean_and_normalizes(pooling, nor
 
 
 @pytest.mark.slow
-def test_dry_run_and_manifest_say_it_is_an_embedding_artifact(embedding_dir, tmp_path, hf_model_dir):
+def test_manifest_and_dry_run_say_it_is_an_embedding_artifact_and_nb_verify_passes_it(
+    embedding_dir, tmp_path, hf_model_dir
+):
     manifest = read_manifest(embedding_dir)
     assert manifest.embedding is not None and manifest.embedding.pooling == "last"
     assert {b.kind for b in manifest.buckets} == {"prefill"}
     assert all("norm" in b.pieces and "head" not in b.pieces for b in manifest.buckets)
     # one norm (dynamic shapes: one for every token count), one embed, a layer and fresh layer per bucket
     assert sorted(p.role for p in manifest.pieces.values()) == ["embed", *["layer"] * 4, "norm"]
+    verified = CliRunner().invoke(app, ["verify", str(embedding_dir)])
+    assert verified.exit_code == 0, verified.output
     config = write_config(tmp_path, hf_model_dir, EMBED_CONFIG)
     result = CliRunner().invoke(app, ["compile", str(config), "--out", str(tmp_path / "o"), "--dry-run"])
     assert result.exit_code == 0, result.output

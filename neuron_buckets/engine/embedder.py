@@ -18,10 +18,9 @@ from torch import Tensor
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.engine.pooler import Pooler
-from neuron_buckets.engine.request_check import RequestError
+from neuron_buckets.engine.request_check import RequestError, checked_ids
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
-from neuron_buckets.runtime.step_check import check_token_ids
 
 
 class Embedder:
@@ -60,12 +59,7 @@ class Embedder:
         """The input's ids as ints, or a RequestError: empty, outside the vocabulary, or longer
         than ``max_model_len``."""
         limits = self.runtime.limits
-        try:
-            ids = check_token_ids(token_ids, limits.vocab_size, what)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if not ids:
-            raise RequestError(f"{what} is empty; every input needs at least one token")
+        ids = checked_ids(token_ids, limits, what)
         if len(ids) > limits.max_model_len:
             raise RequestError(f"{what} has {len(ids)} tokens, over max_model_len {limits.max_model_len}")
         return ids
