@@ -66,10 +66,9 @@ class BucketSet:
         return cls(prefill, tuple(b for b in ordered if b.kind == "decode"), mix_decode, prefill_only)
 
     def __post_init__(self) -> None:
-        if not self.prefill:
-            raise ValueError("needs at least one working prefill bucket")
-        if not self.decode and not self.prefill_only:
-            raise ValueError("needs at least one working prefill and one decode bucket")
+        if not self.prefill or not (self.decode or self.prefill_only):
+            decode = "" if self.prefill_only else " and one decode"
+            raise ValueError(f"needs at least one working prefill{decode} bucket")
 
     @property
     def token_budget(self) -> int:
