@@ -79,6 +79,8 @@ def test_manifest_and_dry_run_say_it_is_an_embedding_artifact_and_nb_verify_pass
     assert sorted(p.role for p in manifest.pieces.values()) == ["embed", *["layer"] * 4, "norm"]
     verified = CliRunner().invoke(app, ["verify", str(embedding_dir)])
     assert verified.exit_code == 0, verified.output
+    listed = CliRunner().invoke(app, ["ls", str(embedding_dir)])
+    assert listed.exit_code == 0 and "embedding artifact: prefill buckets only" in listed.output
     config = write_config(tmp_path, hf_model_dir, EMBED_CONFIG)
     result = CliRunner().invoke(app, ["compile", str(config), "--out", str(tmp_path / "o"), "--dry-run"])
     assert result.exit_code == 0, result.output
