@@ -20,6 +20,7 @@ from neuron_buckets.config import ConfigError, enumerate_grid, parse_config
 from neuron_buckets.engine.embedder import Embedder
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.pooler import Pooler
+from neuron_buckets.runtime.bucket_runtime import ArtifactError
 from tests.conftest import EMBED_CONFIG, TEXT_EAGER, tiny_tokenizer, wait_for_line, write_config
 from tests.test_serve import MODEL, client, post, serving
 
@@ -91,9 +92,9 @@ def test_manifest_and_dry_run_say_it_is_an_embedding_artifact_and_nb_verify_pass
 def test_a_generation_runtime_has_no_hidden_states_and_an_embedding_one_does_not_generate(
     compiled_dir, embedding_dir
 ):
-    with pytest.raises(ValueError, match="compiled for generation"):
+    with pytest.raises(ArtifactError, match="compiled for generation"):
         Embedder.open(compiled_dir)
-    with pytest.raises(ValueError, match="embedding artifact"):
+    with pytest.raises(ArtifactError, match="embedding artifact"):
         LLMEngine.open(embedding_dir)
 
 
