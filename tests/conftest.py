@@ -173,6 +173,29 @@ def compiled_dir(
     return out
 
 
+# The tiny model as an embedding artifact: TINY_CONFIG's cache and prefill buckets, so its embed and
+# layer pieces are the generation artifact's (taken from the shared graph cache), and only the
+# final-norm piece is compiled.
+EMBED_CONFIG = TINY_CONFIG.replace('path = "{model}"', 'path = "{model}"\ntask = "embed"')
+
+
+@pytest.fixture(scope="session")
+def embedding_dir(
+    hf_model_dir: Path, graph_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny model compiled with inductor for embeddings (two prefill buckets), once per session."""
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    tmp = tmp_path_factory.mktemp("embedding")
+    config = write_config(tmp, hf_model_dir, EMBED_CONFIG)
+    graph_cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(graph_cache_dir) + ".lock"):
+        report = Compiler(load_config(config), tmp / "art", graph_cache_dir).run(jobs=2)
+    assert not report.failed, [o.error for o in report.failed]
+    return tmp / "art"
+
+
 def error_line(result) -> str:
     """The one ``error:`` line of a refused ``nb`` command (exit 2, nothing else said)."""
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -35,6 +35,9 @@ from tests.conftest import save_tiny_llama
 # A different valid value for each key, whose effect the probe named beside it sees.
 CHANGES = {
     ("model", "path"): ("other_model_dir", "plan"),
+    ("model", "task"): ("embed", "plan"),
+    ("model", "pooling"): ("mean", "plan"),  # of an embedding artifact (raw_config)
+    ("model", "normalize"): (False, "plan"),
     ("cache", "block_size"): (8, "plan"),
     ("cache", "num_blocks"): (64, "plan"),
     ("cache", "max_model_len"): (128, "plan"),
@@ -148,7 +151,7 @@ def _toml(value) -> str:
 def raw_config(hf_model_dir: Path, section: str, key: str) -> dict:
     """The embedded default as TOML tables, bucket lists left to follow their limits, drafting on,
     and what the key needs to act at all (Ray's task CPUs with the Ray executor, a draft model's
-    path with that method)."""
+    path with that method, pooling an embedding artifact)."""
     raw = tomllib.loads(read_package_data("default.toml"))
     for derived in ("num_seqs_buckets", "num_batched_tokens_buckets"):
         del raw["buckets"][derived]
@@ -157,6 +160,8 @@ def raw_config(hf_model_dir: Path, section: str, key: str) -> dict:
         raw["compile"]["executor"] = "ray"
     if key == "draft_model":
         raw["speculative"]["method"] = "draft_model"
+    if key in ("pooling", "normalize"):
+        raw.setdefault("model", {})["task"] = "embed"
     return raw
 
 

@@ -125,6 +125,16 @@ class ParallelInfo:
 
 
 @dataclass(frozen=True)
+class EmbeddingInfo:
+    """An embedding artifact (``model.task = "embed"``): prefill buckets ending in the final-norm
+    piece, whose hidden states are pooled (``last`` token or ``mean``) and, with ``normalize``,
+    L2-normalized. Absent: a generation artifact."""
+
+    pooling: str
+    normalize: bool
+
+
+@dataclass(frozen=True)
 class TextInfo:
     """What turns the model's ids into text and ends a generation: the tokenizer files copied into
     ``tokenizer/`` (relative path -> sha256) and the end-of-sequence ids of the model directory's
@@ -140,7 +150,7 @@ class TextInfo:
 
 @dataclass
 class PieceRecord:
-    """One compiled graph file: an embed, layer or head piece, shared by the buckets that use it."""
+    """One compiled graph file: an embed, layer, head or norm piece, shared by the buckets that use it."""
 
     role: str
     name: str
@@ -186,6 +196,7 @@ class Manifest:
     text: TextInfo | None = None  # None in manifests written before nb copied tokenizers
     libraries: dict[str, LibraryInfo] = field(default_factory=dict)
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
+    embedding: EmbeddingInfo | None = None
     pieces: dict[str, PieceRecord] = field(default_factory=dict)
     buckets: list[BucketRecord] = field(default_factory=list)
     created: str = ""
@@ -208,6 +219,7 @@ class Manifest:
             text=TextInfo(**d["text"]) if "text" in d else None,
             libraries={k: LibraryInfo(**v) for k, v in d.get("libraries", {}).items()},
             parallel=ParallelInfo(**d.get("parallel", {})),
+            embedding=EmbeddingInfo(**d["embedding"]) if "embedding" in d else None,
             pieces={k: PieceRecord(**v) for k, v in d["pieces"].items()},
             buckets=[BucketRecord(**b) for b in d["buckets"]],
             created=d["created"],
@@ -222,6 +234,8 @@ class Manifest:
             del d["libraries"]
         if self.parallel == ParallelInfo():
             del d["parallel"]
+        if self.embedding is None:
+            del d["embedding"]
         for piece in d["pieces"].values():
             if piece["compiled_for"] is None:
                 del piece["compiled_for"]

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from neuron_buckets._version import __version__
-from neuron_buckets.artifact.manifest import MANIFEST, read_manifest
+from neuron_buckets.artifact.manifest import MANIFEST, EmbeddingInfo, read_manifest
 from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err
 from neuron_buckets.cli.console import out as console
@@ -147,6 +147,12 @@ def compile_(
         raise typer.Exit(1)
 
 
+def embedding_line(e: EmbeddingInfo) -> str:
+    """What an embedding artifact is, for ``nb compile --dry-run`` and ``nb ls``."""
+    return (f"embedding artifact: prefill buckets only, each ending in a norm piece (no decode graphs, "
+            f"no LM head); pooling {e.pooling}, {'L2-normalized' if e.normalize else 'not normalized'}")
+
+
 def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
     """The dry run's table: each bucket, where its pieces are, what compiling it would cost; then
     the draft model's, as a table of its own."""
@@ -160,6 +166,8 @@ def print_dry_run(build: BuildPlan, cache: GraphCache) -> None:
         estimate = "-" if b.place != "to compile" else "?" if b.estimate_s is None else f"{b.estimate_s:.1f}"
         table.add_row(b.bucket.name, b.place, estimate)
     console.print(table)
+    if build.header.embedding is not None:
+        console.print(embedding_line(build.header.embedding), highlight=False)
     counts = {p: sum(place == p for place in plan.places.values()) for p in PLACES}
     jobs = build.config.compile.jobs
     total = "time unknown (no history)"
@@ -219,6 +227,8 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
         f"the rows' pieces: {size}, {secs} s of compile; "
         f"weights {m.weights.bytes / 1e6:.1f} MB{quantized}, sha256 {m.weights.sha256[:12]}"
     )
+    if m.embedding is not None:
+        console.print(embedding_line(m.embedding), highlight=False)
     if (directory / DRAFT / MANIFEST).is_file():
         draft = read_manifest(directory / DRAFT)
         console.print(f"draft model: {len(draft.buckets)} buckets in {DRAFT}/ (nb ls {directory / DRAFT})")

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt, speculative_config
+from neuron_buckets.config.model import POOLINGS
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -59,8 +60,13 @@ def serve(
             "and no bucket's first request waits for its pieces to load",
         ),
     ] = False,
+    pooling: Annotated[
+        str | None,
+        typer.Option(help="An embedding artifact's pooling: last (token) or mean (default: as compiled)"),
+    ] = None,
 ) -> None:
-    """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics."""
+    """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics; an
+    embedding artifact: /v1/embeddings."""
     try:
         from neuron_buckets.server.access import ServerAccess
         from neuron_buckets.server.api_server import ServerLimits, run_server
@@ -75,8 +81,11 @@ def serve(
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
     speculative = speculative_config(speculative_ngram, speculative_draft, config)
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
+    if pooling not in (None, *POOLINGS):
+        raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     run_server(
-        directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload
+        directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload,
+        pooling,
     )
 
 

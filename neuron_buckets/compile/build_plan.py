@@ -19,6 +19,7 @@ from neuron_buckets.artifact.manifest import (
     BackendInfo,
     CacheGeometry,
     DecodeInfo,
+    EmbeddingInfo,
     Manifest,
     ModelInfo,
     ParallelInfo,
@@ -67,7 +68,7 @@ def fresh_layers(config: Config) -> bool:
 
 def manifest_header(config: Config, model: LlamaConfig, backend: BackendInfo) -> Manifest:
     """The manifest before any file is written: toolchain, backend, model, cache and decode."""
-    b = config.buckets
+    b, m = config.buckets, config.model
     return Manifest(
         toolchain={"name": "neuron-buckets", "version": __version__},
         backend=backend,
@@ -84,6 +85,7 @@ def manifest_header(config: Config, model: LlamaConfig, backend: BackendInfo) ->
             enable_prefix_caching=config.cache.enable_prefix_caching,
         ),
         parallel=ParallelInfo(config.parallel.tensor_parallel_size),
+        embedding=EmbeddingInfo(m.pooling, m.normalize) if m.embeds else None,
     )
 
 
@@ -107,7 +109,8 @@ class BuildPlan:
         buckets = enumerate_grid(config)
         decode_seq = 1 + config.buckets.speculation_length
         fresh = backend.fresh_layers and fresh_layers(config)
-        pieces = {b: bucket_pieces(b, backend.dynamic_shapes, decode_seq, fresh) for b in buckets}
+        pieces = {b: bucket_pieces(b, backend.dynamic_shapes, decode_seq, fresh, config.model.embeds)
+                  for b in buckets}
         shapes = sorted({s for roles in pieces.values() for s in roles.values()})
         info = BackendInfo(backend.name, config.compile.device, backend.versions(),
                            backend.resolved_flags(config.compile.flags))

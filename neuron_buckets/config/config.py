@@ -46,5 +46,10 @@ class Config:
                 "speculative.method: 'draft_model' runs on one rank; with parallel.tensor_parallel_size > 1 "
                 "draft with 'ngram'"
             )
+        if self.model.embeds and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError('model.task: "embed" runs on one rank; set parallel.tensor_parallel_size = 1')
+        if self.model.embeds and b.speculation_length:
+            raise ConfigError('buckets.speculation_length: an embedding artifact (model.task = "embed") '
+                              "has no decode steps to speculate; leave it 0")
         if contexts != spec:
             object.__setattr__(self, "buckets", replace(b, decode_context_length_buckets=contexts))

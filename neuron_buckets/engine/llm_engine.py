@@ -100,6 +100,7 @@ class LLMEngine:
         A runtime's KV cache has one engine at a time, the newest: it is refused with one line
         while the runtime's engine has unfinished requests, and the engine it replaces refuses
         to run from then on (its prefix cache names blocks the new one reuses)."""
+        runtime.check_generates()
         self.runtime, self.tokenizer = runtime, tokenizer
         self.pool = pool or BlockPool(
             runtime.num_blocks, runtime.block_size, runtime.manifest.decode.enable_prefix_caching,

@@ -15,18 +15,24 @@ class RequestError(UserError, ValueError):
     """A request that could never complete: refused when it is added, before anything runs."""
 
 
-def check_request(
-    prompt: Sequence[int] | Tensor, max_tokens: int, limits: StepLimits, pool: BlockPool, what: str
-) -> list[int]:
-    """The prompt's ids as ints, or a RequestError naming ``what``: empty, ids outside the
-    vocabulary, longer than max_model_len with its ``max_tokens``, or a prompt alone of more blocks
-    than the pool (its output takes blocks as it is written, preempting others if it must)."""
+def checked_ids(prompt: Sequence[int] | Tensor, limits: StepLimits, what: str) -> list[int]:
+    """The ids as ints, or a RequestError naming ``what``: empty, or ids outside the vocabulary."""
     try:
         ids = check_token_ids(prompt, limits.vocab_size, what)
     except ValueError as e:
         raise RequestError(str(e)) from None
     if not ids:
         raise RequestError(f"{what} is empty; every prompt needs at least one token")
+    return ids
+
+
+def check_request(
+    prompt: Sequence[int] | Tensor, max_tokens: int, limits: StepLimits, pool: BlockPool, what: str
+) -> list[int]:
+    """The prompt's ids as ints, or a RequestError naming ``what``: empty, ids outside the
+    vocabulary, longer than max_model_len with its ``max_tokens``, or a prompt alone of more blocks
+    than the pool (its output takes blocks as it is written, preempting others if it must)."""
+    ids = checked_ids(prompt, limits, what)
     total = len(ids) + max_tokens
     if total > limits.max_model_len:
         raise RequestError(

@@ -15,6 +15,10 @@ no context (``ctx`` 0), which the runtime runs when no segment of a call has any
 The context piece keeps key buffers for every segment's whole block-table row (``max_num_seqs``
 times ``max_model_len`` positions), and building them cost more than the attention itself on a
 fresh 512-token call; the fresh piece has only the step's own keys.
+
+An embedding artifact's buckets end in ``norm`` instead of ``head``: the final norm over every
+position of the step, (T, hidden) float32 hidden states for the host to pool. It needs no sample
+positions (pooling may read every token), so it depends on the token count alone, like ``embed``.
 """
 
 from __future__ import annotations
@@ -28,15 +32,15 @@ from torch.export import Dim
 
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.kernels.attention_step import AttentionStep
-from neuron_buckets.model.llama import decoder_layer, embed, head
+from neuron_buckets.model.llama import decoder_layer, embed, head, rms_norm
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.tensor_parallel import SINGLE, TensorParallel
 from neuron_buckets.model.weights import LayerWeights, example_layer
 
-Role = Literal["embed", "layer", "head"]
-ROLES: tuple[Role, ...] = ("embed", "layer", "head")
+Role = Literal["embed", "layer", "head", "norm"]
+ROLES: tuple[Role, ...] = ("embed", "layer", "head", "norm")
 # What a piece is to its bucket: one of the roles, or the fresh layer (a "layer" piece over ctx 0).
-BucketRole = Literal["embed", "layer", "fresh_layer", "head"]
+BucketRole = Literal["embed", "layer", "fresh_layer", "head", "norm"]
 
 
 @dataclass(frozen=True, order=True)
@@ -58,18 +62,19 @@ class PieceShape:
     def name(self) -> str:
         if self.dynamic:
             return self.role
-        dims = {"embed": f"t{self.tokens}", "head": f"t{self.tokens}_n{self.samples}"}
+        t = f"t{self.tokens}"
+        dims = {"embed": t, "head": f"{t}_n{self.samples}", "norm": t}
         layer = f"t{self.tokens}_b{self.rows}_c{self.ctx}" + ("_packed" if self.packed else "")
         return f"{self.role}_" + dims.get(self.role, layer)
 
 
-def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1, fresh: bool = False
-                  ) -> dict[BucketRole, PieceShape]:
+def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1, fresh: bool = False,
+                  embedding: bool = False) -> dict[BucketRole, PieceShape]:
     """The pieces of a bucket. Every segment of a step has its own block-table row (a decode row
     per request, a packed segment per chunk or decode row); ``Bucket.samples`` says how many
     logits come back, ``decode_seq`` being the decode rows' width. With ``dynamic``, embed and
     head are the one shape-polymorphic piece every bucket shares; with ``fresh``, a packed
-    bucket also has its ``fresh_layer``."""
+    bucket also has its ``fresh_layer``; with ``embedding``, ``norm`` replaces ``head``."""
     tokens, packed = bucket.tokens, bucket.kind == "prefill"
     layer = PieceShape("layer", tokens, rows=bucket.batch, ctx=bucket.ctx, packed=packed)
     pieces: dict[BucketRole, PieceShape] = (
@@ -79,6 +84,9 @@ def bucket_pieces(bucket: Bucket, dynamic: bool, decode_seq: int = 1, fresh: boo
     )
     if fresh and packed:
         pieces["fresh_layer"] = replace(layer, ctx=0)
+    if embedding:
+        del pieces["head"]
+        pieces["norm"] = PieceShape("norm", 0 if dynamic else tokens)
     return pieces
 
 
@@ -114,10 +122,23 @@ class HeadPiece(nn.Module):
         return head(self.config, h, sampling_positions, norm, out, self.tp)
 
 
+class NormPiece(nn.Module):
+    def __init__(self, config: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.config, self.tp = config, tp
+
+    def forward(self, h: Tensor, norm: Tensor) -> Tensor:
+        """The final norm's (T, hidden) float32 output at every position: the hidden states that
+        transformers returns as ``last_hidden_state``."""
+        return rms_norm(h, norm, self.config.rms_norm_eps).float()
+
+
 # Counts a dynamic piece is traced with (above 1, so that export does not specialise on them).
 EXAMPLE_TOKENS, EXAMPLE_SAMPLES, MAX_DYNAMIC = 8, 4, 1 << 20
 
-PIECES: dict[Role, type[nn.Module]] = {"embed": EmbedPiece, "layer": LayerPiece, "head": HeadPiece}
+PIECES: dict[Role, type[nn.Module]] = {
+    "embed": EmbedPiece, "layer": LayerPiece, "head": HeadPiece, "norm": NormPiece
+}
 
 
 def build_piece(name: str, config: LlamaConfig, tp: TensorParallel = SINGLE) -> nn.Module:
@@ -144,6 +165,8 @@ def example_inputs(
     if shape.role == "head":
         sampling = torch.zeros(shape.samples or EXAMPLE_SAMPLES, dtype=torch.int64, device=device)
         return (zeros(t, c.hidden_size), sampling, zeros(c.hidden_size), zeros(c.vocab_size, c.hidden_size))
+    if shape.role == "norm":
+        return (zeros(t, c.hidden_size), zeros(c.hidden_size))
     table = torch.full((shape.rows, shape.ctx // block_size), -1, dtype=torch.int64, device=device)
     lens = torch.zeros(shape.rows, dtype=torch.int64, device=device)
     slots = torch.full((t,), -1, dtype=torch.int64, device=device)
@@ -162,6 +185,8 @@ def dynamic_shapes(shape: PieceShape) -> tuple | None:
     tokens = Dim("tokens", min=1, max=MAX_DYNAMIC)
     if shape.role == "embed":
         return ({0: tokens}, {0: tokens}, None)
+    if shape.role == "norm":
+        return ({0: tokens}, None)
     return ({0: tokens}, {0: Dim("samples", min=1, max=MAX_DYNAMIC)}, None, None)
 
 

@@ -72,7 +72,8 @@ def _bucket_piece_problem(manifest: Manifest, dynamic: bool) -> str | None:
         if b.status != "ok":
             continue
         # every optional piece too: a bucket may lack its fresh layer (compiled without one)
-        expected = bucket_pieces(Bucket(b.kind, b.batch, b.seq, b.ctx), dynamic, decode_seq, fresh=True)
+        expected = bucket_pieces(Bucket(b.kind, b.batch, b.seq, b.ctx), dynamic, decode_seq, fresh=True,
+                                 embedding=manifest.embedding is not None)
         for role, key in b.pieces.items():
             rec = manifest.pieces[key]
             if role not in expected or (rec.role, rec.name) != (expected[role].role, expected[role].name):

@@ -93,6 +93,7 @@ class BucketRuntime:
         self.ranks = RankGroup.join(self.directory, self.tp.size) if self.tp.size > 1 else None
         rank = self.ranks.rank if self.ranks else 0
         self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
+        self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
         weights = self._load_weights(rank)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
@@ -104,12 +105,13 @@ class BucketRuntime:
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
         norm, out = weights.head
-        self.head_weights = (norm, self.backend.pack_head(out))
+        self.head_weights = (norm, out if self.embeds else self.backend.pack_head(out))  # no head there
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
         try:
-            self.buckets = BucketSet.of(self.records, mix_decode=block_kv_cpu.applies(device, geo.dtype))
+            self.buckets = BucketSet.of(self.records, mix_decode=block_kv_cpu.applies(device, geo.dtype),
+                                        prefill_only=self.embeds)
         except ValueError as e:
             raise ArtifactError(f"{directory}: {e}") from None
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
@@ -208,24 +210,29 @@ class BucketRuntime:
     @torch.inference_mode()
     @_ranks_stay_in_step
     def run(self, bucket: Bucket, step: StepInputs) -> Tensor:
-        """Run one padded step through the bucket's pieces; logits of the real samples only."""
+        """Run one padded step through the bucket's pieces; logits of the real samples only, or for
+        an embedding artifact the (real tokens, hidden) float32 final-norm hidden states."""
         pieces = self.record(bucket).pieces
         layer_role = "layer"
         if "fresh_layer" in pieces and step.fresh:
             layer_role, step = "fresh_layer", step.without_context()
-        embed, layer, head = (self.graph(pieces[role]) for role in ("embed", layer_role, "head"))
+        embed, layer = (self.graph(pieces[role]) for role in ("embed", layer_role))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
         h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
             h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
-        logits = head(h, sampling, *self.head_weights)
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
+        if self.embeds:  # real tokens lie at the front of a packed step, in segment order
+            real = int((step.segment_ids < step.num_rows).sum())
+            return self.graph(pieces["norm"])(h, self.head_weights[0])[:real]
+        logits = self.graph(pieces["head"])(h, sampling, *self.head_weights)
         return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
 
     def run_plan(self, plan: StepPlan) -> Tensor:
         """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
         segment: (total samples, vocab). The whole plan is checked before its first call writes
         the cache."""
+        self.check_generates()
         check_step(plan, self.limits)
         calls = self.buckets.calls(plan)
         if self.ranks is not None and self.ranks.leads:  # a plan refused above never reaches them
@@ -243,6 +250,28 @@ class BucketRuntime:
                     samples[p.segment] = part_logits
         empty = torch.empty(0, self.limits.vocab_size)
         return torch.cat([samples[i] for i in sorted(samples)] or [empty])
+
+    def check_generates(self) -> None:
+        """Refuse an embedding artifact where logits are wanted: it has no LM head."""
+        if self.embeds:
+            raise ArtifactError(f"{self.directory} is an embedding artifact (model.task = \"embed\"): it has "
+                                "no LM head or decode graphs, so it cannot generate; compile one without it")
+
+    @torch.inference_mode()
+    def hidden_states(self, plan: StepPlan) -> list[Tensor]:
+        """An embedding artifact's final-norm hidden states of every token of each segment,
+        (tokens, hidden) float32, in segment order: what pooling reads. The segments' own
+        ``num_samples`` are 0; a segment longer than the largest bucket runs as waves."""
+        if not self.embeds:
+            raise ArtifactError(f"{self.directory} was compiled for generation: it has no norm pieces "
+                                "for hidden states; compile it with model.task = \"embed\"")
+        check_step(plan, self.limits)
+        parts: list[list[Tensor]] = [[] for _ in plan]
+        for call in self.buckets.calls(plan):
+            hidden = self._run_call(plan, call)
+            for p, h in zip(call.parts, hidden.split([p.tokens for p in call.parts]), strict=True):
+                parts[p.segment].append(h)
+        return [torch.cat(p) for p in parts]
 
     def follow(self) -> None:
         """A follower rank: run each plan rank 0 sends, until it ends the group."""

@@ -57,16 +57,18 @@ class BucketSet:
     prefill: tuple[Bucket, ...]
     decode: tuple[Bucket, ...]
     mix_decode: bool = True  # decode rows ride in the prefill call where they grow no bucket
+    prefill_only: bool = False  # an embedding artifact's: it never decodes
 
     @classmethod
-    def of(cls, buckets: Iterable[Bucket], mix_decode: bool = True) -> BucketSet:
+    def of(cls, buckets: Iterable[Bucket], mix_decode: bool = True, prefill_only: bool = False) -> BucketSet:
         ordered = sorted(buckets)
         prefill = tuple(b for b in ordered if b.kind == "prefill")
-        return cls(prefill, tuple(b for b in ordered if b.kind == "decode"), mix_decode)
+        return cls(prefill, tuple(b for b in ordered if b.kind == "decode"), mix_decode, prefill_only)
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("needs at least one working prefill and one decode bucket")
+        if not self.prefill or not (self.decode or self.prefill_only):
+            decode = "" if self.prefill_only else " and one decode"
+            raise ValueError(f"needs at least one working prefill{decode} bucket")
 
     @property
     def token_budget(self) -> int:
@@ -80,8 +82,8 @@ class BucketSet:
 
     @property
     def decode_seq(self) -> int:
-        """Token positions per decode row: 1 + speculation_length."""
-        return self.decode[0].seq
+        """Token positions per decode row: 1 + speculation_length (1 without decode buckets)."""
+        return self.decode[0].seq if self.decode else 1
 
     def is_decode(self, segment: Segment) -> bool:
         return segment.num_samples == len(segment.token_ids) <= self.decode_seq
@@ -160,6 +162,8 @@ class BucketSet:
 
     def _group_decode(self, plan: Sequence[Segment], indices: Sequence[int]) -> list[Call]:
         """Rows sorted by the context they reach, in calls as wide as the widest decode bucket."""
+        if not indices:
+            return []
         width = max(b.batch for b in self.decode)
         ctxs = sorted({b.ctx for b in self.decode})
         order = sorted(indices, key=lambda i: plan[i].end)

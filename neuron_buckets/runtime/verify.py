@@ -2,14 +2,14 @@
 
 Checks the schema, the weights' and every piece's sha256, then runs each bucket's pieces on random
 padded steps (random rows, lengths, starting positions and shuffled blocks, over a cache full of
-random values) and compares logits and the written cache with the eager model on the same input;
-a bucket with a fresh layer piece also runs a step with nothing cached, which is what that piece
-serves.
+random values) and compares logits (an embedding artifact's hidden states) and the written cache
+with the eager model on the same input; a bucket with a fresh layer piece also runs a step with
+nothing cached, which is what that piece serves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -99,7 +99,11 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
     runtime = BucketRuntime.open(directory)
     manifest = runtime.manifest
     dtype = manifest.cache.dtype
-    model = Llama(runtime.config, runtime.weights)  # the runtime's own weights, not a copy
+    weights = runtime.weights  # the runtime's own, not a copy
+    if runtime.embeds:  # its norm piece is the head with an identity for the output projection
+        eye = torch.eye(runtime.config.hidden_size, dtype=weights.norm.dtype, device=weights.norm.device)
+        weights = replace(weights, lm_head=eye)
+    model = Llama(runtime.config, weights)
     gen = torch.Generator().manual_seed(seed)
     vocab = runtime.config.vocab_size
     results = []
@@ -115,6 +119,8 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
                 runtime.v_cache.copy_(start.flip(0))
                 ref_k, ref_v = runtime.k_cache.clone(), runtime.v_cache.clone()
                 got = runtime.run(bucket, step)
+                if runtime.embeds:  # hidden states of every real token: the sampled ones' compared
+                    got = got[step.real_sampling_positions]
                 with torch.no_grad():
                     args = [t.to(runtime.device) for t in step.args()]
                     want = model(*args, ref_k, ref_v)[: step.num_samples]

@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from http import HTTPStatus
@@ -41,7 +41,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.config.speculative import SpeculativeConfig
+from neuron_buckets.engine.embedder import Embedder
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
@@ -50,6 +52,8 @@ from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.server import hermes_tool_parser
 from neuron_buckets.server.access import ServerAccess, is_loopback
 from neuron_buckets.server.body_limit import BODY_TIMEOUT_S, BodyLimit
+from neuron_buckets.server.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from neuron_buckets.server.embedding_server import NOT_EMBEDDING, NOT_GENERATION, EmbeddingServer
 from neuron_buckets.server.engine_loop import (
     Encode,
     EngineDead,
@@ -447,11 +451,14 @@ LOOPBACK_ONLY = ServerAccess()
 
 
 def create_app(
-    engine: LLMEngine, model_name: str, limits: ServerLimits = ServerLimits(),
+    engine: LLMEngine | Embedder, model_name: str, limits: ServerLimits = ServerLimits(),
     access: ServerAccess = LOOPBACK_ONLY,
 ) -> FastAPI:
     """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread.
-    ``access`` defaults to no key and a loopback server's Host check."""
+    ``access`` defaults to no key and a loopback server's Host check. An embedding artifact's
+    ``Embedder`` gets ``create_embedding_app``'s."""
+    if isinstance(engine, Embedder):
+        return create_embedding_app(engine, model_name, limits, access)
     server = OpenAIServer(engine, model_name, limits)
 
     @asynccontextmanager
@@ -461,13 +468,81 @@ def create_app(
         await asyncio.to_thread(server.loop.stop)
         server.encoder.shutdown(wait=False, cancel_futures=True)
 
+    def routes(app: FastAPI, v1: APIRouter) -> None:
+        app.state.engine_loop = server.loop
+
+        @app.get("/health")
+        async def health() -> Response:
+            if server.loop.alive:
+                return Response(status_code=200)
+            return error_response(503, str(server.loop.dead()))
+
+        @app.get("/metrics", dependencies=[Depends(access.check_metrics)])
+        async def metrics() -> Response:
+            return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+        @v1.post("/completions", response_model=None)
+        async def completions(body: CompletionRequest, request: Request) -> BaseModel | Response:
+            return await server.completion(body, request)
+
+        @v1.post("/chat/completions", response_model=None)
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
+            return await server.chat_completion(body, request)
+
+        @v1.post("/embeddings", response_model=None)
+        async def embeddings() -> Response:  # whatever the body: the artifact is what is wrong
+            raise UserError(NOT_EMBEDDING)
+
+    card = ModelCard(id=model_name, created=server.created, max_model_len=server.max_model_len)
+    return openai_app(lifespan, card, limits, access, routes)
+
+
+def create_embedding_app(
+    embedder: Embedder, model_name: str, limits: ServerLimits = ServerLimits(),
+    access: ServerAccess = LOOPBACK_ONLY,
+) -> FastAPI:
+    """The FastAPI app over an embedding artifact: ``/v1/embeddings``, and a 400 that says why
+    for the generation routes."""
+    server = EmbeddingServer(embedder, model_name, limits.max_open_requests)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    def routes(app: FastAPI, v1: APIRouter) -> None:
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @v1.post("/embeddings")
+        async def embeddings(body: EmbeddingRequest) -> EmbeddingResponse:
+            if body.model is not None and body.model != model_name:
+                raise HTTPException(404, f"the model {body.model!r} does not exist; this server serves "
+                                         f"{model_name!r}")
+            return await server.embeddings(body)
+
+        @v1.post("/completions", response_model=None)
+        @v1.post("/chat/completions", response_model=None)
+        async def generation() -> Response:  # whatever the body: the artifact is what is wrong
+            raise UserError(NOT_GENERATION)
+
+    card = ModelCard(id=model_name, created=server.created, max_model_len=embedder.max_model_len)
+    return openai_app(lifespan, card, limits, access, routes)
+
+
+def openai_app(
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]], card: ModelCard, limits: ServerLimits,
+    access: ServerAccess, routes: Callable[[FastAPI, APIRouter], None],
+) -> FastAPI:
+    """What every nb server's app has: the access checks, the body limit, OpenAI's error shape,
+    ``/v1/models`` with ``card`` and the API description; ``routes`` adds the rest."""
     # FastAPI's own description routes take no dependencies, so they are off and served below,
     # behind the key like /v1.
     app = FastAPI(
         title="nb serve", lifespan=lifespan, dependencies=[Depends(access.check_host)],
         openapi_url=None, docs_url=None, redoc_url=None,
     )
-    app.state.engine_loop = server.loop
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(access.check_key)])
     described = APIRouter(dependencies=[Depends(access.check_key)], include_in_schema=False)
@@ -475,28 +550,11 @@ def create_app(
     for exc_type in (*STATUS, HTTPException, RequestValidationError):
         app.add_exception_handler(exc_type, on_error)
 
-    @app.get("/health")
-    async def health() -> Response:
-        if server.loop.alive:
-            return Response(status_code=200)
-        return error_response(503, str(server.loop.dead()))
-
-    @app.get("/metrics", dependencies=[Depends(access.check_metrics)])
-    async def metrics() -> Response:
-        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
     @v1.get("/models")
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, created=server.created, max_model_len=server.max_model_len)
         return ModelList(data=[card])
 
-    @v1.post("/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> BaseModel | Response:
-        return await server.completion(body, request)
-
-    @v1.post("/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> BaseModel | Response:
-        return await server.chat_completion(body, request)
+    routes(app, v1)
 
     @described.get("/openapi.json")
     async def openapi() -> JSONResponse:
@@ -525,9 +583,11 @@ def run_server(
     speculative: SpeculativeConfig | None = None,
     access: ServerAccess | None = None,
     preload: bool = False,
+    pooling: str | None = None,
 ) -> None:
     """Open the artifact (drafting as ``speculative`` says; with ``preload`` every graph loaded
-    before the first request, not by it) and serve it until SIGINT or SIGTERM.
+    before the first request, not by it) and serve it until SIGINT or SIGTERM. An embedding
+    artifact is served by its ``Embedder`` (pooling as ``pooling`` says, else as compiled).
 
     The address is taken first, so a port in use is one error line before any weight is read.
     On a signal uvicorn stops accepting connections and lets open responses finish for up to
@@ -545,10 +605,18 @@ def run_server(
     with sock:
         model_name = model_name or str(directory)
         start = time.perf_counter()
-        engine = LLMEngine.open(directory, speculative=speculative, preload=preload)
+        engine: LLMEngine | Embedder
+        if read_manifest(directory).embedding is not None:
+            if speculative is not None and speculative.enabled:
+                raise UserError("an embedding artifact does not decode: drop the speculative options")
+            engine = Embedder.open(directory, pooling=pooling, preload=preload)
+        else:
+            if pooling is not None:
+                raise UserError(f"--pooling: {NOT_EMBEDDING}")
+            engine = LLMEngine.open(directory, speculative=speculative, preload=preload)
+        app = create_app(engine, model_name, limits, access)
         loaded = f"{len(engine.runtime.loaded)} graphs" if preload else "graphs load on first use"
         log.info("opened %s in %.1f s (%s)", directory, time.perf_counter() - start, loaded)
-        app = create_app(engine, model_name, limits, access)
         config = uvicorn.Config(
             app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, http=HeaderTimeoutH11
         )
@@ -565,7 +633,8 @@ def run_server(
             stopped.append(why)
             server.should_exit = True
 
-        app.state.engine_loop.on_fatal = fatal
+        if isinstance(engine, LLMEngine):
+            app.state.engine_loop.on_fatal = fatal
         server.run(sockets=[sock])
         engine.runtime.close()
         if stopped:
