@@ -11,7 +11,8 @@ strings, its ``max_tokens``, or an abort, and gives its blocks back at once. Req
 added and aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each
 request with its own parameters and random generator, under its grammar's mask when it has
 structured outputs (``engine/structured_output_manager.py``); asked-for logprobs come from the raw
-logits (``engine/logprobs.py``).
+logits (``engine/logprobs.py``), a prompt's from the logits its chunks return for every token when
+its request asks (docs/design.md, "Prompt logits").
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real

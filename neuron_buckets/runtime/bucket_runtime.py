@@ -220,10 +220,10 @@ class BucketRuntime:
         # One head call returns the bucket's sample count; a step that asks for more (a prompt's
         # logits) runs the same head over each further group of positions: no graph of its own.
         per_call = sampling.numel() if self.backend.dynamic_shapes else self.buckets.samples(bucket)
-        groups = sampling.split(per_call)
-        logits = head(h, groups[0], *self.head_weights)
-        if len(groups) > 1:
-            logits = torch.cat([logits, *(head(h, g, *self.head_weights) for g in groups[1:])])
+        if sampling.numel() <= per_call:
+            logits = head(h, sampling, *self.head_weights)
+        else:
+            logits = torch.cat([head(h, group, *self.head_weights) for group in sampling.split(per_call)])
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
         return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
 
