@@ -102,25 +102,33 @@ def test_decode_rows_that_do_not_fit_the_packed_call_or_would_grow_its_bucket_ta
     assert two == [("prefill_s16", [(0, 0, 14), (1, 0, 1), (2, 0, 1)])]
 
 
-def test_a_segment_no_bucket_can_sample_is_refused_by_name():
-    with pytest.raises(NoBucketFits, match="logits of 3 of its 3 tokens: decode rows carry at most 1"):
-        buckets(32).calls([chunk(3, samples=3)])
+def test_a_chunk_returning_all_its_logits_gets_them_from_every_wave():
+    # 40 tokens over a 32-token budget: the first wave returns 32 logits, the second 8
+    bs = buckets(32)
+    plan = [chunk(40, samples=40), chunk(5, samples=3)]
+    calls = bs.calls(plan)
+    returned = {}
+    for call in calls:
+        for p in call.parts:
+            returned[p.segment] = returned.get(p.segment, 0) + bs.part_samples(plan, p)
+    assert returned == {0: 40, 1: 3}
 
 
-SHAPES = st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(0, 1))
+# samples: 0 (a cut prompt), 1 (its last token), 2 (every token: prompt logprobs)
+SHAPES = st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(0, 2))
 
 
 @given(st.lists(SHAPES, min_size=1, max_size=12))
 def test_every_token_of_a_plan_is_computed_once_in_order_and_fits_its_call(shapes):
     bs = buckets(16, 64, 128, max_rows=4)
-    plan = [chunk(n, context=c, samples=s) for n, c, s in shapes]
+    plan = [chunk(n, context=c, samples=n if s == 2 else s) for n, c, s in shapes]
     calls = bs.calls(plan)
-    done = [0] * len(plan)
+    done, returned = [0] * len(plan), [0] * len(plan)
     for call in calls:
         assert call.real_tokens <= call.bucket.tokens and len(call.parts) <= call.bucket.batch
-        returned = sum(bs.part_samples(plan, p) for p in call.parts)
-        assert returned <= bs.samples(call.bucket)  # the head returns every logit asked for
         for p in call.parts:
             assert p.offset == done[p.segment]  # a piece runs after the one before it
             done[p.segment] += p.tokens
+            returned[p.segment] += bs.part_samples(plan, p)
     assert done == [len(s.token_ids) for s in plan]
+    assert returned == [s.num_samples for s in plan]  # every logit asked for, once

@@ -46,18 +46,28 @@ def test_null_means_the_default_as_openai_clients_send_it():
     [
         ({"best_of": 2, "n": 3}, "best_of=2 must be at least n=3"),
         ({"best_of": 2, "stream": True}, "best_of > n cannot be streamed"),
-        ({"echo": True}, "echo=True is not supported"),
+        ({"max_tokens": 0}, "max_tokens=0 generates nothing: it needs echo=true"),
         ({"top_logprobs": 2}, "top_logprobs=2 is not supported"),  # chat's, not completions'
         ({"n": 0}, "greater than or equal to 1"),
         ({"logprobs": 21}, "less than or equal to 20"),
         ({"prompt": ["a", "b"]}, "one prompt per request, got 2"),
         ({"prompt": ""}, "prompt is empty"),
-        ({"max_tokens": 0}, "greater than or equal to 1"),
+        ({"max_tokens": -1}, "greater than or equal to 0"),
     ],
 )
 def test_what_would_change_the_answer_and_is_not_implemented_is_refused_by_name(fields, message):
     with pytest.raises(ValidationError, match=message):
         CompletionRequest.model_validate({"prompt": "x", **fields})
+
+
+def test_echo_with_logprobs_asks_the_engine_for_the_prompts_logprobs():
+    def params(**fields):
+        return CompletionRequest.model_validate({"prompt": "x", **fields}).sampling_params(room=40)
+
+    scored = params(echo=True, max_tokens=0, logprobs=3)  # lm-eval's loglikelihood
+    assert (scored.max_tokens, scored.prompt_logprobs, scored.logprobs) == (1, 3, 3)  # its token: dropped
+    assert (params(echo=True, max_tokens=5).max_tokens, params(echo=True).prompt_logprobs) == (5, None)
+    assert params(logprobs=2).prompt_logprobs is None  # without echo the prompt is not scored
 
 
 # vLLM's request fields (vllm/entrypoints/openai/protocol.py: CompletionRequest and

@@ -89,8 +89,19 @@ def test_every_packed_segment_continues_its_own_context_and_returns_its_samples(
     assert step.segment_ids.flatten().tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 3, 3] + [4] * 4
     assert step.sampling_positions.tolist() == [2, 7, 8, 9, 0, 0, 0, 0]
     assert step.num_samples == 4
-    with pytest.raises(NoBucketFits, match="samples"):
-        pad_prefill(chunks, Bucket("prefill", 4, 16, 16), block_size=4, samples=3)
+    # more samples than one head call returns: two groups of 3, one head call each
+    step = pad_prefill(chunks, Bucket("prefill", 4, 16, 16), block_size=4, samples=3)
+    assert step.sampling_positions.tolist() == [2, 7, 8, 9, 0, 0]
+    assert step.num_samples == 4
+
+
+def test_a_chunk_returning_its_prompt_logits_samples_every_token_in_order():
+    chunks = [segment([1, 2, 3, 4, 5], 0, [3, 9], 5), segment([6, 7], 4, [1, 2], 1)]
+    step = pad_prefill(chunks, Bucket("prefill", 2, 16, 16), block_size=4, samples=2)
+    assert step.sampling_positions.tolist() == [0, 1, 2, 3, 4, 6]  # three head calls of 2
+    assert step.num_samples == 6
+    with pytest.raises(ValueError, match="samples at most"):
+        pad_prefill([segment([1, 2], 0, [3], 3)], Bucket("prefill", 2, 16, 16), block_size=4)
 
 
 def test_packed_prefill_refuses_more_tokens_or_requests_than_the_bucket_holds():

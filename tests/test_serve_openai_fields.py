@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 import torch
 
@@ -38,7 +39,19 @@ def oracle(text_model):
     return logprobs
 
 
-def completion(c, prompt: list[int], **params):
+def check_top_entries(entries: dict[str, float], expected: torch.Tensor, token: int) -> None:
+    """A completions ``top_logprobs`` entry: the top ``TOP`` of ``expected`` (one position's
+    log-softmax) and ``token``, the one it scores, each under its text."""
+    text = tiny_tokenizer().decode
+    listed = {*expected.topk(TOP).indices.tolist(), token}
+    names = [text([t]) for t in listed]
+    assert len(entries) == len(set(names))
+    for t, name in zip(listed, names, strict=True):
+        if names.count(name) == 1:  # two ids of one text (a split character) share a key
+            assert entries[name] == pytest.approx(float(expected[t]), abs=1e-4)
+
+
+def completion(c, prompt: list[int] | str, **params):
     extra = {"return_token_ids": True, "top_k": params.pop("top_k", 0)}
     params.setdefault("max_tokens", 10)
     return c.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **params)
@@ -57,14 +70,8 @@ def test_completion_logprobs_are_transformers_log_softmax_of_emitted_and_top_tok
         assert ids == expected.argmax(dim=-1).tolist()
     text = tiny_tokenizer().decode
     assert choice.logprobs.tokens == [text([t]) for t in ids]
-    top_ids = expected.topk(TOP, dim=-1).indices
     for j, entries in enumerate(choice.logprobs.top_logprobs):
-        listed = {*top_ids[j].tolist(), ids[j]}  # the top k and the emitted one
-        names = [text([t]) for t in listed]
-        assert len(entries) == len(set(names))
-        for t, name in zip(listed, names, strict=True):
-            if names.count(name) == 1:  # two ids of one text (a split character) share a key
-                assert entries[name] == pytest.approx(float(expected[j, t]), abs=1e-4)
+        check_top_entries(entries, expected[j], ids[j])
     streamed = completion(c, prompt, logprobs=TOP, stream=True, **params)
     chunks = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
     assert [v for lp in chunks for v in lp.token_logprobs] == choice.logprobs.token_logprobs
@@ -132,3 +139,48 @@ def test_best_of_returns_the_n_choices_of_highest_mean_logprob(server):
     best = completion(c, prompt, n=2, best_of=4, **params).choices
     assert [tuple(ch.token_ids) for ch in best] == sorted(mean, key=mean.get, reverse=True)[:2]
     assert [ch.index for ch in best] == [0, 1] and all(ch.logprobs is None for ch in best)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_gives_the_prompts_logprobs_as_transformers_does(server, oracle, stream):
+    """lm-eval's loglikelihood request: the prompt back with its tokens' logprobs, nothing generated."""
+    engine, c = server
+    text = "the quick brown fox jumps"
+    prompt = engine.tokenizer.encode(text)  # with the tokenizer's BOS, as the server encodes it
+    expected = oracle(prompt[:1], prompt[1:])  # row j scores prompt token j + 1
+    out = completion(c, text, echo=True, max_tokens=0, logprobs=TOP, stream=stream)
+    if stream:
+        chunks = [chunk for chunk in out if chunk.choices]
+        assert len(chunks) == 1
+        (choice,) = chunks[0].choices
+    else:
+        (choice,) = out.choices
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 0)
+    assert choice.text == text and choice.token_ids == [] and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [tiny_tokenizer().decode([t]) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first
+    scored = expected.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert lp.token_logprobs[1:] == pytest.approx(scored.tolist(), abs=1e-4)
+    for j, entries in enumerate(lp.top_logprobs[1:]):
+        check_top_entries(entries, expected[j], prompt[j + 1])
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_a_seeded_completion(server, oracle):
+    _, c = server
+    prompt = [0, *tiny_tokenizer().encode("hello world", add_special_tokens=False)]
+    plain = completion(c, prompt, logprobs=TOP, **SAMPLED).choices[0]
+    echoed = completion(c, prompt, logprobs=TOP, echo=True, **SAMPLED).choices[0]
+    assert echoed.token_ids == plain.token_ids  # the same seed: the same tokens
+    name = tiny_tokenizer().decode
+    assert echoed.text == name(prompt) + plain.text
+    lp, n = echoed.logprobs, len(prompt)
+    assert lp.tokens == [name([t]) for t in prompt] + plain.logprobs.tokens
+    # the plain request shared the prompt's cached blocks, this one computed them: rounding differs
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    expected = oracle(prompt[:1], prompt[1:] + plain.token_ids)  # the prompt's and the completion's rows
+    scored = expected.gather(-1, torch.tensor(prompt[1:] + plain.token_ids)[:, None])[:, 0]
+    assert lp.token_logprobs[1:] == pytest.approx(scored.tolist(), abs=1e-4)
+    assert lp.text_offset == [len("".join(lp.tokens[:j])) for j in range(len(lp.tokens))]
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 generates nothing"):
+        completion(c, prompt, max_tokens=0)

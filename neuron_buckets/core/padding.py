@@ -39,7 +39,7 @@ class StepInputs:
     block_table: Tensor  # (R, ctx // block_size), a row per request; -1 for unused entries
     cache_lens: Tensor  # (R,) tokens already cached before this step
     segment_ids: Tensor  # (B, S): decode (R, seq) zeros; packed (1, seq), segment g over row g
-    sampling_positions: Tensor  # (N,) flat token indices whose logits the graph returns
+    sampling_positions: Tensor  # (N,) flat token indices whose logits come back, head call by head call
     num_rows: int  # real rows at the front
     num_samples: int  # real entries at the front of sampling_positions
 
@@ -76,7 +76,9 @@ def pad_prefill(
     """Segments (each the part of a plan's segment that one call runs) end to end in
     ``bucket.seq`` tokens, at most ``bucket.batch`` of them, segment g over block-table row g; the
     logits of each one's last ``num_samples`` tokens are sampled, in segment order, into
-    ``samples`` entries (``bucket.batch`` unless given)."""
+    ``samples`` entries (``bucket.batch`` unless given: what one head call returns), or into as
+    many groups of ``samples`` as they need (a chunk that returns its prompt's logits: the runtime
+    runs the head once per group)."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     if len(chunks) > bucket.batch:
@@ -92,8 +94,8 @@ def pad_prefill(
         raise ValueError(f"start positions must be >= 0, got {starts.tolist()}")
     wanted = torch.tensor([c.num_samples for c in chunks], dtype=torch.int64)
     samples = bucket.batch if samples is None else samples
-    if bool(((wanted < 0) | (wanted > lens)).any()) or int(wanted.sum()) > samples:
-        raise NoBucketFits(f"samples {wanted.tolist()} do not fit bucket {bucket.name} ({samples} samples)")
+    if bool(((wanted < 0) | (wanted > lens)).any()):
+        raise ValueError(f"samples {wanted.tolist()}: a segment samples at most its {lens.tolist()} tokens")
     table = torch.full((bucket.batch, bucket.ctx // block_size), NULL_BLOCK_ID, dtype=torch.int64)
     table[: len(chunks)] = _block_rows(chunks, starts, lens, bucket, block_size)
     segment = torch.repeat_interleave(torch.arange(len(chunks)), lens)
@@ -108,6 +110,7 @@ def pad_prefill(
     # each segment's last ``wanted`` tokens: count back from its end
     owner = torch.repeat_interleave(torch.arange(len(chunks)), wanted)
     back = torch.arange(int(wanted.sum())) - (wanted.cumsum(0) - wanted)[owner]
+    groups = max(1, -(-int(wanted.sum()) // samples))
     cache_lens = torch.zeros(bucket.batch, dtype=torch.int64)
     cache_lens[: len(chunks)] = starts
     return StepInputs(
@@ -117,7 +120,7 @@ def pad_prefill(
         block_table=remap_null_block_to_sentinel(table),
         cache_lens=cache_lens,
         segment_ids=padded(segment, len(chunks))[None],
-        sampling_positions=padded(ends[owner] - wanted[owner] + back, 0, samples),
+        sampling_positions=padded(ends[owner] - wanted[owner] + back, 0, samples * groups),
         num_rows=len(chunks),
         num_samples=int(wanted.sum()),
     )

@@ -50,13 +50,18 @@ class KVCacheManager:
 
     def lookup(self, req: Request) -> list[int]:
         """The cached blocks that hold the longest run of ``req``'s leading blocks to prefill (its
-        last token is always computed). Counts nothing: ``admit`` counts the one that enters."""
+        last token is always computed); none for one that wants its prompt's logits, which
+        computes every position. Counts nothing: ``admit`` counts the one that enters."""
+        if req.wants_prompt_logits:
+            return []
         return self.pool.cached_prefix(req.token_ids[: req.prefill_len], count=False, hashes=self._names(req))
 
     def in_flight(self, req: Request, running: Sequence[Request]) -> int:
         """How many of ``req``'s leading blocks (those a lookup may find) a running request still
         prefilling will write: a lookup after it has written them hits that many (none without
-        prefix caching, which names no block)."""
+        prefix caching, which names no block, nor for a request whose lookup finds none)."""
+        if req.wants_prompt_logits:
+            return 0
         mine = self._names(req)[: (req.prefill_len - 1) // self.pool.block_size]
         longest = 0
         for other in (r for r in running if not r.prefilled):

@@ -11,7 +11,8 @@ strings, its ``max_tokens``, or an abort, and gives its blocks back at once. Req
 added and aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each
 request with its own parameters and random generator, under its grammar's mask when it has
 structured outputs (``engine/structured_output_manager.py``); asked-for logprobs come from the raw
-logits (``engine/logprobs.py``).
+logits (``engine/logprobs.py``), a prompt's from the logits its chunks return for every token when
+its request asks (docs/design.md, "Prompt logits").
 
 On an artifact compiled with ``speculation_length > 0`` decode rows carry
 ``1 + speculation_length`` positions. Without a ``SpeculativeConfig`` the engine sends one real
@@ -253,8 +254,8 @@ class LLMEngine:
         for a row with drafts the accepted drafts and the token after them; none for the others
         (a cut prompt's chunk draws nothing from its generator)."""
         sampled: list[list[int]] = [[] for _ in plan]
-        per_segment = logits.split([s.num_samples for s in plan])
-        single = [i for i, s in enumerate(plan) if s.num_samples == 1]
+        per_segment = self._take_prompt_logprobs(plan, logits.split([s.num_samples for s in plan]))
+        single = [i for i, rows in enumerate(per_segment) if len(rows) == 1]
         if single:
             requests = [self._requests[plan[i].request_id] for i in single]
             rows = torch.cat([per_segment[i] for i in single])
@@ -267,7 +268,7 @@ class LLMEngine:
             )
             for i, token in zip(single, tokens, strict=True):
                 sampled[i] = [token]
-        for i in (i for i, s in enumerate(plan) if s.num_samples > 1):
+        for i in (i for i, rows in enumerate(per_segment) if len(rows) > 1):
             request, draft = self._requests[plan[i].request_id], list(plan[i].token_ids[1:])
             rows = per_segment[i]
             if self.structured is not None and request.grammar is not None:
@@ -286,6 +287,24 @@ class LLMEngine:
             if tokens and request.grammar is not None:
                 StructuredOutputManager.accept(request.grammar, tokens)
         return sampled
+
+    def _take_prompt_logprobs(self, plan: StepPlan, per_segment: Sequence[Tensor]) -> list[Tensor]:
+        """Each segment's logits to sample from. A prompt chunk of a request that asked for its
+        prompt's logprobs returned every token's: those before the prompt's last token are prompt
+        logprobs (the logits at i score token i + 1), taken into the request here; the prompt's
+        last token's, when the chunk has it, is sampled as any chunk's."""
+        rows = list(per_segment)
+        for i, seg in enumerate(plan):
+            request = self._requests[seg.request_id]
+            if not request.wants_prompt_logits:
+                continue
+            prompt = per_segment[i][: request.prompt_len - 1 - seg.context_len]
+            scored = request.token_ids[seg.context_len + 1 : seg.context_len + 1 + len(prompt)]
+            request.add_prompt_logprobs(
+                seg.context_len, token_logprobs(prompt, scored, request.params.prompt_logprobs or 0)
+            )
+            rows[i] = per_segment[i][len(prompt) :]
+        return rows
 
 
 def generate(

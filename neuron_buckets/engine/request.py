@@ -41,6 +41,7 @@ class Request:
     sent_tokens: int = 0  # generated tokens already reported
     sent_text: int = 0  # characters of text already reported
     logprobs: list[TokenLogprob] | None = None  # one per sampled token if asked (may pass a stop)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token so far, if asked
     grammar: Any = None  # the xgrammar matcher of its structured outputs, None without
 
     @classmethod
@@ -65,6 +66,7 @@ class Request:
         return cls(
             request_id, ids, len(ids), params, generator, detokenizer, eos_token_ids,
             logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],  # the first: none
         )
 
     def __post_init__(self) -> None:
@@ -91,6 +93,19 @@ class Request:
     @property
     def prefilled(self) -> bool:
         return self.cached >= self.prefill_len
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether its prompt chunks return the logits of every token: it asked for prompt
+        logprobs and does not have them all yet. It then computes its whole prompt, never
+        sharing cached blocks (a hit would skip positions whose logits it needs)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len
+
+    def add_prompt_logprobs(self, start: int, entries: Sequence[TokenLogprob]) -> None:
+        """The logprobs of prompt tokens ``start + 1, ...``, from the logits at ``start, ...``;
+        a chunk computed again after a preemption writes the same entries again."""
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
 
     @property
     def done(self) -> bool:
@@ -130,6 +145,7 @@ class Request:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs[: len(generated)],
+            prompt_logprobs=None if self.wants_prompt_logits else self.prompt_logprobs,
         )
         self.sent_tokens, self.sent_text = len(generated), len(text)
         return out

@@ -19,6 +19,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (eos, stop token, stop string), "length", "abort"
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string, that ended it
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when its params asked
+    # one per prompt token, None for the first (nothing predicts it), once computed, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __getattr__(self, name: str) -> object:
         """Only reached for an attribute that does not exist: name the replacement of a 0.1 one."""

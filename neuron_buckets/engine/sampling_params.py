@@ -39,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True  # draft tokens for it when the engine speculates; False opts out
     logprobs: int | None = None  # each token's logprob and its top-k's; None: none (vLLM's)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token obeys
 
     def __post_init__(self) -> None:
@@ -73,9 +74,9 @@ class SamplingParams:
                              f"in all, got {len(self.stop)} with {sum(map(len, self.stop))} characters")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(self, name)) is not None and not (is_int(k) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
         if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams or None, "
                              f"got {type(self.structured_outputs).__name__}")

@@ -114,13 +114,15 @@ class Scheduler:
         chunks = self._prefill_chunks(
             self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows), not preempted
         )
+        # Only a chunk that ends its prefill samples; one of a request that asked for its
+        # prompt's logprobs returns the logits of every token it computes.
         prefill = tuple(
             Segment(
                 req.request_id,
                 req.token_ids[req.cached : req.cached + n],
                 req.cached,
                 tuple(req.blocks),
-                int(req.cached + n == req.prefill_len),  # only a chunk that ends its prefill samples
+                n if req.wants_prompt_logits else int(req.cached + n == req.prefill_len),
             )
             for req, n in chunks
         )
@@ -167,7 +169,9 @@ class Scheduler:
         for seg, tokens in zip(plan, sampled, strict=True):
             if (req := running.get(seg.request_id)) is None:  # aborted since it was planned
                 continue
-            req.cached = seg.end - max(0, seg.num_samples - len(tokens))
+            # a decode row's rejected drafts are not cached; a prefill chunk is, whatever it returned
+            rejected = 0 if seg.context_len < req.prefill_len else max(0, seg.num_samples - len(tokens))
+            req.cached = seg.end - rejected
             for token in tokens:
                 req.append(token)
                 if req.done:

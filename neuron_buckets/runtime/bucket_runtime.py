@@ -225,7 +225,14 @@ class BucketRuntime:
         if self.embeds:  # real tokens lie at the front of a packed step, in segment order
             real = int((step.segment_ids < step.num_rows).sum())
             return self.graph(pieces["norm"])(h, self.head_weights[0])[:real]
-        logits = self.graph(pieces["head"])(h, sampling, *self.head_weights)
+        head = self.graph(pieces["head"])
+        # One head call returns the bucket's sample count; a step that asks for more (a prompt's
+        # logits) runs the same head over each further group of positions: no graph of its own.
+        per_call = sampling.numel() if self.backend.dynamic_shapes else self.buckets.samples(bucket)
+        if sampling.numel() <= per_call:
+            logits = head(h, sampling, *self.head_weights)
+        else:
+            logits = torch.cat([head(h, group, *self.head_weights) for group in sampling.split(per_call)])
         return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
 
     def run_plan(self, plan: StepPlan) -> Tensor:

@@ -9,15 +9,17 @@ smallest token bucket that holds them, up to ``max_rows`` per call, each over it
 block-table row and context (README, "Step layout"), so fresh prompts, continuing chunks and
 prefix-cache hits share a call. A chunk longer than the largest token bucket runs as waves:
 wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote the cache the
-piece attends to. Mixed steps (``mix_decode``, on): when the plan has prefill chunks, its decode
-rows ride in the last call of the first wave if they all fit there (rows and tokens) on the bucket
-that call takes anyway, so the step streams the weights once; a decode-only step, or rows that
-would grow the call's bucket, take the decode graphs: riding saves a second pass over the
-weights, but rows that grow a call's bucket cost that call more than their own decode graph
-would. The runtime mixes only where the attention is the C++ kernel (a CPU, any dtype it reads),
-which reads each rider's own context: flex attention reads every segment over the whole table,
-so there a ride costs more than the decode call it saves (docs/design.md, "Mixed steps";
-CHANGELOG has the figures).
+piece attends to. A chunk returns the logits of its last ``num_samples`` tokens: its last one
+when it ends its prompt, or all of them for a request that asked for its prompt's logprobs,
+which the call's head returns in as many calls as they take (no other graph).
+Mixed steps (``mix_decode``, on): when the plan has prefill chunks, its decode rows ride in the
+last call of the first wave if they all fit there (rows and tokens) on the bucket that call takes
+anyway, so the step streams the weights once; a decode-only step, or rows that would grow the
+call's bucket, take the decode graphs: riding saves a second pass over the weights, but rows that
+grow a call's bucket cost that call more than their own decode graph would. The runtime mixes only
+where the attention is the C++ kernel (a CPU, any dtype it reads), which reads each rider's own
+context: flex attention reads every segment over the whole table, so there a ride costs more than
+the decode call it saves (docs/design.md, "Mixed steps"; CHANGELOG has the figures).
 """
 
 from __future__ import annotations
@@ -89,14 +91,18 @@ class BucketSet:
         return segment.num_samples == len(segment.token_ids) <= self.decode_seq
 
     def part_samples(self, plan: Sequence[Segment], part: Part) -> int:
-        """Logits ``part`` returns: a decode row all its tokens, a chunk its segment's
-        ``num_samples`` when it is the segment's last piece, else none."""
+        """Logits ``part`` returns: a decode row all its tokens, a chunk those of its tokens that
+        are among its segment's last ``num_samples`` (the last piece's last token, usually; every
+        token of a chunk that returns its prompt's logits)."""
         seg = plan[part.segment]
-        last = part.offset + part.tokens == len(seg.token_ids)
-        return len(seg.token_ids) if self.is_decode(seg) else seg.num_samples * last
+        if self.is_decode(seg):
+            return len(seg.token_ids)
+        first = len(seg.token_ids) - seg.num_samples  # the segment's first token that returns logits
+        return max(0, part.offset + part.tokens - max(first, part.offset))
 
     def samples(self, bucket: Bucket) -> int:
-        """Logits a call of ``bucket`` returns (its head's sample count)."""
+        """Logits one head call of ``bucket`` returns (its head's sample count); a packed call
+        whose chunks ask for more runs the head again for each further group of them."""
         return bucket.samples(self.decode_seq)
 
     def calls(self, plan: Sequence[Segment]) -> list[Call]:
@@ -105,12 +111,6 @@ class BucketSet:
         no bucket can compute, before any call is listed."""
         decode = [i for i, s in enumerate(plan) if self.is_decode(s)]
         prefill = [i for i, s in enumerate(plan) if not self.is_decode(s)]
-        if bad := [i for i in prefill if plan[i].num_samples > 1]:
-            s = plan[bad[0]]
-            raise NoBucketFits(
-                f"segment {bad[0]} wants the logits of {s.num_samples} of its {len(s.token_ids)} tokens: "
-                f"decode rows carry at most {self.decode_seq} tokens, prefill chunks return one"
-            )
         waves = [self._pack(wave) for wave in self._waves(plan, prefill)]
         riders = [Part(i, 0, len(plan[i].token_ids)) for i in decode]
         if self.mix_decode and waves and riders and self._rides(waves[0][-1], riders):

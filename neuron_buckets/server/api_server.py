@@ -370,14 +370,30 @@ class OpenAIServer:
         """The logprobs of the tokens this output adds."""
         return (out.logprobs or [])[len(out.token_ids) - len(out.new_token_ids) :]
 
+    def prompt_text(self, body: CompletionRequest, ids: list[int]) -> str:
+        """The prompt as ``echo`` repeats it: as sent, or its ids decoded ('' without a tokenizer)."""
+        if isinstance(body.prompt, str):
+            return body.prompt
+        return "" if self.decoder is None else self.decoder.hf.decode(ids, skip_special_tokens=False)
+
     async def completion(self, body: CompletionRequest, request: Request) -> BaseModel | Response:
         header = ResponseHeader.new("cmpl", self.model_name).model_dump()
         offsets = [0] * body.n  # each streamed choice's text so far, where its next token's text starts
+        echoed = [False] * body.n  # whether choice i has sent the prompt (``echo``) yet
 
         def choice(i: int, text: str, ids: list[int], out: RequestOutput, entries: list[TokenLogprob]):
+            if body.echo_only:  # the one token the engine ran is not the client's
+                text, ids, entries = "", [], []
+            shown_ids: list[int] = ids
+            shown: list[TokenLogprob | None] = list(entries)
+            if body.echo and not echoed[i]:  # the prompt comes first, once per choice
+                echoed[i] = True
+                text = self.prompt_text(body, out.prompt_token_ids) + text
+                shown_ids = [*out.prompt_token_ids, *ids]
+                shown = [*(out.prompt_logprobs or []), *entries]
             logprobs = None
             if body.logprobs is not None:
-                logprobs = CompletionLogprobs.of(entries, self.token_text, offsets[i])
+                logprobs = CompletionLogprobs.of(shown_ids, shown, self.token_text, offsets[i])
                 offsets[i] += sum(len(t) for t in logprobs.tokens)
             return CompletionChoice(
                 index=i, text=text, finish_reason=out.finish_reason, logprobs=logprobs,
@@ -391,13 +407,19 @@ class OpenAIServer:
                 return Completion(**header, choices=[c])
             return None  # a token that adds no text yet (part of a character, a held stop string)
 
+        def usage(counted: Usage) -> Usage:
+            if not body.echo_only:
+                return counted
+            prompt = counted.prompt_tokens
+            return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+
         def final(outs: list[RequestOutput]) -> Completion:
             choices = [choice(i, o.text, o.token_ids, o, o.logprobs or []) for i, o in enumerate(outs)]
-            return Completion(**header, choices=choices, usage=Usage.of(outs))
+            return Completion(**header, choices=choices, usage=usage(Usage.of(outs)))
 
         return await self.respond(
             body, partial(self.encode, body), request, event,
-            usage_event=lambda usage: Completion(**header, choices=[], usage=usage), final=final,
+            usage_event=lambda counted: Completion(**header, choices=[], usage=usage(counted)), final=final,
         )
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> BaseModel | Response:

@@ -5,10 +5,10 @@ clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchang
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``add_special_tokens``, ``return_token_ids``) are accepted too, and nb's ``speculative: false``
 opts a request out of the server's drafting. ``logprobs`` (and chat's ``top_logprobs``), ``n``,
-``best_of``, ``response_format`` and chat's ``tools``/``tool_choice`` are implemented (the engine's
-logprobs and structured outputs, and ``hermes_tool_parser.py``). Every other OpenAI or vLLM field
-is in one of two
-tables, shared by completions and chat: ``UNSUPPORTED``, the fields that would change the answer
+``best_of``, ``response_format``, completions' ``echo`` and chat's ``tools``/``tool_choice`` are
+implemented (the engine's logprobs, prompt logprobs and structured outputs, and
+``hermes_tool_parser.py``). Every other OpenAI or vLLM field is in one of two tables, shared by
+completions and chat: ``UNSUPPORTED``, the fields that would change the answer
 and that nb does not implement, refused by name unless they hold a value that means "not used";
 and ``IGNORED``, the fields accepted because they never change the answer, each with the reason.
 Fields in neither table are ignored, as vLLM does.
@@ -24,6 +24,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
@@ -44,7 +45,7 @@ LOGPROB_FLOOR = -9999.0
 # The fields nb does not implement, and the values that mean "not used" (sent by many clients);
 # null always does. A field one endpoint implements is declared on its model, so it never reaches
 # this table there: ``max_completion_tokens`` and ``top_logprobs`` are chat's, refused on
-# completions (whose ``logprobs`` is the count).
+# completions (whose ``logprobs`` is the count), and ``echo`` is completions', refused on chat.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI's
     "echo": (False,),
@@ -238,10 +239,16 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt, as text or as token ids."""
+    """``POST /v1/completions``: one prompt, as text or as token ids.
+
+    ``echo`` puts the prompt before each choice's text, and with ``logprobs`` its tokens' logprobs
+    before the choice's (the first token's null); ``max_tokens: 0`` with ``echo`` generates
+    nothing: the prompt's logprobs alone, what evaluation harnesses score a text with. As vLLM,
+    the engine then runs one token, which the response leaves out."""
 
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: Int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
+    echo: bool = False
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     return_token_ids: bool = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -256,8 +263,23 @@ class CompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """The prompt (and its logprobs) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        params = super().sampling_params(room)
+        if self.echo_only:
+            params = replace(params, max_tokens=1)  # 0 would mean "no bound" there
+        if self.echo and self.logprobs is not None:
+            params = replace(params, prompt_logprobs=self.logprobs)
+        return params
+
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it needs echo=true (the prompt's logprobs)")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
             if len(self.prompt) != 1:
                 raise ValueError(f"prompt: nb serve takes one prompt per request, got {len(self.prompt)}")
@@ -429,23 +451,30 @@ def floored(logprob: float) -> float:
 
 class CompletionLogprobs(BaseModel):
     """Completions' logprobs: per token its text, offset in the choice's text, logprob, and the
-    top ``logprobs`` tokens with the emitted one (so up to ``logprobs + 1`` entries), as OpenAI's."""
+    top ``logprobs`` tokens with the emitted one (so up to ``logprobs + 1`` entries), as OpenAI's;
+    an echoed prompt's first token has null for both (nothing predicts it)."""
 
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
 
     @classmethod
-    def of(cls, entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> CompletionLogprobs:
-        tokens = [text(e.token_id) for e in entries]
+    def of(
+        cls, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], text: TokenText,
+        offset: int = 0,
+    ) -> CompletionLogprobs:
+        """``entries[j]`` scores ``token_ids[j]``; None for a prompt's first token."""
+        tokens = [text(t) for t in token_ids]
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         tops = [
-            {**{text(t): floored(v) for t, v in e.top}, text(e.token_id): floored(e.logprob)} for e in entries
+            None if e is None
+            else {**{text(t): floored(v) for t, v in e.top}, text(e.token_id): floored(e.logprob)}
+            for e in entries
         ]
         return cls(
-            text_offset=offsets, token_logprobs=[floored(e.logprob) for e in entries], tokens=tokens,
-            top_logprobs=tops,
+            text_offset=offsets, token_logprobs=[None if e is None else floored(e.logprob) for e in entries],
+            tokens=tokens, top_logprobs=tops,
         )
 
 
