@@ -29,8 +29,13 @@ loop of 8 streams. While the measured run goes, each server's Prometheus ``/metr
 Printed: per server the mean running batch, output tok/s, mean output, preemptions, and nb / vLLM;
 one row goes into ``bench/RESULTS.md`` (``--tiny``, 2 layers and few prompts to check the harness,
 writes ``WORK/RESULTS.md`` instead). Run it on an idle machine; the load average is in the row.
+vLLM CPU computes on one OpenMP thread pinned to one core (it keeps the other for its engine), nb
+on a team of two; on a busy machine a team whose threads spin at every barrier waits there for
+its descheduled partner, and nb's steps stretch where vLLM's do not. ``--nb-env
+OMP_WAIT_POLICY=passive`` (named in the row) lets the waiting thread sleep instead.
 
     python bench/bench_preemption_serve.py --vllm-python VENV/bin/python [--layers 8 --num-blocks 24]
+        [--nb-env NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -182,7 +187,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=32)
     add_results_argument(p)
     p.add_argument("--note", default="", help="a note for the row (say if the machine is busy)")
+    p.add_argument("--nb-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in nb serve's environment only, and named in the row's note (repeatable), "
+                        "e.g. OMP_WAIT_POLICY=passive on a shared machine")
     args = p.parse_args()
+    if bad := [e for e in args.nb_env if "=" not in e]:
+        p.exit(2, f"error: --nb-env takes NAME=VALUE, got {bad[0]!r}\n")
+    if args.nb_env:
+        args.note = "; ".join(filter(None, [args.note, "nb env " + " ".join(args.nb_env)]))
     if args.vllm_python is None:
         p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
                   "its load generator drives both servers\n")
@@ -203,7 +215,8 @@ def main() -> None:
     results = {}
     port = free_port()
     nb_cmd = nb_serve_command(artifact, port, SERVED)
-    results["nb"] = measure(args, "nb", nb_cmd, dict(os.environ), port, model)
+    nb_env = {**os.environ, **dict(e.split("=", 1) for e in args.nb_env)}
+    results["nb"] = measure(args, "nb", nb_cmd, nb_env, port, model)
     port = free_port()
     cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", SERVED, "--block-size",
                              str(LIMITS.block_size), "--num-gpu-blocks-override", str(args.num_blocks),
