@@ -47,9 +47,12 @@ from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import PROJECTIONS
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.rank_group import decode, encode
+from tests import test_quantized as quant
 from tests.conftest import free_port, save_tiny_model, write_config
 from tests.test_architectures import ARCH_CONFIG, TOLERANCE
-from tests.test_quantized import SCHEMES, dequantized_checkpoint
+from tests.test_architectures import prompts as arch_prompts
+from tests.test_engine import greedy
+from tests.test_quantized import SCHEMES, dequantized_checkpoint, float_model  # noqa: F401
 
 TP2 = TensorParallel(2)
 
@@ -292,3 +295,36 @@ def test_two_ranks_generate_what_one_rank_and_transformers_do(compiled: Compiled
             assert decided == MAX_NEW
     if compiled.dtype == "float32":
         assert got == want
+
+
+# Quantized: int8 weights alone and with per-token int8 activations, and float8 weights (one scale
+# for each whole tensor), each the quantized tests' checkpoint and grid; TP=1's graphs are theirs.
+QUANTIZED = ["w8a16-int8-channel", "w8a8-int8-channel", "w8a16-fp8-tensor"]
+# W8A8 quantizes o's and down's input per token over each rank's input features, as vLLM does, so
+# its two ranks round those activations otherwise than one rank does: logits of the same order
+# as its quantization error, of the largest |logit|.
+QUANTIZED_TOLERANCE = {"w8a8-int8-channel": 0.05}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"quant-{n}"))
+                                  for n in QUANTIZED])
+def test_two_ranks_of_a_quantized_checkpoint_generate_what_one_rank_does(
+    name: str, float_model: Path, tmp_path: Path, graph_cache_dir: Path  # noqa: F811
+):
+    """Each rank's share of the quantized projections through the schemes' kernels: TP=2's greedy
+    tokens over NaN-poisoned caches are TP=1's up to the first near-tie of TP=1's logits, and its
+    logits along TP=1's path lie within the tolerance."""
+    checkpoint = quantize_checkpoint(float_model, tmp_path / "q", SCHEMES[name])
+    one, two = (quant.compile_artifact(checkpoint, tmp_path / f"tp{n}", "inductor", graph_cache_dir, n)
+                for n in (1, 2))
+    batch = arch_prompts(quant.PROMPT_LENS, seed=1)
+    want = greedy(quant.poisoned(one), batch, quant.MAX_NEW)
+    logits = quant.along(quant.poisoned(one), batch, want)
+    with two_ranks(two) as runtime:
+        got = greedy(runtime, batch, quant.MAX_NEW)
+        ours = quant.along(runtime, batch, want)
+    tolerance = QUANTIZED_TOLERANCE.get(name, quant.TOLERANCE)
+    decided = quant.assert_follows(got, ours, want, logits, tolerance)
+    assert decided >= quant.MAX_NEW * len(batch) // 2  # most steps decisive: the check is not vacuous
+    print(name, decided, float((ours - logits).abs().max() / logits.abs().max()))

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt, speculative_config
+from neuron_buckets.runtime.rank_worker import follow, follows
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -75,6 +76,8 @@ def serve(
     limits = ServerLimits(max_open_requests=max_open_requests, max_body_bytes=max_body_bytes)
     speculative = speculative_config(speculative_ngram, speculative_draft, config)
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
+    if follows(directory):  # a rank other than 0 of a tensor-parallel artifact: rank 0 serves
+        raise typer.Exit(follow(directory))
     run_server(
         directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload
     )
