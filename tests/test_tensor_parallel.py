@@ -46,6 +46,7 @@ from neuron_buckets.model.sharding import part_rank, read_shard, shard_tensor
 from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import PROJECTIONS
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+from neuron_buckets.runtime.memory import weights_bytes
 from neuron_buckets.runtime.rank_group import decode, encode
 from tests import test_quantized as quant
 from tests.conftest import free_port, save_tiny_model, write_config
@@ -139,6 +140,8 @@ def test_a_quantized_shard_stands_for_the_dense_shard_of_its_dequantized_weights
                 weight = getattr(got_layer, field)
                 assert isinstance(weight, QuantizedWeight) and weight.scheme == SCHEMES[scheme]
                 assert torch.equal(weight.dequantize(torch.float32), getattr(want_layer, field)), field
+        if SCHEMES[scheme].weights == "int8":  # held as stored: the per-rank estimate is what a rank holds
+            assert sum(t.nbytes for t in mine.tensors()) == weights_bytes(TP2.local(model.config), "float32")
     one = torch.tensor([0.5])  # one scale for the whole tensor (a checkpoint's): every rank's
     for name in ("model.layers.0.self_attn.q_proj.weight_scale", "model.layers.0.mlp.down_proj.weight_scale"):
         assert shard_tensor(model.config, name, one, 1, TP2) is one
