@@ -191,12 +191,18 @@ def dense_fields(model) -> dict:
     return out
 
 
-def compile_artifact(model: Path, root: Path, backend: str, cache: Path) -> Path:
+def compile_artifact(
+    model: Path, root: Path, backend: str, cache: Path, tensor_parallel_size: int = 1
+) -> Path:
     from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.config import load_config
 
     root.mkdir(parents=True, exist_ok=True)
-    config = load_config(write_config(root, model, CONFIG.replace('"inductor"', f'"{backend}"')))
+    text = (
+        CONFIG.replace('"inductor"', f'"{backend}"')
+        + f"\n[parallel]\ntensor_parallel_size = {tensor_parallel_size}\n"
+    )
+    config = load_config(write_config(root, model, text))
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache) + ".lock"):
         report = Compiler(config, root / "artifact", cache).run(jobs=2)
@@ -211,9 +217,8 @@ def poisoned(directory: Path) -> BucketRuntime:
     return runtime
 
 
-def along(directory: Path, batch: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+def along(runtime: BucketRuntime, batch: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
     """(prompts, steps, vocab) logits of each step with ``tokens`` fed back: prefill, then decode."""
-    runtime = poisoned(directory)
     blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(batch))]  # 64 positions each
     steps = [runtime.run_plan(prefill_plan((p, 0, b) for p, b in zip(batch, blocks, strict=True)))]
     for i in range(MAX_NEW - 1):
@@ -262,7 +267,7 @@ def check_against_reference(name: str, artifact: Path, reference: Path) -> None:
     want = greedy(poisoned(reference), batch, MAX_NEW)
     got = greedy(poisoned(artifact), batch, MAX_NEW)
     decided = assert_follows(
-        got, along(artifact, batch, want), want, along(reference, batch, want), TOLERANCE
+        got, along(poisoned(artifact), batch, want), want, along(poisoned(reference), batch, want), TOLERANCE
     )
     assert decided >= MAX_NEW * len(batch) // 2  # most steps decisive: the check is not vacuous
 
@@ -309,7 +314,11 @@ def test_compiled_quantized_pieces_follow_the_reference_and_transformers(
         hf_logits.append(torch.cat(out.logits).float())
     got = greedy(poisoned(artifact), batch, MAX_NEW)
     assert_follows(
-        got, along(artifact, batch, wants), wants, torch.stack(hf_logits), HF_TOLERANCE.get(name, TOLERANCE)
+        got,
+        along(poisoned(artifact), batch, wants),
+        wants,
+        torch.stack(hf_logits),
+        HF_TOLERANCE.get(name, TOLERANCE),
     )
 
 

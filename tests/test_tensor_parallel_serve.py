@@ -1,6 +1,8 @@
 """``nb serve`` and ``nb generate`` on a tensor-parallel artifact start their ranks themselves: the
 text they give is TP=1's, through the official ``openai`` client, and a rank killed under load
-gives open requests a 503 and ends the server with one line, well within 30 s."""
+gives open requests a 503 and ends the server with one line, well within 30 s. Started by torchrun
+instead (every rank the same command, joined by torch.distributed's rendezvous on 127.0.0.1, as
+across machines), ``nb generate`` gives TP=1's tokens too."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
-from tests.conftest import TEXT_EAGER, text_artifact, text_model, wait_for_line, write_config  # noqa: F401
+from tests.conftest import TEXT_EAGER, free_port, text_artifact, text_model, wait_for_line, write_config  # noqa: F401
 from tests.test_serve import MODEL, client, nb_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve-tp")]
@@ -98,3 +100,16 @@ def test_a_killed_rank_gives_503_and_ends_the_server_with_one_line(tp_artifact):
         assert time.monotonic() - killed < 30
         lines = [line for line in proc.stderr.read().splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "rank" in lines[0], lines
+
+
+def test_torchrun_starts_nb_generate_as_every_rank(tp_artifact, text_artifact):  # noqa: F811
+    """Two processes of one ``nb generate`` command: rank 0 generates, rank 1 follows it."""
+    args = ["--prompt-ids", "5,6,7,8,9", "--max-new-tokens=8"]
+    want = nb_generate(text_artifact, *args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+           "-m", "neuron_buckets.cli", "generate", str(tp_artifact), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == want
+    assert "Traceback" not in result.stderr

@@ -153,6 +153,7 @@ def generate(
     from neuron_buckets.engine.sampling_params import SamplingParams
     from neuron_buckets.engine.tokenizer import Tokenizer
     from neuron_buckets.runtime.bucket_runtime import BucketRuntime
+    from neuron_buckets.runtime.rank_worker import follow, follows
 
     if bool(prompt) == bool(prompt_ids):
         raise UserError("give the prompts as text (--prompt) or as token ids (--prompt-ids): one of the two")
@@ -165,6 +166,8 @@ def generate(
         repetition_penalty=repetition_penalty, seed=seed, stop_token_ids=tuple(stop_ids),
         stop=tuple(stop or ()), ignore_eos=ignore_eos,
     )
+    if follows(directory):  # a rank other than 0 of a tensor-parallel artifact (torchrun starts every rank)
+        raise typer.Exit(follow(directory))
     runtime = BucketRuntime.open(directory)
     tokenizer = Tokenizer.open(directory) if prompt or stop else None
     if prompt:

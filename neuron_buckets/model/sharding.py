@@ -6,9 +6,12 @@ k and v by its KV heads (one of them, replicated, where there are fewer KV heads
 vLLM). Row-parallel fields (``o``, ``down``) keep the rank's input features (dim 1): their
 products are partial sums, which the layer piece all-reduces, and ``o_bias`` is added once, after
 that reduction. Norms are replicated. The embedding and the LM head keep the rank's vocabulary
-rows. A per-output-channel quantisation scale follows its weight's rule along dim 0 for a
-column-parallel field and is replicated for a row-parallel one; every cut goes through
-``shard_part``.
+rows. A quantized projection's scale (``<weight>_scale``) follows its weight's output channels:
+one per channel is cut along dim 0 like a column-parallel weight, and stays whole for a
+row-parallel one (each rank's partial sum covers every output channel); one for the whole tensor
+is replicated. Every cut goes through ``shard_part``. W8A8's per-token activation scales are
+computed in the layer piece over the input it is given, so a row-parallel projection quantizes
+each rank's own input features, as vLLM does.
 
 The artifact keeps its one weights file and each rank reads its shard from it, tensor by tensor:
 a rank never holds more than its shard and one checkpoint tensor, and the disk holds the weights
@@ -24,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from neuron_buckets.model.checkpoint import LAYER_PARTS
+from neuron_buckets.model.checkpoint import LAYER_PARTS, SCALE
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.tensor_parallel import TensorParallel
 
@@ -65,9 +68,14 @@ def shard_tensor(config: LlamaConfig, name: str, tensor: Tensor, rank: int, tp: 
     if name in VOCAB:
         return shard_vocab(tensor, rank, tp)
     match = _LAYER.fullmatch(name)
-    field, part = _PART.get(match.group(1), (None, 0)) if match else (None, 0)
+    local = match.group(1) if match else ""
+    field, part = _PART.get(local.removesuffix(SCALE), (None, 0))
     if field not in SPLIT_DIM:
         return tensor
+    if local.endswith(SCALE):  # a quantized weight's scale: cut with its output channels only
+        if SPLIT_DIM[field] != 0 or tensor.numel() == 1:
+            return tensor
+        return shard_part(tensor, 0, *part_rank(config, field, part, rank, tp))
     return shard_part(tensor, SPLIT_DIM[field], *part_rank(config, field, part, rank, tp))
 
 

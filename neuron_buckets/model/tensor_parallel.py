@@ -37,9 +37,6 @@ class TensorParallel:
     def check(self, config: LlamaConfig) -> str | None:
         """Why ``config`` cannot split over ``size`` ranks, or None."""
         n = self.size
-        if n > 1 and config.quantization is not None:
-            return (f"a quantized checkpoint ({config.quantization.name}) runs on one rank: its "
-                    f"weight shards are not cut yet; set tensor_parallel_size = 1")
         if config.num_heads % n:
             return f"num_attention_heads {config.num_heads} is not a multiple of tensor_parallel_size {n}"
         if config.num_kv_heads % n and n % config.num_kv_heads:
