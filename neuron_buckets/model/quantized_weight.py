@@ -44,6 +44,11 @@ class QuantizedWeight:
         scale = self.scale.narrow(0, start, length) if per_channel else self.scale
         return replace(self, data=self.data.narrow(dim, start, length), scale=scale)
 
+    def stored(self) -> QuantizedWeight:
+        """The data in the dtype the checkpoint stores (float8 as float8, not widened): what a
+        graph takes on a device that converts it in the graph (the Neuron pieces, as NxD does)."""
+        return replace(self, data=self.data.to(getattr(torch, self.scheme.weights)))
+
     def dequantize(self, dtype: torch.dtype) -> Tensor:
         """The dense weight this stands for, computed in float32 and rounded once to ``dtype``."""
         scale = self.scale[:, None] if self.scale.dim() == 1 else self.scale

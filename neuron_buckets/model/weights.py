@@ -12,7 +12,7 @@ rebuilds the record inside the graph. Which checkpoint tensors each field is mad
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -45,6 +45,11 @@ class LayerWeights:
         compiled layer piece takes."""
         present = (w for w in (getattr(self, f.name) for f in fields(self)) if w is not None)
         return tuple(t for w in present for t in (w.tensors() if isinstance(w, QuantizedWeight) else (w,)))
+
+    def stored(self) -> LayerWeights:
+        """The quantized projections as the checkpoint stores them (``QuantizedWeight.stored``)."""
+        quantized = {n: w for n in PROJECTIONS if isinstance(w := getattr(self, n), QuantizedWeight)}
+        return replace(self, **{n: w.stored() for n, w in quantized.items()})
 
     @classmethod
     def of(cls, config: LlamaConfig, tensors: Sequence[Tensor]) -> LayerWeights:
