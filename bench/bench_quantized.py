@@ -12,12 +12,20 @@ same machine load. Printed, each with the quantized / bfloat16 ratio:
   tokens each, every request running to its length;
 - the artifacts' weights files.
 
+With ``--vllm-python`` (or ``VLLM_PYTHON``), then: ``nb serve`` and vLLM CPU's OpenAI server on the
+same quantized checkpoint, one after the other, each driven by vLLM's load generator as
+``bench_matrix.py`` drives them (``run_cells``): the same limits and KV capacity
+(``serve_limits.ServeLimits``; nb compiles its default grid for them), a warm-up on prompts that are
+not measured, the ``independent`` workload at concurrency 4; printed, nb's output tok/s over vLLM's.
+
     nice -n 15 python bench/bench_quantized.py [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
+        [--vllm-python VENV/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -99,14 +107,42 @@ def tok_s(runtime: BucketRuntime, max_new: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
+def against_vllm(args: argparse.Namespace, quantized: Path) -> None:
+    """nb serve and vLLM's server on ``quantized``, under vLLM's load generator; the tok/s ratio."""
+    from bench_generate import compile_config
+    from bench_matrix import Cell, run_cells
+    from serve_limits import ServeLimits
+    from servers import free_port, nb_serve_command, vllm_env, vllm_serve_command
+
+    limits, cell = ServeLimits(), Cell("llama-3.2-1b", "bfloat16", "independent", BATCH)
+    text = limits.nb_config(quantized, SHAPES[cell.shape], cell.dtype)
+    artifact = compile_config(args.work, f"{quantized.name}-serve", text)
+    rates = {}
+    for server in ("nb", "vLLM"):
+        port = free_port()
+        if server == "nb":
+            cmd, env = nb_serve_command(artifact, port, cell.shape), dict(os.environ)
+        else:
+            cmd = vllm_serve_command(args.vllm_python, quantized, port, "--served-model-name", cell.shape,
+                                     limits=tuple(limits.vllm_args(cell.dtype)))
+            env = vllm_env(**limits.vllm_env())
+        rates[server] = run_cells(args, server, cmd, env, port, quantized, [cell])[cell]["output_throughput"]
+    nb, vllm = rates["nb"], rates["vLLM"]
+    print(f"served {quantized.name} ({limits.describe()}), {cell.workload} at concurrency "
+          f"{cell.concurrency}: nb {nb:.1f} / vLLM {vllm:.1f} output tok/s = {nb / vllm:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(parser, "nb-bench-quantized", "3 rounds of 4 steps")
     parser.add_argument("--scheme", choices=sorted(SCHEMES), default="w8a8-int8-channel")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-new", type=int, default=32)
+    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                        help="python of the vLLM CPU virtualenv: serve the quantized checkpoint against it")
     parser.set_defaults(layers=SHAPES["llama-3.2-1b"].num_layers)
     args = parser.parse_args()
+    args.num_prompts = 4 if args.tiny else None  # bench_matrix's default otherwise: 2 per stream
     layers, rounds, steps = (2, 3, 4) if args.tiny else (args.layers, args.rounds, 10)
     shape, scheme = SHAPES["llama-3.2-1b"], SCHEMES[args.scheme]
     dense = build_checkpoint(args.models / f"llama-3.2-1b-{layers}layers-bfloat16", shape, layers,
@@ -134,6 +170,9 @@ def main() -> None:
           f"{step[q] / step[b]:.2f}x")
     print(f"output tok/s at concurrency {BATCH}: {rate[q]:.1f} / {rate[b]:.1f} = {rate[q] / rate[b]:.2f}x")
     print(f"weights file: {size[q] / 1e9:.2f} GB / {size[b] / 1e9:.2f} GB = {size[q] / size[b]:.2f}x")
+    if args.vllm_python:
+        runtimes.clear()  # their weights out of the way of the servers
+        against_vllm(args, quantized)
 
 
 if __name__ == "__main__":

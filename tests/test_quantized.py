@@ -39,6 +39,7 @@ SCHEMES = {
         QuantScheme("int8", "channel", "int8_token"),
         QuantScheme("float8_e4m3fn", "tensor"),
         QuantScheme("float8_e4m3fn", "channel"),
+        QuantScheme("float8_e4m3fn", "tensor", "float8_tensor"),
     )
 }
 TOLERANCE = 1e-4  # of the largest |logit|
@@ -76,6 +77,7 @@ def test_presets_read_as_their_schemes():
     w8a16 = ct_config("W8A16", strategy="channel", group_size=None)
     assert scheme_of(w8a16) == QuantScheme("int8", "channel")
     assert scheme_of({**ct_config("W8A8"), "format": "int-quantized"}) == SCHEMES["w8a8-int8-channel"]
+    assert scheme_of({**ct_config("FP8"), "format": "float-quantized"}) == SCHEMES["w8a8-fp8-tensor"]
 
 
 @pytest.mark.parametrize(
@@ -100,6 +102,7 @@ def test_presets_read_as_their_schemes():
             "quantizes lm_head",
         ),
         (lambda: {"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+        (lambda: {**ct_config("FP8_BLOCK"), "format": "float-quantized"}, "weights float8 block"),
     ],
 )
 def test_an_unsupported_scheme_is_refused_by_name(config, named: str):

@@ -3,7 +3,10 @@
 It is two graph inputs, ``data`` and ``scale`` (``LayerWeights.tensors()`` flattens it, ``of``
 rebuilds it with the config's scheme), so one compiled layer piece serves every layer's weights.
 The scale is per output channel, float32, (out,): parts fused along dim 0 (q, k and v) each keep
-their own scale that way, a checkpoint's per-tensor scale included. ``linear`` is the one place
+their own scale that way, a checkpoint's per-tensor scale included. A scheme with static
+activations adds a third, ``input_scale`` (float32, ()): the parts fused read the same input, so
+they share one, the largest of theirs, as vLLM fuses them (a calibration over their common input
+gives them the same). ``linear`` is the one place
 that computes with it (``model/linear.py``).
 """
 
@@ -33,9 +36,10 @@ class QuantizedWeight:
     data: Tensor
     scale: Tensor
     scheme: QuantScheme
+    input_scale: Tensor | None = None  # the activations' static scale (``scheme.static_input``)
 
-    def tensors(self) -> tuple[Tensor, Tensor]:
-        return self.data, self.scale
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.data, self.scale) + (() if self.input_scale is None else (self.input_scale,))
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Rows (dim 0: output channels, with their scales) or columns (dim 1: input features,
@@ -66,4 +70,6 @@ class QuantizedWeight:
         if len(parts) == 1:
             return parts[0]
         scales = [p.scale.expand(p.data.shape[0]) for p in parts]
-        return cls(torch.cat([p.data for p in parts]), torch.cat(scales), parts[0].scheme)
+        inputs = [p.input_scale for p in parts if p.input_scale is not None]
+        input_scale = torch.stack(inputs).amax() if inputs else None
+        return cls(torch.cat([p.data for p in parts]), torch.cat(scales), parts[0].scheme, input_scale)
