@@ -284,7 +284,7 @@ def random_layer(config, gen: torch.Generator):
         values = torch.randn(w.data.shape, generator=gen) * 60
         data = values.round().clamp(-127, 127).to(torch.int8) if w.scheme.weights == "int8" else \
             values.to(torch.float8_e4m3fn)
-        inputs = None if w.input_scale is None else torch.tensor(0.01)  # |x| up to 4.48 unclamped
+        inputs = None if w.input_scale is None else torch.tensor([0.01])  # |x| up to 4.48 unclamped
         return QuantizedWeight(data, torch.rand(w.scale.shape, generator=gen) * 1e-3 + 1e-4, w.scheme, inputs)
 
     layer = example_layer(config, torch.float32)

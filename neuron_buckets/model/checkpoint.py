@@ -226,7 +226,7 @@ def load_weights(
     def take_quantized(name: str) -> QuantizedWeight:
         data, scale = tensors.pop(name), tensors.pop(f"{name}{SCALE}").float().reshape(-1)
         data = data if data.data_ptr() % ALIGNMENT == 0 else data.clone()
-        inputs = tensors.pop(input_scale_name(name)).float().reshape(()) if scheme.static_input else None
+        inputs = tensors.pop(input_scale_name(name)).float().reshape(1) if scheme.static_input else None
         return QuantizedWeight(data, scale.expand(data.shape[0]).contiguous(), scheme, inputs)
 
     def layer(i: int) -> LayerWeights:
@@ -257,7 +257,7 @@ def checkpoint_tensors(config: LlamaConfig, weights: ModelWeights) -> dict[str, 
                 if isinstance(piece, QuantizedWeight):
                     out[name], out[f"{name}{SCALE}"] = piece.data, piece.scale
                     if piece.input_scale is not None:
-                        out[input_scale_name(name)] = piece.input_scale
+                        out[input_scale_name(name)] = piece.input_scale.clone()  # parts share it
                 else:
                     out[name] = piece
     out["model.norm.weight"] = weights.norm

@@ -126,7 +126,7 @@ def example_layer(config: LlamaConfig, dtype: torch.dtype, device: str = "cpu") 
     for name, shape in zip(part_shapes(config), layer_shapes(config), strict=True):
         if scheme is not None and name in PROJECTIONS:
             data = torch.zeros(shape, dtype=runtime_dtype(scheme, dtype), device=device)
-            input_scale = torch.ones((), device=device) if scheme.static_input else None
+            input_scale = torch.ones(1, device=device) if scheme.static_input else None
             built[name] = QuantizedWeight(data, torch.zeros(shape[0], device=device), scheme, input_scale)
         else:
             built[name] = torch.zeros(shape, dtype=dtype, device=device)
