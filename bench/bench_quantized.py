@@ -1,7 +1,8 @@
 """A quantized artifact against the bfloat16 one, in one run: decode step time and output tok/s.
 
 Model: the Llama-3.2-1B shape with random weights (``real_models.py``), stored in bfloat16, and
-its compressed-tensors twin quantized data-free by ``--scheme`` (``model/checkpoint_quantizer.py``).
+its compressed-tensors twin quantized data-free by ``--scheme`` (``model/checkpoint_quantizer.py``;
+static FP8 activations calibrated on random token ids).
 Both are compiled with the same grid (a decode bucket of 4 rows, one 256-token prefill bucket)
 and opened side by side; the measurements alternate between them round by round, so both see the
 same machine load. Printed, each with the quantized / bfloat16 ratio:
@@ -44,7 +45,8 @@ from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint  # noq
 from neuron_buckets.model.quant_scheme import QuantScheme  # noqa: E402
 
 SCHEMES = {s.name: s for s in (QuantScheme("int8", "channel"), QuantScheme("int8", "channel", "int8_token"),
-                               QuantScheme("float8_e4m3fn", "channel"))}
+                               QuantScheme("float8_e4m3fn", "channel"),
+                               QuantScheme("float8_e4m3fn", "tensor", "float8_tensor"))}
 CONFIG = """
 [model]
 path = "{model}"
