@@ -148,6 +148,16 @@ def test_narrow_takes_the_channels_scales_only_along_the_outputs():
     torch.testing.assert_close(rows.dequantize(torch.float32), w.dequantize(torch.float32)[1:3])
 
 
+def test_fused_parts_share_the_largest_input_scale_and_split_keeps_it():
+    """q, k and v read one input: as vLLM fuses them, one input scale, the largest of theirs."""
+    scheme = SCHEMES["w8a8-fp8-tensor"]
+    data = torch.ones(2, 3).to(torch.float8_e4m3fn)
+    parts = [QuantizedWeight(data, torch.full((2,), s), scheme, torch.tensor([s])) for s in (0.1, 0.3, 0.2)]
+    fused = QuantizedWeight.fuse(parts)
+    assert fused.input_scale.tolist() == [pytest.approx(0.3)] and len(fused.tensors()) == 3
+    assert all(p.input_scale is fused.input_scale for p in fused.split([2, 2, 2]))
+
+
 def read_config_of(scheme: QuantScheme):
     from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
 
