@@ -44,6 +44,7 @@ class QuantScheme:
     def static_input(self) -> bool:
         """Whether each projection has a stored input scale (a third graph input after its scale)."""
         return self.activations == "float8_tensor"
+
     @property
     def name(self) -> str:
         """Short label, as vLLM names schemes (``w8a16-int8-channel``)."""

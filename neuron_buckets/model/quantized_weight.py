@@ -4,11 +4,11 @@ It is two graph inputs, ``data`` and ``scale`` (``LayerWeights.tensors()`` flatt
 rebuilds it with the config's scheme), so one compiled layer piece serves every layer's weights.
 The scale is per output channel, float32, (out,): parts fused along dim 0 (q, k and v) each keep
 their own scale that way, a checkpoint's per-tensor scale included. A scheme with static
-activations adds a third, ``input_scale`` (float32, (1,), as compressed-tensors stores it: torch-xla
-would fold a 0-d input of 0 or 1 into a constant): the parts fused read the same input, so
-they share one, the largest of theirs, as vLLM fuses them (a calibration over their common input
-gives them the same). ``linear`` is the one place
-that computes with it (``model/linear.py``).
+activations adds a third, ``input_scale`` (float32, (1,), as compressed-tensors stores it:
+torch-xla would fold a 0-d input of 0 or 1 into a constant): the parts fused read the same input,
+so they share one, the largest of theirs, as vLLM fuses them (a calibration over their common
+input gives them the same). ``linear`` is the one place that computes with it
+(``model/linear.py``).
 """
 
 from __future__ import annotations
