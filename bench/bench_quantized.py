@@ -1,7 +1,8 @@
 """A quantized artifact against the bfloat16 one, in one run: decode step time and output tok/s.
 
 Model: the Llama-3.2-1B shape with random weights (``real_models.py``), stored in bfloat16, and
-its compressed-tensors twin quantized data-free by ``--scheme`` (``model/checkpoint_quantizer.py``).
+its compressed-tensors twin quantized data-free by ``--scheme`` (``model/checkpoint_quantizer.py``;
+static FP8 activations calibrated on random token ids).
 Both are compiled with the same grid (a decode bucket of 4 rows, one 256-token prefill bucket)
 and opened side by side; the measurements alternate between them round by round, so both see the
 same machine load. Printed, each with the quantized / bfloat16 ratio:
@@ -15,7 +16,14 @@ same machine load. Printed, each with the quantized / bfloat16 ratio:
 The row goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny`` writes
 ``WORK/RESULTS.md``), with the machine's load average as the measurements start.
 
+With ``--vllm-python`` (or ``VLLM_PYTHON``), then: ``nb serve`` and vLLM CPU's OpenAI server on the
+same quantized checkpoint, one after the other, each driven by vLLM's load generator as
+``bench_matrix.py`` drives them (``run_cells``): the same limits and KV capacity
+(``serve_limits.ServeLimits``; nb compiles its default grid for them), a warm-up on prompts that are
+not measured, the ``independent`` workload at concurrency 4; printed, nb's output tok/s over vLLM's.
+
     nice -n 15 python bench/bench_quantized.py [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
+        [--vllm-python VENV/bin/python]
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint  # noq
 from neuron_buckets.model.quant_scheme import QuantScheme  # noqa: E402
 
 SCHEMES = {s.name: s for s in (QuantScheme("int8", "channel"), QuantScheme("int8", "channel", "int8_token"),
-                               QuantScheme("float8_e4m3fn", "channel"))}
+                               QuantScheme("float8_e4m3fn", "channel"),
+                               QuantScheme("float8_e4m3fn", "tensor", "float8_tensor"))}
 CONFIG = """
 [model]
 path = "{model}"
@@ -119,6 +128,31 @@ def tok_s(runtime: BucketRuntime, max_new: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
+def against_vllm(args: argparse.Namespace, quantized: Path) -> None:
+    """nb serve and vLLM's server on ``quantized``, under vLLM's load generator; the tok/s ratio."""
+    from bench_generate import compile_config
+    from bench_matrix import Cell, run_cells
+    from serve_limits import ServeLimits
+    from servers import free_port, nb_serve_command, vllm_env, vllm_serve_command
+
+    limits, cell = ServeLimits(), Cell("llama-3.2-1b", "bfloat16", "independent", BATCH)
+    text = limits.nb_config(quantized, SHAPES[cell.shape], cell.dtype)
+    artifact = compile_config(args.work, f"{quantized.name}-serve", text)
+    rates = {}
+    for server in ("nb", "vLLM"):
+        port = free_port()
+        if server == "nb":
+            cmd, env = nb_serve_command(artifact, port, cell.shape), dict(os.environ)
+        else:
+            cmd = vllm_serve_command(args.vllm_python, quantized, port, "--served-model-name", cell.shape,
+                                     limits=tuple(limits.vllm_args(cell.dtype)))
+            env = vllm_env(**limits.vllm_env())
+        rates[server] = run_cells(args, server, cmd, env, port, quantized, [cell])[cell]["output_throughput"]
+    nb, vllm = rates["nb"], rates["vLLM"]
+    print(f"served {quantized.name} ({limits.describe()}), {cell.workload} at concurrency "
+          f"{cell.concurrency}: nb {nb:.1f} / vLLM {vllm:.1f} output tok/s = {nb / vllm:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_size_args(parser, "nb-bench-quantized", "3 rounds of 4 steps")
@@ -127,8 +161,11 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--note", default="", help="a note for the row (say if the machine is busy)")
     add_results_argument(parser)
+    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
+                        help="python of the vLLM CPU virtualenv: serve the quantized checkpoint against it")
     parser.set_defaults(layers=SHAPES["llama-3.2-1b"].num_layers)
     args = parser.parse_args()
+    args.num_prompts = 4 if args.tiny else None  # bench_matrix's default otherwise: 2 per stream
     layers, rounds, steps = (2, 3, 4) if args.tiny else (args.layers, args.rounds, 10)
     results = args.work / "RESULTS.md" if args.tiny else args.results
     shape, scheme = SHAPES["llama-3.2-1b"], SCHEMES[args.scheme]
@@ -162,6 +199,9 @@ def main() -> None:
                            f"{rate[q]:.1f} / {rate[b]:.1f}", f"{rate[q] / rate[b]:.2f}x",
                            f"{size[q] / 1e9:.2f} / {size[b] / 1e9:.2f}", f"{size[q] / size[b]:.2f}x",
                            f"{load:.1f}", args.note]])
+    if args.vllm_python:
+        runtimes.clear()  # their weights out of the way of the servers
+        against_vllm(args, quantized)
 
 
 if __name__ == "__main__":

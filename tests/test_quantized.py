@@ -39,6 +39,7 @@ SCHEMES = {
         QuantScheme("int8", "channel", "int8_token"),
         QuantScheme("float8_e4m3fn", "tensor"),
         QuantScheme("float8_e4m3fn", "channel"),
+        QuantScheme("float8_e4m3fn", "tensor", "float8_tensor"),
     )
 }
 TOLERANCE = 1e-4  # of the largest |logit|
@@ -76,6 +77,7 @@ def test_presets_read_as_their_schemes():
     w8a16 = ct_config("W8A16", strategy="channel", group_size=None)
     assert scheme_of(w8a16) == QuantScheme("int8", "channel")
     assert scheme_of({**ct_config("W8A8"), "format": "int-quantized"}) == SCHEMES["w8a8-int8-channel"]
+    assert scheme_of({**ct_config("FP8"), "format": "float-quantized"}) == SCHEMES["w8a8-fp8-tensor"]
 
 
 @pytest.mark.parametrize(
@@ -100,6 +102,7 @@ def test_presets_read_as_their_schemes():
             "quantizes lm_head",
         ),
         (lambda: {"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+        (lambda: {**ct_config("FP8_BLOCK"), "format": "float-quantized"}, "weights float8 block"),
     ],
 )
 def test_an_unsupported_scheme_is_refused_by_name(config, named: str):
@@ -143,6 +146,16 @@ def test_narrow_takes_the_channels_scales_only_along_the_outputs():
     assert rows.scale.tolist() == [1.0, 2.0] and rows.data.tolist() == [[3, 4, 5], [6, 7, 8]]
     assert cols.scale.tolist() == [0.0, 1.0, 2.0, 3.0] and cols.data.shape == (4, 2)
     torch.testing.assert_close(rows.dequantize(torch.float32), w.dequantize(torch.float32)[1:3])
+
+
+def test_fused_parts_share_the_largest_input_scale_and_split_keeps_it():
+    """q, k and v read one input: as vLLM fuses them, one input scale, the largest of theirs."""
+    scheme = SCHEMES["w8a8-fp8-tensor"]
+    data = torch.ones(2, 3).to(torch.float8_e4m3fn)
+    parts = [QuantizedWeight(data, torch.full((2,), s), scheme, torch.tensor([s])) for s in (0.1, 0.3, 0.2)]
+    fused = QuantizedWeight.fuse(parts)
+    assert fused.input_scale.tolist() == [pytest.approx(0.3)] and len(fused.tensors()) == 3
+    assert all(p.input_scale is fused.input_scale for p in fused.split([2, 2, 2]))
 
 
 def read_config_of(scheme: QuantScheme):

@@ -263,3 +263,78 @@ def test_a_tensor_parallel_layer_lowers_to_one_graph_with_its_two_all_reduces(hf
     reduces = [i for i in entry_computation(graph["hlo"])["instructions"] if i["opcode"] == "all-reduce"]
     assert all(not i.get("replicaGroups") for i in reduces)  # every rank takes part
     assert f"f32[16,{config.hidden_size}]" in s["outputs"]  # the whole hidden state, summed
+
+
+def random_layer(config, gen: torch.Generator):
+    """A layer of ``config`` with random weights; quantized projections as the checkpoint stores
+    them (random int8 or float8 values) with random positive scales."""
+    from dataclasses import fields
+
+    from neuron_buckets.model.quantized_weight import QuantizedWeight
+    from neuron_buckets.model.weights import example_layer
+
+    def rand(t: Tensor) -> Tensor:
+        return torch.randn(t.shape, generator=gen) * 0.1 + (1.0 if t.dim() == 1 else 0.0)
+
+    def filled(w):
+        if w is None:
+            return None
+        if not isinstance(w, QuantizedWeight):
+            return rand(w)
+        values = torch.randn(w.data.shape, generator=gen) * 60
+        data = values.round().clamp(-127, 127).to(torch.int8) if w.scheme.weights == "int8" else \
+            values.to(torch.float8_e4m3fn)
+        inputs = None if w.input_scale is None else torch.tensor([0.01])  # |x| up to 4.48 unclamped
+        return QuantizedWeight(data, torch.rand(w.scale.shape, generator=gen) * 1e-3 + 1e-4, w.scheme, inputs)
+
+    layer = example_layer(config, torch.float32)
+    return type(layer)(**{f.name: filled(getattr(layer, f.name)) for f in fields(layer)})
+
+
+QUANTIZED = ["w8a16-int8-channel", "w8a8-int8-channel", "w8a16-fp8-tensor", "w8a16-fp8-channel",
+             "w8a8-fp8-tensor"]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_quantized_layer_lowers_to_one_graph_taking_its_stored_weights_and_scales_and_runs_as_on_cpu(name):
+    """Each quantized scheme's layer piece, traced as a compile worker traces it for the Neuron
+    backend (its example layer: float8 widened, as a CPU runtime holds it): one static graph, no
+    host fallback (torch's int8 CPU kernels are replaced by convert, dot and multiply), each
+    projection's weight in its stored int8 or float8 and its float32 scales as parameters of the
+    graph (nothing folded into a constant); and on XLA:CPU, with random weights, the eager layer's
+    output."""
+    from dataclasses import replace
+
+    from neuron_buckets.backends.neuron import trace_spec
+    from neuron_buckets.backends.xla import XlaGraph
+    from neuron_buckets.backends.xla_lowering import lower
+    from neuron_buckets.kernels import dispatch
+    from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
+    from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
+    from neuron_buckets.model.quant_scheme import QuantScheme
+
+    stored, strategy = name.split("-")[1:]
+    activations = {"w8a8-int8": "int8_token", "w8a8-fp8": "float8_tensor"}.get(name.rsplit("-", 1)[0], "none")
+    scheme = QuantScheme("int8" if stored == "int8" else "float8_e4m3fn", strategy, activations)
+    config, gen = replace(DEFAULT_CONFIG, quantization=scheme), torch.Generator().manual_seed(3)
+    shape = PieceShape("layer", 16, rows=1, ctx=128, packed=True)
+    example = example_inputs(shape, config, 8, 64, torch.float32)
+    lowering = lower(trace_spec(build_piece("layer", config), example))
+    s = lowering.summary
+    assert lowering.problems == [] and s["graphs"] == 1 and s["host_fallbacks"] == []
+    layer = random_layer(config, gen)  # as the checkpoint stores it
+    hlo_types = {torch.int8: "s8", torch.float8_e4m3fn: "f8e4m3fn", torch.float32: "f32"}
+    params = s["inputs"][-len(layer.tensors()):]  # norms, then each projection's data and scales
+    assert [s["parameters"][p].split("[")[0] for p in params] == [hlo_types[t.dtype] for t in layer.tensors()]
+    assert hlo_types[layer.qkv.data.dtype] == ("s8" if stored == "int8" else "f8e4m3fn")
+    assert -1 not in s["inputs"]  # every weight and scale is read from its parameter
+    assert s["ops"]["dot"] >= 4  # each projection one dot
+
+    *step, k_cache, v_cache, _ = example
+    h, cos, sin = (torch.randn(t.shape, generator=gen) for t in step[:3])
+    inputs = (h, cos, sin, *step[3:], k_cache, v_cache, layer.tensors())
+    spec = trace_spec(build_piece("layer", config), inputs)
+    with torch.no_grad(), dispatch.use(dispatch.GOLDEN):
+        want = spec.module(*spec.inputs)[0]
+    got = XlaGraph(trace_spec(build_piece("layer", config), example).module)(*spec.inputs)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL * float(want.abs().max()))

@@ -11,7 +11,9 @@ runs with the NKI kernels swapped in for the goldens (``dispatch.use``) and hold
 stacked KV cache as module state aliased to outputs 1 and 2 (``input_output_aliases``: torch_neuronx
 aliases only module state, and then updates it in device memory rather than copying it). The
 layer to work on is an input: its slots and block ids are offset into the flattened
-(layers * blocks) cache, so no call copies a layer out and back.
+(layers * blocks) cache, so no call copies a layer out and back. A quantized layer takes its
+projections as the checkpoint stores them (int8, float8) and their scales as inputs, as NxD
+Inference does, and dequantizes them in the graph (``pack`` keeps them so).
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ def trace_spec(piece: nn.Module, example: tuple) -> TraceSpec:
     if not isinstance(piece, LayerPiece):
         return TraceSpec(piece.eval(), example, {})
     *step, k_cache, v_cache, weights = example
+    weights = LayerWeights.of(piece.config, weights).stored().tensors()  # float8 stays float8 on device
     layers = piece.config.num_layers
     module = StackedLayer(piece, k_cache.expand(layers, *k_cache.shape).clone(),
                           v_cache.expand(layers, *v_cache.shape).clone()).eval()

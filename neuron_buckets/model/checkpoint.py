@@ -7,7 +7,8 @@ only (``LAYER_PARTS``): loading turns them into the fused ``ModelWeights`` the m
 with, saving turns them back. The artifact stores the weights once, by the same names
 (``save_weights``), and every bucket graph shares them (``load_weights``). A quantized checkpoint
 (compressed-tensors) stores each decoder projection as its quantized ``weight`` and a
-``weight_scale``; the artifact keeps them so.
+``weight_scale`` (and an ``input_scale`` where its activations are quantized statically); the
+artifact keeps them so.
 """
 
 from __future__ import annotations
@@ -152,11 +153,20 @@ def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def scale_names(config: LlamaConfig) -> dict[str, int]:
     """A quantized checkpoint's scale tensors by name, each with its weight's output channels
-    (a scale holds one per channel, or one for the whole tensor)."""
-    if config.quantization is None:
+    (a scale holds one per channel, or one for the whole tensor; an input scale one)."""
+    scheme = config.quantization
+    if scheme is None:
         return {}
-    return {f"{name}{SCALE}": shape[0] for name, shape in checkpoint_shapes(config).items()
-            if _quantized(name)}
+    quantized = [name for name in checkpoint_shapes(config) if _quantized(name)]
+    scales = {f"{name}{SCALE}": checkpoint_shapes(config)[name][0] for name in quantized}
+    if scheme.static_input:
+        scales.update({input_scale_name(name): 1 for name in quantized})
+    return scales
+
+
+def input_scale_name(weight: str) -> str:
+    """``<module>.input_scale`` of ``<module>.weight``, as compressed-tensors names it."""
+    return f"{weight.removesuffix('.weight')}.input_scale"
 
 
 def _quantized(name: str) -> bool:
@@ -216,7 +226,8 @@ def load_weights(
     def take_quantized(name: str) -> QuantizedWeight:
         data, scale = tensors.pop(name), tensors.pop(f"{name}{SCALE}").float().reshape(-1)
         data = data if data.data_ptr() % ALIGNMENT == 0 else data.clone()
-        return QuantizedWeight(data, scale.expand(data.shape[0]).contiguous(), scheme)
+        inputs = tensors.pop(input_scale_name(name)).float().reshape(1) if scheme.static_input else None
+        return QuantizedWeight(data, scale.expand(data.shape[0]).contiguous(), scheme, inputs)
 
     def layer(i: int) -> LayerWeights:
         fused = {}
@@ -244,7 +255,9 @@ def checkpoint_tensors(config: LlamaConfig, weights: ModelWeights) -> dict[str, 
             names = [f"model.layers.{i}.{n}" for n in LAYER_PARTS[field]]
             for name, piece in zip(names, getattr(layer, field).split([p[0] for p in parts]), strict=True):
                 if isinstance(piece, QuantizedWeight):
-                    out[name], out[f"{name}{SCALE}"] = piece.tensors()
+                    out[name], out[f"{name}{SCALE}"] = piece.data, piece.scale
+                    if piece.input_scale is not None:
+                        out[input_scale_name(name)] = piece.input_scale.clone()  # parts share it
                 else:
                     out[name] = piece
     out["model.norm.weight"] = weights.norm

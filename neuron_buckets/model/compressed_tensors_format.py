@@ -3,10 +3,10 @@
 ``scheme_of`` reads a ``quantization_config`` with compressed-tensors' own config classes and
 turns it into the one ``QuantScheme`` nb computes, or refuses it with one line naming what it
 does not handle: another ``quant_method``, a scheme other than 8-bit symmetric weights per channel
-or per tensor (with int8 dynamic per-token activations, or none), a target list that misses a
-decoder projection, or an ``ignore`` entry other than the LM head (which nb keeps unquantized
-anyway). ``unpack`` turns a ``pack-quantized`` checkpoint's int32 words back into the int8
-weights the other formats store as they are.
+or per tensor (with int8 dynamic per-token activations, float8 static per-tensor ones, or none),
+a target list that misses a decoder projection, or an ``ignore`` entry other than the LM head
+(which nb keeps unquantized anyway). ``unpack`` turns a ``pack-quantized`` checkpoint's int32
+words back into the int8 weights the other formats store as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ FORMATS = {
     "int": ("int-quantized", "pack-quantized", "naive-quantized"),
     "float": ("float-quantized", "naive-quantized"),
 }
+# (dynamic, strategy, type) of the input activations nb computes -> QuantScheme.activations
+ACTIVATIONS = {(True, "token", "int"): "int8_token", (False, "tensor", "float"): "float8_tensor"}
 UNPACKED = {"weight_packed": "weight"}  # pack-quantized names -> the name of what they unpack to
 
 
@@ -101,12 +103,12 @@ def _scheme(group: Any, model_format: str | None) -> QuantScheme:
     if group.output_activations is not None:
         described += f", outputs {_describe(group.output_activations)}"
     supported = "8-bit symmetric static weights per channel or per tensor, int8 with dynamic " \
-                "per-token activations or none"
+                "per-token activations, float8 with static per-tensor activations, or none"
     weights_ok = (w is not None and w.num_bits == 8 and w.symmetric and not w.dynamic and not w.group_size
                   and _value(w.strategy) in ("channel", "tensor") and _value(w.type) in FORMATS)
-    activations_ok = a is None or (_value(a.type) == "int" and a.num_bits == 8 and a.symmetric
-                                   and a.dynamic is True and _value(a.strategy) == "token"
-                                   and w is not None and _value(w.type) == "int")
+    activations_ok = a is None or (a.num_bits == 8 and a.symmetric and not a.group_size and w is not None
+                                   and (a.dynamic, _value(a.strategy), _value(a.type)) in ACTIVATIONS
+                                   and _value(a.type) == _value(w.type))
     if not (weights_ok and activations_ok and group.output_activations is None):
         raise ValueError(f"quantization scheme ({described}) is not supported; nb reads {supported}")
     stored, kind = _value(group.format) or model_format, _value(w.type)
@@ -114,7 +116,8 @@ def _scheme(group: Any, model_format: str | None) -> QuantScheme:
         raise ValueError(f"compressed-tensors format {stored!r} is not supported for {_describe(w)} "
                          f"weights; use one of {FORMATS[kind]}")
     weights = "int8" if kind == "int" else "float8_e4m3fn"
-    return QuantScheme(weights, _value(w.strategy), "none" if a is None else "int8_token")
+    activations = "none" if a is None else ACTIVATIONS[a.dynamic, _value(a.strategy), _value(a.type)]
+    return QuantScheme(weights, _value(w.strategy), activations)
 
 
 def unpack(tensors: dict[str, Tensor]) -> None:

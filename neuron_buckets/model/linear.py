@@ -24,7 +24,10 @@ A quantized projection (``QuantizedWeight``): int8 runs its scheme's kernel
 (``torch._scaled_mm`` and a per-call widening both ran many times slower than the bfloat16 GEMM;
 CHANGELOG has the figures), so the runtime widens it once, at load, to the model dtype (exact),
 packed as a dense weight is, and the scale multiplies the GEMM's output. The artifact keeps the
-float8 bytes; the runtime holds the model dtype's.
+float8 bytes; the runtime holds the model dtype's. Static float8 activations (a stored input scale
+per projection) are rounded to float8 in the graph as vLLM rounds them (``x / input_scale``,
+clamped to float8's range), widened back (exact), and the GEMM's output is scaled by both scales:
+the products ``torch._scaled_mm`` would sum, by the model dtype's GEMM.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ C_SHIMS = {
     ],
     QOP: [QOP_SHIM],
 }
+FLOAT8_MAX = 448.0  # float8_e4m3fn's largest finite value: what vLLM clamps the activations to
 PACK_TOKENS = 512  # oneDNN's batch hint: one blocked layout serves every bucket (1 token and up)
 
 
@@ -99,8 +103,12 @@ def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
     if isinstance(weight, QuantizedWeight):
         if weight.scheme.weights == "int8":
             out = int8_linear(x, weight, _tracing_onednn and available(torch.float32, x.device))
-        else:  # float8, widened at load (a no-op here then); dense in the eager reference
+        elif weight.input_scale is None:  # float8, widened at load (a no-op here then)
             out = (linear(x, weight.data.to(x.dtype)) * weight.scale).to(x.dtype)
+        else:  # and static float8 activations: x rounded to float8 by the stored scale, widened back
+            qx = (x.float() / weight.input_scale).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn)
+            scale = weight.scale * weight.input_scale
+            out = (linear(qx.to(x.dtype), weight.data.to(x.dtype)) * scale).to(x.dtype)
         return out if bias is None else out + bias
     if weight.is_mkldnn or (_tracing_onednn and available(weight.dtype, weight.device)):
         return OP(x, weight, bias, "none", [], None)

@@ -17,17 +17,18 @@ from typing import Literal
 # channel's or tensor's amax onto).
 WEIGHTS = {"int8": 127.0, "float8_e4m3fn": 448.0}
 STRATEGIES = ("channel", "tensor")
-ACTIVATIONS = ("none", "int8_token")
+ACTIVATIONS = ("none", "int8_token", "float8_tensor")
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """The projections' weights (``weights``, with one scale per ``strategy``) and whether the
-    activations are quantized too (``int8_token``: to int8 per token, dynamically, each step)."""
+    activations are quantized too (``int8_token``: to int8 per token, dynamically, each step;
+    ``float8_tensor``: to float8 by each projection's stored input scale, static)."""
 
     weights: Literal["int8", "float8_e4m3fn"]
     strategy: Literal["channel", "tensor"]
-    activations: Literal["none", "int8_token"] = "none"
+    activations: Literal["none", "int8_token", "float8_tensor"] = "none"
 
     def __post_init__(self) -> None:
         choices = {"weights": tuple(WEIGHTS), "strategy": STRATEGIES, "activations": ACTIVATIONS}
@@ -36,6 +37,13 @@ class QuantScheme:
                 raise ValueError(f"quantization {name}={getattr(self, name)!r} is not one of {allowed}")
         if self.activations == "int8_token" and self.weights != "int8":
             raise ValueError("int8_token activations need int8 weights")
+        if self.activations == "float8_tensor" and self.weights != "float8_e4m3fn":
+            raise ValueError("float8_tensor activations need float8_e4m3fn weights")
+
+    @property
+    def static_input(self) -> bool:
+        """Whether each projection has a stored input scale (a third graph input after its scale)."""
+        return self.activations == "float8_tensor"
 
     @property
     def name(self) -> str:

@@ -15,6 +15,10 @@ Chosen by measuring the candidates at the Llama-3.2-1B projections' shapes on th
   calls it as ``nb::_qlinear_pointwise_tensor``, opaque to inductor, whose schema and C shim are
   oneDNN's: weights stay inputs and a loaded graph needs nothing registered from Python.
 
+Off the CPU (the XLA device the Neuron pieces lower on) neither kernel exists: the graph widens the
+int8 weight and multiplies by the scales around a plain matmul (W8A8: over its int8-valued
+activations), which XLA lowers as convert, dot and multiply with the weights and scales as inputs.
+
 float8 weights are ``model/linear.py``'s: a dense GEMM over weights widened at load.
 """
 
@@ -82,6 +86,8 @@ def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
         else:  # the same products, where oneDNN is not (a dense weight, another device)
             y = (q @ w.data.float().t()) * w.scale
         return (y * x_scale).to(x.dtype)
+    if x.device.type != "cpu":  # torch's kernel is a CPU op; XLA (Neuron) lowers the same products
+        return torch.nn.functional.linear(x, w.data.to(x.dtype)) * w.scale.to(x.dtype)
     return torch.ops.aten._weight_int8pack_mm(x, w.data, w.scale.to(x.dtype))
 
 

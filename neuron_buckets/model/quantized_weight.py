@@ -3,8 +3,12 @@
 It is two graph inputs, ``data`` and ``scale`` (``LayerWeights.tensors()`` flattens it, ``of``
 rebuilds it with the config's scheme), so one compiled layer piece serves every layer's weights.
 The scale is per output channel, float32, (out,): parts fused along dim 0 (q, k and v) each keep
-their own scale that way, a checkpoint's per-tensor scale included. ``linear`` is the one place
-that computes with it (``model/linear.py``).
+their own scale that way, a checkpoint's per-tensor scale included. A scheme with static
+activations adds a third, ``input_scale`` (float32, (1,), as compressed-tensors stores it:
+torch-xla would fold a 0-d input of 0 or 1 into a constant): the parts fused read the same input,
+so they share one, the largest of theirs, as vLLM fuses them (a calibration over their common
+input gives them the same). ``linear`` is the one place that computes with it
+(``model/linear.py``).
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ class QuantizedWeight:
     data: Tensor
     scale: Tensor
     scheme: QuantScheme
+    input_scale: Tensor | None = None  # the activations' static scale (``scheme.static_input``)
 
-    def tensors(self) -> tuple[Tensor, Tensor]:
-        return self.data, self.scale
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.data, self.scale) + (() if self.input_scale is None else (self.input_scale,))
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Rows (dim 0: output channels, with their scales) or columns (dim 1: input features,
@@ -43,6 +48,11 @@ class QuantizedWeight:
         per_channel = dim == 0 and self.scale.dim() == 1
         scale = self.scale.narrow(0, start, length) if per_channel else self.scale
         return replace(self, data=self.data.narrow(dim, start, length), scale=scale)
+
+    def stored(self) -> QuantizedWeight:
+        """The data in the dtype the checkpoint stores (float8 as float8, not widened): what a
+        graph takes on a device that converts it in the graph (the Neuron pieces, as NxD does)."""
+        return replace(self, data=self.data.to(getattr(torch, self.scheme.weights)))
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
         """The dense weight this stands for, computed in float32 and rounded once to ``dtype``."""
@@ -61,4 +71,6 @@ class QuantizedWeight:
         if len(parts) == 1:
             return parts[0]
         scales = [p.scale.expand(p.data.shape[0]) for p in parts]
-        return cls(torch.cat([p.data for p in parts]), torch.cat(scales), parts[0].scheme)
+        inputs = [p.input_scale for p in parts if p.input_scale is not None]
+        input_scale = torch.cat(inputs).amax().reshape(1) if inputs else None
+        return cls(torch.cat([p.data for p in parts]), torch.cat(scales), parts[0].scheme, input_scale)

@@ -12,7 +12,7 @@ rebuilds the record inside the graph. Which checkpoint tensors each field is mad
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -46,16 +46,25 @@ class LayerWeights:
         present = (w for w in (getattr(self, f.name) for f in fields(self)) if w is not None)
         return tuple(t for w in present for t in (w.tensors() if isinstance(w, QuantizedWeight) else (w,)))
 
+    def stored(self) -> LayerWeights:
+        """The quantized projections as the checkpoint stores them (``QuantizedWeight.stored``)."""
+        quantized = {n: w for n in PROJECTIONS if isinstance(w := getattr(self, n), QuantizedWeight)}
+        return replace(self, **{n: w.stored() for n, w in quantized.items()})
+
     @classmethod
     def of(cls, config: LlamaConfig, tensors: Sequence[Tensor]) -> LayerWeights:
         """``tensors()`` back as the record, for a layer of ``config``'s architecture."""
         names, scheme = list(part_shapes(config)), config.quantization
-        if len(tensors) != len(names) + (len(PROJECTIONS) if scheme else 0):
+        extra = 0 if scheme is None else 2 if scheme.static_input else 1  # a quantized weight's scales
+        if len(tensors) != len(names) + extra * len(PROJECTIONS):
             raise ValueError(f"{len(tensors)} tensors do not make the layer's fields {names}")
         flat, built = iter(tensors), {}
         for name in names:
-            quantized = scheme is not None and name in PROJECTIONS
-            built[name] = QuantizedWeight(next(flat), next(flat), scheme) if quantized else next(flat)
+            if scheme is None or name not in PROJECTIONS:
+                built[name] = next(flat)
+                continue
+            data, scale = next(flat), next(flat)
+            built[name] = QuantizedWeight(data, scale, scheme, next(flat) if scheme.static_input else None)
         return cls(**built)
 
 
@@ -117,7 +126,8 @@ def example_layer(config: LlamaConfig, dtype: torch.dtype, device: str = "cpu") 
     for name, shape in zip(part_shapes(config), layer_shapes(config), strict=True):
         if scheme is not None and name in PROJECTIONS:
             data = torch.zeros(shape, dtype=runtime_dtype(scheme, dtype), device=device)
-            built[name] = QuantizedWeight(data, torch.zeros(shape[0], device=device), scheme)
+            input_scale = torch.ones(1, device=device) if scheme.static_input else None
+            built[name] = QuantizedWeight(data, torch.zeros(shape[0], device=device), scheme, input_scale)
         else:
             built[name] = torch.zeros(shape, dtype=dtype, device=device)
     return LayerWeights(**built)

@@ -59,14 +59,16 @@ def cache_bytes(model: LlamaConfig, num_blocks: int, block_size: int, dtype: str
 
 def weights_bytes(model: LlamaConfig, dtype: str) -> int:
     """The weights a runtime holds: a quantized model's projections at their runtime width
-    (``QuantScheme.runtime_bytes``), with a float32 scale per output channel."""
+    (``QuantScheme.runtime_bytes``), with a float32 scale per output channel (and one per
+    projection for its input, where the scheme has static activations)."""
     h, q, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     e, i, s = DTYPE_BYTES[dtype], model.intermediate_size, model.quantization
     projections = h * (2 * q + 2 * kv) + 3 * h * i
     if s is None:
         projection_bytes = projections * e
     else:
-        projection_bytes = projections * s.runtime_bytes(e) + (q + 2 * kv + h + 2 * i + h) * FLOAT32
+        scales = q + 2 * kv + h + 2 * i + h + (4 if s.static_input else 0)  # 4: qkv, o, gate_up, down
+        projection_bytes = projections * s.runtime_bytes(e) + scales * FLOAT32
     heads = 1 if model.tie_word_embeddings else 2
     norms = model.num_layers * 2 * h + h
     return (heads * model.vocab_size * h + norms) * e + model.num_layers * projection_bytes
