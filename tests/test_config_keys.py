@@ -135,7 +135,7 @@ def engine_probe(config: Config, tmp_path: Path) -> tuple:
     runtime = SimpleNamespace(
         block_size=4, num_blocks=64, manifest=SimpleNamespace(text=None),
         buckets=SimpleNamespace(token_budget=64, max_rows=4, decode_seq=4),
-        owner=None, claim=lambda engine: None,
+        owner=None, claim=lambda engine: None, check_generates=lambda: None,
     )
     loaded = replace(speculative_config(0, 0, file), method="ngram")  # a draft model needs an artifact
     engine = LLMEngine(runtime, pool=BlockPool(64, 4), speculative=loaded)

@@ -25,4 +25,4 @@ def test_serve_passes_preload_to_the_server(monkeypatch, tmp_path):
     for flags, expected in (([], False), (["--preload"], True)):
         result = CliRunner().invoke(app, ["serve", str(tmp_path), *flags])
         assert result.exit_code == 0, result.output
-        assert seen.pop("args")[-1] is expected
+        assert seen.pop("args")[-2] is expected  # before pooling

@@ -274,6 +274,9 @@ class MarkovRuntime:
     def claim(self, owner: object) -> None:
         self.owner = owner
 
+    def check_generates(self) -> None:
+        """It has a head: it generates."""
+
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         last = [t for s in plan for t in list(s.token_ids)[len(s.token_ids) - s.num_samples :]]
         return self.log_p[torch.tensor(last, dtype=torch.int64)]

@@ -216,7 +216,9 @@ class BucketRuntime:
         layer_role = "layer"
         if "fresh_layer" in pieces and step.fresh:
             layer_role, step = "fresh_layer", step.without_context()
-        embed, layer = (self.graph(pieces[role]) for role in ("embed", layer_role))
+        # Every graph of the call loads before the first runs: a damaged one writes nothing.
+        out_role = "norm" if self.embeds else "head"
+        embed, layer, out = (self.graph(pieces[role]) for role in ("embed", layer_role, out_role))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
         h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
@@ -224,15 +226,14 @@ class BucketRuntime:
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
         if self.embeds:  # real tokens lie at the front of a packed step, in segment order
             real = int((step.segment_ids < step.num_rows).sum())
-            return self.graph(pieces["norm"])(h, self.head_weights[0])[:real]
-        head = self.graph(pieces["head"])
+            return out(h, self.head_weights[0])[:real]
         # One head call returns the bucket's sample count; a step that asks for more (a prompt's
         # logits) runs the same head over each further group of positions: no graph of its own.
         per_call = sampling.numel() if self.backend.dynamic_shapes else self.buckets.samples(bucket)
         if sampling.numel() <= per_call:
-            logits = head(h, sampling, *self.head_weights)
+            logits = out(h, sampling, *self.head_weights)
         else:
-            logits = torch.cat([head(h, group, *self.head_weights) for group in sampling.split(per_call)])
+            logits = torch.cat([out(h, group, *self.head_weights) for group in sampling.split(per_call)])
         return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
 
     def run_plan(self, plan: StepPlan) -> Tensor:
