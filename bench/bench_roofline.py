@@ -19,7 +19,8 @@ and in bfloat16), measured here:
   (the share is the layers' GEMMs alone over the call, both run back to back in each of
   ``--repeats`` rounds, the median: this machine's speed drifts by more than 10% within
   minutes); decode steps of 4 and 8 rows at context 400 against max(memory floor, compute floor),
-  and the batch-8 step over the batch-4 step;
+  and the batch-8 step over the batch-4 step, in rounds that each read a 1 GiB tensor (the memory
+  floor at that moment's rate) and run both steps back to back, the medians of the rounds' ratios;
 - the rule for mixed steps: a ``--chunk``-token arrival with ``--riders`` decode rows riding in its
   prefill call, against the chunk's call alone plus the rows' decode call (alternating rounds), and
   the rows alone in their decode graph against the smallest packed call.
@@ -40,7 +41,8 @@ import statistics
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from math import prod
 from pathlib import Path
 
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import decode_step_ms, median_ms, prefill_call  # noqa: E402
+from bench_generate import median_ms, prefill_call  # noqa: E402
 from bench_matrix import matrix_artifact  # noqa: E402
 from real_models import SHAPES, Shape, add_size_args  # noqa: E402
 from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
@@ -66,7 +68,8 @@ TABLE = ResultsTable(
 `bench/bench_roofline.py`: how far nb's calls are from this machine's limits. Prefill: a
 512-token call's GEMM rate as a share of the dtype's GEMM rate at its shapes (target at least
 0.90). Decode at context 400: the step against max(memory floor, compute floor) (target at most
-1.5x at batch 8) and batch 8 against batch 4 (target at most 1.2). A ride: a 300-token arrival
+1.5x at batch 8) and batch 8 against batch 4 (target at most 1.2), each a median of rounds that
+read 1 GiB and run both steps back to back (the floor at that round's read rate). A ride: a 300-token arrival
 with 4 decode rows in one call against its call plus the rows' decode call (target at most 1.00).
 """,
     columns=("shape", "dtype", "GEMM GFLOP/s", "prefill share", "decode b4 ms (x floor)",
@@ -148,19 +151,19 @@ def gemm_rate(shape: Shape, dtype: torch.dtype, tokens: int, repeats: int, show:
     return layer_flop, rate, lambda: [gemm() for gemm in fastest]
 
 
-def alternating_ms(
-    first: Callable[[], object], second: Callable[[], object], rounds: int
-) -> list[tuple[float, float]]:
-    """(ms of ``first``, ms of ``second``) in each of ``rounds`` back-to-back rounds: this machine's
-    speed drifts by more than 10% within minutes, so a ratio is taken within a round."""
-    first(), second()
+def rounds_ms(fns: Sequence[Callable[[], object]], rounds: int) -> list[tuple[float, ...]]:
+    """The ms of each of ``fns``, run back to back in each of ``rounds`` rounds: this machine's speed
+    drifts by more than 10% within minutes, so a ratio is taken within a round."""
+    for fn in fns:
+        fn()
     out = []
     for _ in range(rounds):
-        start = time.perf_counter()
-        first()
-        middle = time.perf_counter()
-        second()
-        out.append(((middle - start) * 1e3, (time.perf_counter() - middle) * 1e3))
+        times = []
+        for fn in fns:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        out.append(tuple(times))
     return out
 
 
@@ -180,18 +183,39 @@ def memory_floor_ms(model: Path, dtype: str, repeats: int) -> tuple[float, int]:
 def decode_floors(
     shape: Shape, layers: int, dtype: torch.dtype, rate: float, memory_ms: float, elements: int, repeats: int,
 ) -> dict[int, float]:
-    """Print each decode batch's floors; max(memory floor, compute floor) per batch."""
+    """Print each decode batch's floors; its compute floor (ms) per batch."""
     untied = 0 if shape.fields.get("tie_word_embeddings") else 1  # an untied embedding is only gathered from
     dense = elements - untied * shape.get("vocab_size") * shape.get("hidden_size")
-    floors = {}
+    compute = {}
     for batch in DECODE_BATCHES:
-        compute_ms = 2.0 * batch * dense / rate / 1e6
-        floors[batch] = max(memory_ms, compute_ms)
+        compute[batch] = 2.0 * batch * dense / rate / 1e6
         alone = decode_gemms_ms(shape, layers, dtype, batch, repeats)
-        print(f"  decode batch {batch}: compute floor {compute_ms:.1f} ms ({2 * batch * dense / 1e9:.1f} "
-              f"GFLOP at {rate:.0f} GFLOP/s), memory floor {memory_ms:.1f} ms -> floor {floors[batch]:.1f} "
-              f"ms; the same GEMMs alone at {batch} rows {alone:.1f} ms")
-    return floors
+        print(f"  decode batch {batch}: compute floor {compute[batch]:.1f} ms ({2 * batch * dense / 1e9:.1f} "
+              f"GFLOP at {rate:.0f} GFLOP/s), memory floor {memory_ms:.1f} ms -> floor "
+              f"{max(memory_ms, compute[batch]):.1f} ms; the same GEMMs alone at {batch} rows {alone:.1f} ms")
+    return compute
+
+
+def decode_steps(artifact: Path, weight_bytes: int, compute: dict[int, float], repeats: int
+                 ) -> dict[int, tuple[float, float]]:
+    """Per batch of ``DECODE_BATCHES``: (its decode step's ms, that step over max(memory floor,
+    compute floor)), medians of ``repeats`` rounds. Each round reads a 1 GiB tensor and runs a step
+    of each batch back to back, so the memory floor (``weight_bytes`` at that round's read rate)
+    and each batch's step are timed at the same moment. Also the median per-round ratio of the
+    largest batch's step over the smallest's, under ``ratio``."""
+    runtime = BucketRuntime.open(artifact, preload=True)
+    per = -(-(DECODE_CONTEXT + 1) // runtime.block_size)
+    plans = [tuple(Segment(i, [5], DECODE_CONTEXT, tuple(range(1 + i * per, 1 + (i + 1) * per)), 1)
+                   for i in range(batch)) for batch in DECODE_BATCHES]  # fmt: skip
+    stream = torch.ones(1 << 28)  # 1 GiB
+    rounds = rounds_ms([stream.sum, *(partial(runtime.run_plan, plan) for plan in plans)], repeats)
+    out = {}
+    for i, batch in enumerate(DECODE_BATCHES, start=1):
+        floors = [max(weight_bytes / stream.nbytes * r[0], compute[batch]) for r in rounds]
+        out[batch] = (statistics.median(r[i] for r in rounds),
+                      statistics.median(r[i] / floor for r, floor in zip(rounds, floors, strict=True)))
+    out["ratio"] = statistics.median(r[-1] / r[1] for r in rounds)
+    return out
 
 
 def decode_gemms_ms(shape: Shape, layers: int, dtype: torch.dtype, batch: int, repeats: int) -> float:
@@ -219,11 +243,10 @@ def mixed_step_ms(artifact: Path, chunk_tokens: int, riders: int, repeats: int) 
         runtime.block_size, runtime.buckets.samples(smallest),
     )
     calls = [c.bucket.name for c in runtime.buckets.calls((chunk, *rows))]
-    rounds = alternating_ms(
+    rounds = rounds_ms([
         lambda: runtime.run_plan((chunk, *rows)),
         lambda: (runtime.run_plan((chunk,)), runtime.run_plan(tuple(rows))),
-        repeats,
-    )
+    ], repeats)
     return {
         f"riding, one step ({' + '.join(calls)})": statistics.median(one for one, _ in rounds),
         "chunk's call + decode call": statistics.median(two for _, two in rounds),
@@ -263,11 +286,11 @@ def roofline(args: argparse.Namespace, key: str, dtype_name: str) -> None:
     layer_flop, rate, layer_gemm = gemm_rate(shape, dtype, TOKENS, args.repeats)
     model, artifact = matrix_artifact(args.models, args.work, key, layers, dtype_name)
     memory_ms, elements = memory_floor_ms(model, dtype_name, max(3, args.repeats // 2))
-    floors = decode_floors(shape, layers, dtype, rate, memory_ms, elements, args.repeats)
+    compute = decode_floors(shape, layers, dtype, rate, memory_ms, elements, args.repeats)
 
     halves = Workload("prefill512", [list(range(TOKEN_LOW, TOKEN_LOW + TOKENS // 2))] * 2, 1)
     prefill, bucket = prefill_call(artifact, halves)
-    rounds = alternating_ms(prefill, lambda: [layer_gemm() for _ in range(layers)], args.repeats)
+    rounds = rounds_ms([prefill, lambda: [layer_gemm() for _ in range(layers)]], args.repeats)
     prefill_ms = statistics.median(nb for nb, _ in rounds)
     shares = sorted(gemm / nb for nb, gemm in rounds)  # the GEMMs alone / the call: its GEMM-rate share
     dense = layers * layer_flop
@@ -278,13 +301,15 @@ def roofline(args: argparse.Namespace, key: str, dtype_name: str) -> None:
           f"{len(shares)} rounds, each the call and {layers} layers of the four GEMMs back to back; "
           f"range {shares[0]:.2f}-{shares[-1]:.2f}; target: at least 0.90); {nb_rate / rate:.2f} of "
           f"the rate each GEMM reaches repeating alone, above")
-    decode = {b: decode_step_ms(artifact, DECODE_CONTEXT, args.repeats, batch=b) for b in DECODE_BATCHES}
-    for batch, ms in decode.items():
-        print(f"  decode batch {batch} at context {DECODE_CONTEXT}: {ms:.1f} ms = {ms / floors[batch]:.2f}x "
-              f"max(memory floor, compute floor) ({floors[batch]:.1f} ms; target: at most 1.5x at batch 8)")
+    decode = decode_steps(artifact, elements * DTYPE_BYTES[dtype_name], compute, args.repeats)
+    for batch in DECODE_BATCHES:
+        ms, x_floor = decode[batch]
+        print(f"  decode batch {batch} at context {DECODE_CONTEXT}: {ms:.1f} ms = {x_floor:.2f}x max(memory "
+              f"floor, compute floor) (each round's floor at that round's read rate; target: at most "
+              f"1.5x at batch 8)")
     small, large = DECODE_BATCHES
-    print(f"  decode batch {large} / batch {small}: {decode[large] / decode[small]:.2f} "
-          "(target: at most 1.2)")
+    print(f"  decode batch {large} / batch {small}: {decode['ratio']:.2f} (median of {args.repeats} rounds, "
+          "the two back to back; target: at most 1.2)")
     mixed = mixed_step_ms(artifact, args.chunk, args.riders, args.repeats)
     print(f"\nmixed steps ({args.chunk}-token arrival, {args.riders} decode rows at context "
           f"{DECODE_CONTEXT}):")
@@ -294,8 +319,8 @@ def roofline(args: argparse.Namespace, key: str, dtype_name: str) -> None:
     print(f"  riding / two calls: {ratio:.2f} (median of {args.repeats} rounds, the two back to back; "
           "target: at most 1.00)")
     TABLE.write(args.results, [[shape.name, dtype_name, f"{rate:.0f}", f"{statistics.median(shares):.2f}",
-                                *(f"{decode[b]:.1f} ({decode[b] / floors[b]:.2f}x)" for b in DECODE_BATCHES),
-                                f"{decode[large] / decode[small]:.2f}", f"{ratio:.2f}"]])
+                                *(f"{decode[b][0]:.1f} ({decode[b][1]:.2f}x)" for b in DECODE_BATCHES),
+                                f"{decode['ratio']:.2f}", f"{ratio:.2f}"]])
 
 
 def main() -> None:
