@@ -1,1 +1,0 @@
-"""Block-KV kernels: NKI sources for Neuron and the torch golden references the model runs."""
