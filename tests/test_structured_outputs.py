@@ -159,7 +159,10 @@ def test_required_and_named_tool_choices_always_return_a_call_to_a_declared_func
         out = c.chat.completions.create(
             model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4
         )
-        assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason == "length"
+        # unseeded sampling on random weights: the end of text may come before the cap
+        reason, used = out.choices[0].finish_reason, out.usage.completion_tokens
+        assert out.choices[0].message.tool_calls == [] and used <= 4
+        assert reason == "stop" or (reason == "length" and used == 4)
 
 
 def test_logprobs_of_accepted_drafts_are_transformers_log_softmax(roomy_artifact, oracle):
