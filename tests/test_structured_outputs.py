@@ -157,12 +157,10 @@ def test_required_and_named_tool_choices_always_return_a_call_to_a_declared_func
         history = [*messages, {"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump()]},
                    {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"}]
         out = c.chat.completions.create(
-            model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4
+            model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4,
+            extra_body={"ignore_eos": True},  # random weights may draw the end of text before the cap
         )
-        # unseeded sampling on random weights: the end of text may come before the cap
-        reason, used = out.choices[0].finish_reason, out.usage.completion_tokens
-        assert out.choices[0].message.tool_calls == [] and used <= 4
-        assert reason == "stop" or (reason == "length" and used == 4)
+        assert out.choices[0].message.tool_calls == [] and out.choices[0].finish_reason == "length"
 
 
 def test_logprobs_of_accepted_drafts_are_transformers_log_softmax(roomy_artifact, oracle):
