@@ -25,29 +25,21 @@ slower than this kernel.
 
 The op is declared here (schema and shape function), so any process can trace and compile graphs
 that call it. Its CPU kernel is C++, vectorised with ATen's ``Vectorized`` for the instruction set
-inductor picks on this machine (AVX-512, AVX2, or none), and built with
-``torch.utils.cpp_extension`` into torch's extension directory (``TORCH_EXTENSIONS_DIR``, else
-``~/.cache/torch_extensions``; the name hashes the source, torch and the CPU's feature flags).
-``nb compile`` builds it and copies the library into the artifact (``kernels/block_kv_cpu.so``, in the
-manifest with its sha256, as the graphs are), so a serving host needs no compiler: the runtime
-registers the artifact's copy before any graph loads, and AOTInductor calls the op through the
-package's proxy executor, by name. An eager call outside an artifact (tests, references) builds it
-on first use.
+inductor picks on this machine (AVX-512, AVX2, or none), built and shipped in the artifact as
+``kernels/cpp_library.py`` says.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_suffix(".cpp")
+from neuron_buckets.kernels.cpp_library import CppLibrary
+
 OP = "nb::block_kv_attention"
-LIBRARY = "block_kv_cpu.so"  # its file name in an artifact directory's kernels/
+LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's CPU attention kernel")
 
 torch.library.define(
     OP,
@@ -71,60 +63,9 @@ def applies(device: torch.device | str, *dtypes: torch.dtype | str) -> bool:
     return torch.device(device).type == "cpu" and len(names) == 1 and names <= set(DTYPES)
 
 
-def registered() -> bool:
-    """Whether this process has the op's CPU kernel (from a build, or an artifact's library)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU")
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), or nothing where /proc/cpuinfo does not list them."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
-
-
-@functools.cache
-def build() -> Path:
-    """The shared library's path, built first if this machine has no build of this source for
-    this torch and CPU (in torch's extension directory). A built one is found by name alone:
-    ``nb compile`` calls this every run, and probing the vector ISA costs seconds."""
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {_cpu_flags()}".encode())
-    name = f"nb_block_kv_cpu_{digest.hexdigest()[:12]}"
-    directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
-    library = directory / f"{name}.so"
-    if library.is_file():
-        return library
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    isa = pick_vec_isa()  # what inductor vectorises its own CPU kernels for, on this machine
-    # -fopenmp: at::parallel_for is inlined here, and without it runs on one thread
-    flags = ["-O3", "-fopenmp", *(f"-D{m}" for m in isa.build_macro()), *isa.build_arch_flags().split()]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=str(directory), is_python_module=False)
-    except (RuntimeError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"cannot build nb's CPU attention kernel {SOURCE.name} (needs a C++ compiler "
-                           f"and torch's headers): {first}") from e
-    return library
-
-
-def register(library: Path) -> None:
-    """Load an artifact's copy of the built kernel, unless this process already has the op's kernel
-    (a second registration of the same op is an error)."""
-    if not registered():
-        torch.ops.load_library(str(library))
-
-
 def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:
     """An ``AttentionKernel``: the inputs, output and masking of ``block_kv_torch.block_kv_attention``."""
-    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or registered()):
-        register(build())  # eager calls outside an artifact (tests, references)
+    LIBRARY.ensure()
     return torch.ops.nb.block_kv_attention(
         q, k_active, v_active, k_cache, v_cache, *step, scale, window
     )

@@ -21,6 +21,7 @@ import pytest
 import torch
 from filelock import FileLock
 
+from neuron_buckets.kernels import int8_linear_cpu
 from neuron_buckets.model.checkpoint import checkpoint_tensors, load_model, load_weights, read_config
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
 from neuron_buckets.model.compressed_tensors_format import scheme_of
@@ -304,7 +305,11 @@ def test_compiled_quantized_pieces_follow_the_reference_and_transformers(
     name, quantized, reference = scheme_dirs
     artifact = compile_artifact(quantized, tmp_path, "inductor", graph_cache_dir)
     runtime = BucketRuntime.open(artifact)
-    assert isinstance(runtime.weights.layers[0].qkv, QuantizedWeight)
+    qkv = runtime.weights.layers[0].qkv
+    assert isinstance(qkv, QuantizedWeight)
+    # W8A8 runs nb's INT8 kernel where the CPU has AVX512-VNNI: its library ships, its weights are packed
+    in_kernel = qkv.scheme.activations == "int8_token" and int8_linear_cpu.cpu_has_vnni()
+    assert ("int8_linear_cpu" in runtime.manifest.libraries) == qkv.vnni == in_kernel
     check_against_reference(name, artifact, reference)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32).eval()

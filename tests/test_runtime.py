@@ -337,9 +337,9 @@ import sys
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.kernels import block_kv_cpu
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-assert not block_kv_cpu.registered()
+assert not block_kv_cpu.LIBRARY.registered()
 logits = BucketRuntime.open(sys.argv[1]).run_plan((Segment(0, [7], 9, [1, 2], 1),))
-print(block_kv_cpu.registered(), logits.isfinite().all().item())
+print(block_kv_cpu.LIBRARY.registered(), logits.isfinite().all().item())
 """
 
 

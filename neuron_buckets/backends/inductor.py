@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
-from neuron_buckets.kernels import block_kv_cpu
+from neuron_buckets.kernels import block_kv_cpu, int8_linear_cpu
 from neuron_buckets.model import linear
 from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
@@ -178,9 +178,10 @@ class InductorBackend:
         if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
             torch.set_num_threads(MAX_THREADS)
         index = torch.device(device).index
-        if not block_kv_cpu.registered() and _calls_op(path, block_kv_cpu.OP):
-            raise BackendUnavailable(f"graph {path.name} calls {block_kv_cpu.OP}, whose kernel library the "
-                                     "artifact does not carry; recompile it with nb compile")
+        for library in (block_kv_cpu.LIBRARY, int8_linear_cpu.LIBRARY):
+            if not library.registered() and _calls_op(path, library.op):
+                raise BackendUnavailable(f"graph {path.name} calls {library.op}, whose kernel library the "
+                                         "artifact does not carry; recompile it with nb compile")
         compiled = torch._inductor.aoti_load_package(str(path), device_index=-1 if index is None else index)
         return PackageCall(compiled.loader)
 

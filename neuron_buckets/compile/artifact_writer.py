@@ -35,7 +35,8 @@ from neuron_buckets.compile.outcome import Outcome
 from neuron_buckets.compile.output_dir import LOGS, prune
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import write_text_files
-from neuron_buckets.kernels import block_kv_cpu
+from neuron_buckets.kernels import block_kv_cpu, int8_linear_cpu
+from neuron_buckets.kernels.cpp_library import CppLibrary
 from neuron_buckets.model.checkpoint import build_model, save_weights, weights_fingerprint
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.utils.files import atomic_write, intact, link_or_copy, sha256_file
@@ -73,17 +74,30 @@ class ArtifactWriter:
         self.manifest.weights = WeightsInfo(WEIGHTS, sha256_file(path), path.stat().st_size, fingerprint)
 
     def _write_libraries(self) -> None:
-        """Build the C++ kernel the CPU graphs call and copy it into ``kernels/``, so that a
+        """Build the C++ kernels the CPU graphs call and copy them into ``kernels/``, so that a
         serving host needs no compiler; a copy whose bytes already match is kept."""
-        c = self.plan.config
-        if not (self.plan.backend.cpu_kernels and block_kv_cpu.applies(c.compile.device, c.cache.dtype)):
-            return
-        built = block_kv_cpu.build()
-        rel = f"{KERNELS}/{block_kv_cpu.LIBRARY}"
-        path, digest = self.out / rel, sha256_file(built)
-        if not intact(path, digest):
-            atomic_write(path, lambda p: shutil.copyfile(built, p))
-        self.manifest.libraries = {"block_kv_cpu": LibraryInfo(rel, digest)}
+        libraries = {}
+        for name, library in self._libraries().items():
+            built = library.build()
+            rel = f"{KERNELS}/{library.file_name}"
+            path, digest = self.out / rel, sha256_file(built)
+            if not intact(path, digest):
+                atomic_write(path, lambda p, built=built: shutil.copyfile(built, p))
+            libraries[name] = LibraryInfo(rel, digest)
+        self.manifest.libraries = libraries
+
+    def _libraries(self) -> dict[str, CppLibrary]:
+        """The kernel libraries this artifact's graphs call, by their manifest name: the attention
+        on a CPU, and the INT8 projections of a W8A8 model where this CPU has AVX512-VNNI (the
+        graphs were traced for that kernel then: ``model/quantized_linear.py``)."""
+        c, scheme = self.plan.config, self.plan.model_config.quantization
+        if not self.plan.backend.cpu_kernels or torch.device(c.compile.device).type != "cpu":
+            return {}
+        libraries = {"block_kv_cpu": block_kv_cpu.LIBRARY} if block_kv_cpu.applies(c.compile.device,
+                                                                                    c.cache.dtype) else {}
+        if scheme and scheme.activations == "int8_token" and int8_linear_cpu.cpu_has_vnni():
+            libraries["int8_linear_cpu"] = int8_linear_cpu.LIBRARY
+        return libraries
 
     def place(self, o: Outcome, hit: Hit) -> Outcome:
         """Link a verified cache graph into the directory; its sha256 is the one just checked."""

@@ -6,10 +6,13 @@ Chosen by measuring the candidates at the Llama-3.2-1B projections' shapes on th
 - int8 weights, model-dtype activations (W8A16): ``aten._weight_int8pack_mm``, torch's
   weight-only kernel. It reads the int8 weight and applies the per-channel scale in its epilogue,
   and inductor lowers it with the weight as a graph input.
-- int8 weights and int8 per-token activations (W8A8): the step's activations are quantized per
-  token in the graph, then oneDNN's u8s8 int8 GEMM (VNNI) runs over a weight packed once at load,
-  the weight scales in its epilogue, the token scales after it. oneDNN's signed-int8 activation
-  path is a reference loop, orders of magnitude slower, so the activations are shifted to u8 with a
+- int8 weights and int8 per-token activations (W8A8), on a CPU with AVX512-VNNI: nb's own kernel,
+  ``nb::int8_linear`` (``kernels/int8_linear_cpu.py``), which quantizes the activations per token
+  and streams a weight packed once at load closer to memory speed than oneDNN's kernel below.
+- W8A8 elsewhere: the step's activations are quantized per token in the graph, then oneDNN's u8s8
+  int8 GEMM (VNNI) runs over a weight packed once at load, the weight scales in its epilogue, the
+  token scales after it. oneDNN's signed-int8 activation path is a reference loop, orders of
+  magnitude slower, so the activations are shifted to u8 with a
   zero point of 128 (the same products). ``torch._int_mm`` reorders the weight on every call.
   Inductor's own lowering of oneDNN's op wants the packed weight as a graph constant, so the graph
   calls it as ``nb::_qlinear_pointwise_tensor``, opaque to inductor, whose schema and C shim are
@@ -29,6 +32,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from neuron_buckets.kernels import int8_linear_cpu
 from neuron_buckets.model.quantized_weight import QuantizedWeight
 
 torch.library.define(
@@ -77,6 +81,8 @@ def per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
     """``x @ dequantized(w).T`` by the scheme's kernel; ``onednn``: trace oneDNN's calls."""
     if w.scheme.activations == "int8_token":
+        if w.vnni or (onednn and int8_linear_cpu.applies(w.data)):
+            return int8_linear_cpu.int8_linear(x, w.data, w.scale)
         q, x_scale = per_token_int8(x)
         if onednn or w.data.is_mkldnn:
             u8 = (q + ZERO_POINT).to(torch.uint8)
@@ -92,7 +98,10 @@ def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
 
 
 def pack_int8(w: QuantizedWeight, onednn: bool) -> QuantizedWeight:
-    """The weight in the layout its kernel reads: W8A8's packed once for oneDNN where it runs."""
-    if w.scheme.activations == "int8_token" and onednn:
-        return replace(w, data=torch.ops.onednn.qlinear_prepack(w.data, [PACK_TOKENS, w.data.shape[1]]))
-    return w
+    """The weight in the layout its kernel reads: W8A8's packed once for nb's INT8 kernel where
+    this process has it (an artifact whose graphs call it registered it), else for oneDNN."""
+    if w.scheme.activations != "int8_token" or not onednn:
+        return w
+    if int8_linear_cpu.LIBRARY.registered() and int8_linear_cpu.applies(w.data):
+        return replace(w, data=int8_linear_cpu.pack(w.data), vnni=True)
+    return replace(w, data=torch.ops.onednn.qlinear_prepack(w.data, [PACK_TOKENS, w.data.shape[1]]))

@@ -38,6 +38,7 @@ class QuantizedWeight:
     scale: Tensor
     scheme: QuantScheme
     input_scale: Tensor | None = None  # the activations' static scale (``scheme.static_input``)
+    vnni: bool = False  # ``data`` in the layout of nb's INT8 kernel (``kernels/int8_linear_cpu.py``)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.data, self.scale) + (() if self.input_scale is None else (self.input_scale,))

@@ -1,0 +1,72 @@
+"""INT8 W8A8 projections on the CPU: a C++ kernel, ``nb::int8_linear``, over weights packed at load.
+
+A decode step streams every weight once for a few tokens, so its projections are bound by memory.
+oneDNN's u8s8 GEMM (what the W8A8 graphs called before, and what vLLM CPU calls) read the int8
+weights of the Llama-3.2-1B projections at 0.6-0.76 of this machine's read bandwidth at 4 tokens;
+``int8_linear_cpu.cpp``, one 64-channel group streamed per thread through vpdpbusd, read them at
+0.88-1.02, and a 512-token call ran as fast as oneDNN's (CHANGELOG has the figures). It also
+quantizes the activations per token itself, so a graph calls one op per projection.
+
+It needs AVX512-VNNI (and AVX512BW), and a projection of a multiple of 64 output channels and of
+4 input features; elsewhere W8A8 stays on oneDNN (``model/quantized_linear.py``). Whether a
+graph calls it is decided as it is traced (``applies``), on the compiling machine; the artifact
+then carries the library, and the runtime packs the weights for it only where that library is
+registered, so a graph and its weights always agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_flags
+
+OP = "nb::int8_linear"
+LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's INT8 linear kernel",
+                     ("-mavx512vnni", "-mavx512bw"))
+GROUP = 64  # output channels the kernel computes together (its packed layout's unit)
+NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names of what it runs on
+
+torch.library.define(OP, "(Tensor x, Tensor weight, Tensor scale) -> Tensor")
+
+
+@torch.library.register_fake(OP)
+def _int8_linear_fake(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU runs the kernel (AVX512-VNNI and AVX512BW)."""
+    flags = set(cpu_flags().split())
+    return all(f in flags for f in NEEDS)
+
+
+def applies(weight: Tensor) -> bool:
+    """Whether a W8A8 projection of this (out, in) int8 weight runs in this kernel here."""
+    out, inp = weight.shape
+    return weight.device.type == "cpu" and out % GROUP == 0 and inp % 4 == 0 and cpu_has_vnni()
+
+
+def pack(weight: Tensor) -> Tensor:
+    """The (out, in) int8 weight in the kernel's layout, still (out, in) int8: 64-channel groups,
+    then 4 input features, then 4 blocks of 16 channels with their 4 bytes; each byte w + 128 as
+    unsigned (``int8_linear_cpu.cpp``)."""
+    out, inp = weight.shape
+    blocked = weight.reshape(out // GROUP, GROUP // 16, 16, inp // 4, 4).permute(0, 3, 1, 2, 4)
+    return (blocked.contiguous().view(torch.uint8) ^ 0x80).view(torch.int8).reshape(out, inp)
+
+
+def register(library: Path) -> None:
+    """Load an artifact's copy of the kernel, refused in one line on a CPU that cannot run it."""
+    if not cpu_has_vnni():
+        raise RuntimeError("this artifact's INT8 graphs call nb's INT8 kernel, which needs AVX512-VNNI, and "
+                           "this CPU lacks it; compile the artifact on this machine")
+    LIBRARY.register(library)
+
+
+def int8_linear(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:
+    """``x`` quantized per token times the packed weight, scaled: (..., out) in ``x``'s dtype."""
+    LIBRARY.ensure()
+    return torch.ops.nb.int8_linear(x, packed, scale)
