@@ -40,3 +40,16 @@ def test_inductor_graphs_are_keyed_and_checked_by_the_cpu_isa(monkeypatch):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
         seen[isa] = InductorBackend().load_versions()
     assert seen["AVX2"]["cpu_isa"] == "AVX2" and seen["AVX512"]["cpu_isa"] == "AVX512"
+
+
+def test_inductor_graphs_are_keyed_by_the_int8_kernel_the_cpu_runs(monkeypatch):
+    """A W8A8 graph traced for nb's AVX512-VNNI kernel reads weights packed for it, a oneDNN one
+    oneDNN's layout: a cache shared with a CPU of the other kind must not hand one to the other."""
+    from neuron_buckets.backends.inductor import InductorBackend
+    from neuron_buckets.kernels import int8_linear_cpu
+
+    seen = {}
+    for vnni in (False, True):
+        monkeypatch.setattr(int8_linear_cpu, "cpu_has_vnni", lambda vnni=vnni: vnni)
+        seen[vnni] = InductorBackend().load_versions()["int8_w8a8"]
+    assert seen == {False: "onednn", True: "nb avx512_vnni"}

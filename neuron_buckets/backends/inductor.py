@@ -133,11 +133,14 @@ class InductorBackend:
         """What a loaded graph needs of this machine: the same torch, and the vector ISA its C++
         was generated for (inductor follows ATen's CPU capability), so that AVX-512 graphs in a
         cache shared with an AVX2-only machine get other keys there, and a copied artifact is
-        refused with one line instead of dying on an illegal instruction."""
+        refused with one line instead of dying on an illegal instruction. Also whether the CPU has
+        AVX512-VNNI, which decides the kernel a W8A8 graph calls and the layout the runtime packs
+        its weights in (``model/quantized_linear.py``): graphs and weights must agree."""
         return {
             "torch": torch.__version__,
             "cuda": torch.version.cuda or "none",
             "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+            "int8_w8a8": "nb avx512_vnni" if int8_linear_cpu.cpu_has_vnni() else "onednn",
             "projections": PROJECTIONS,
         }
 
