@@ -27,7 +27,10 @@ server's Prometheus ``/metrics`` is read every 0.2 s: the mean of ``vllm:num_req
 the mean running batch, beside it the mean of ``vllm:num_requests_waiting`` and of
 ``vllm:kv_cache_usage_perc`` (the streams' requests neither running nor waiting are between server
 and client); the growth of ``vllm:num_preemptions_total``
-over the run is its preemptions.
+over the run is its preemptions. The means are over the run the client timed (its ``duration``,
+ending at the last sample in which the server held a request), not over the seconds the client
+takes to start and send its test prompt, when the server is idle: those seconds weigh more
+against the faster server, whose run is shorter.
 
 Printed: per server the mean running batch, waiting and KV use, output tok/s, mean output,
 preemptions, and nb / vLLM;
@@ -51,6 +54,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -80,10 +84,11 @@ outputs end after about 25 tokens while `max_tokens` is far larger. Both hold th
 (`blocks` of 32 tokens: nb's num_blocks, vLLM's --num-gpu-blocks-override), the same limits
 (max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching on, and warm up on unmeasured
 prompts. Mean running batch, mean waiting, KV use: `vllm:num_requests_running`,
-`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` read every 0.2 s during the measured
-run, averaged (of the streams' requests, those neither running nor waiting are between server
-and client); preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM, above 1
-is better.""",
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` read every 0.2 s and averaged over the
+run the client timed (of the streams' requests, those neither running nor waiting are between
+server and client); preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM,
+above 1 is better. Rows dated before 2026-12-04 averaged over the whole sampling, the client's
+start-up included, when the server sat idle: seconds that pulled the faster server's means down.""",
     columns=("layers", "blocks", "max_tokens", "prompts", "streams", "mean out tokens nb / vLLM",
              "mean running nb / vLLM", "running nb/vLLM", "mean waiting nb / vLLM", "KV use nb / vLLM",
              "out tok/s nb / vLLM", "tok/s nb/vLLM",
@@ -132,16 +137,29 @@ class GaugeSampler(threading.Thread):
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
-        self.port, self.samples, self.done = port, {key: [] for key in GAUGES}, threading.Event()
+        self.port, self.done = port, threading.Event()
+        self.times: list[float] = []
+        self.samples: dict[str, list[float]] = {key: [] for key in GAUGES}
 
     def run(self) -> None:
         while not self.done.wait(SAMPLE_S):
             text = scrape(self.port)
+            self.times.append(time.monotonic())
             for key, name in GAUGES.items():
                 self.samples[key].append(metric(text, name))
 
-    def means(self) -> dict[str, float]:
-        return {key: sum(values) / max(len(values), 1) for key, values in self.samples.items()}
+    def means(self, duration: float) -> tuple[dict[str, float], int]:
+        """Each gauge's mean over the measured run only, and the samples it took: the ``duration``
+        seconds the client timed, ending at the last sample in which the server held a request.
+        The sampler starts before the client does, and the client spends seconds starting and
+        sending one test prompt first; samples of that idle server would pull a fast server's
+        means down more than a slow one's, whose run is longer."""
+        held = zip(self.times, self.samples["running"], self.samples["waiting"], strict=True)
+        busy = [t for t, running, waiting in held if running + waiting > 0]
+        end = busy[-1] if busy else float("inf")
+        kept = [i for i, t in enumerate(self.times) if end - duration <= t <= end]
+        return {key: sum(values[i] for i in kept) / max(len(kept), 1)
+                for key, values in self.samples.items()}, len(kept)
 
 
 def client_args(args: argparse.Namespace, port: int, model: Path, num_prompts: int, output: int,
@@ -171,10 +189,10 @@ def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str
         sampler.done.set()
         sampler.join()
         preemptions = metric(scrape(port), "vllm:num_preemptions_total") - before
-    means = sampler.means()
+    means, samples = sampler.means(r["duration"])
     mean_out = r["total_output_tokens"] / max(r["completed"], 1)
     print(f"  {server:5s}: mean running {means['running']:.2f}, waiting {means['waiting']:.2f}, "
-          f"KV use {means['kv_use']:.0%} ({len(sampler.samples['running'])} samples), "
+          f"KV use {means['kv_use']:.0%} ({samples} samples in the run), "
           f"{r['output_throughput']:.1f} out tok/s, mean output {mean_out:.1f} tokens of {args.max_tokens}, "
           f"{preemptions:.0f} preemptions, {r['completed']} requests in {r['duration']:.0f} s, "
           f"load avg {load:.1f}", flush=True)

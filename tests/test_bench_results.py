@@ -14,6 +14,7 @@ ROOT = Path(__file__).parents[1]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 import bench_preemption  # noqa: E402
+import bench_preemption_serve  # noqa: E402
 from real_models import SHAPES  # noqa: E402
 from results_table import PROVENANCE, ResultsTable  # noqa: E402
 from serve_limits import GIB, ServeLimits  # noqa: E402
@@ -129,3 +130,15 @@ def test_a_bench_run_writes_rows_with_their_provenance(tmp_path: Path, monkeypat
     assert re.fullmatch(r"20\d\d-\d\d-\d\d \d\d:\d\d", date) and "cores" in cpu and commit
     text = path.read_text()
     assert "`bench/bench_preemption.py`: the scheduler alone" in text and text.rstrip().endswith("kept")
+
+
+def test_the_gauges_are_averaged_over_the_clients_run_only() -> None:
+    """Samples of the idle server while the client starts (and after it ends) are left out: the run
+    is the client's ``duration`` up to the last sample in which the server held a request."""
+    sampler = bench_preemption_serve.GaugeSampler(port=0)
+    sampler.times = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+    sampler.samples = {"running": [0, 1, 0, 4, 6, 2, 0], "waiting": [0, 0, 0, 2, 1, 0, 0],
+                       "kv_use": [0, 0.1, 0, 0.5, 0.9, 0.3, 0]}
+    means, kept = sampler.means(duration=0.4)  # the run: 0.6 to 1.0; the idle start, test prompt, end out
+    assert kept == 3 and means["running"] == 12 / 3 and means["waiting"] == 3 / 3
+    assert sampler.means(duration=10.0)[1] == 6  # all up to the last busy sample

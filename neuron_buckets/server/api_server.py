@@ -229,7 +229,7 @@ class OpenAIServer:
             lambda: (engine.pool.queries, engine.pool.hits),
             lambda: engine.spec_stats,
             lambda: engine.step_stats,
-            lambda: (engine.kv_cache.num_preemptions, engine.kv_cache.usage),
+            lambda: engine.kv_cache.num_preemptions,
         )
         self.loop = EngineLoop(engine, self.metrics, limits.max_open_requests)
         self.created = int(time.time())

@@ -228,6 +228,7 @@ class EngineLoop:
                 outputs = self._step() if self.engine.has_unfinished else []
                 self.metrics.running.set(self.engine.num_running)
                 self.metrics.waiting.set(self.engine.num_waiting)
+                self.metrics.kv_usage.set(self.engine.kv_cache.usage)
                 # Counted before delivered: a client holding its final output finds it in
                 # /metrics and may send its next request at once without meeting its own slot.
                 deliver_step(self._record(outputs, time.monotonic()))

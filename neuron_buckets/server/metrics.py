@@ -63,24 +63,18 @@ class BucketCollector(Collector):
 
 class EngineCounterCollector(Collector):
     """vLLM's counters that the engine keeps itself (the prefix cache's, in prompt tokens, the
-    preemptions, and speculative decoding's), and the KV cache's usage, read when Prometheus
-    scrapes: acceptance rate = accepted / draft tokens, mean accepted length = 1 + accepted /
-    drafts."""
+    preemptions, and speculative decoding's), read when Prometheus scrapes: acceptance rate =
+    accepted / draft tokens, mean accepted length = 1 + accepted / drafts."""
 
     def __init__(
         self, model_name: str, pool: Callable[[], tuple[int, int]], spec: Callable[[], SpecDecodeStats],
-        steps: Callable[[], StepStats], kv_cache: Callable[[], tuple[int, float]],
+        steps: Callable[[], StepStats], preemptions: Callable[[], int],
     ) -> None:
         self.model_name, self.pool, self.spec, self.steps = model_name, pool, spec, steps
-        self.kv_cache = kv_cache
+        self.preemptions = preemptions
 
     def collect(self) -> Iterator[Metric]:
-        (queries, hits), s, steps = self.pool(), self.spec(), self.steps()
-        preemptions, usage = self.kv_cache()
-        gauge = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage: 1 is every block held",
-                                  labels=["model_name"])
-        gauge.add_metric([self.model_name], usage)
-        yield gauge
+        (queries, hits), s, steps, preemptions = self.pool(), self.spec(), self.steps(), self.preemptions()
         for name, doc, value in (
             ("vllm:num_preemptions", "Requests preempted: blocks taken back, recomputed later", preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries),
@@ -110,11 +104,11 @@ class ServerMetrics:
         prefix_cache: Callable[[], tuple[int, int]] = lambda: (0, 0),
         spec_stats: Callable[[], SpecDecodeStats] = SpecDecodeStats,
         step_stats: Callable[[], StepStats] = StepStats,
-        kv_cache: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+        preemptions: Callable[[], int] = lambda: 0,
     ) -> None:
         """``prefix_cache`` reads the pool's (queries, hits) counters, ``spec_stats`` the engine's
-        speculative decoding counters, ``step_stats`` its steps and their seconds, ``kv_cache``
-        its (preemptions, usage from 0 to 1)."""
+        speculative decoding counters, ``step_stats`` its steps and their seconds, ``preemptions``
+        its KV cache manager's count of them."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -129,6 +123,9 @@ class ServerMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests in the engine's decode or prefill")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for blocks or a prefill slot")
+        # Set with the two above after each step, as vLLM publishes it with its step's stats: read
+        # live, mid-step, it would count the blocks of requests the step is about to release.
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage: 1 is every block held")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token", TPOT_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS)
@@ -140,8 +137,8 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self.registry.register(BucketCollector(model_name, bucket_stats))
-        engine_counters = EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats, kv_cache)
-        self.registry.register(engine_counters)
+        counters = EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats, preemptions)
+        self.registry.register(counters)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()
