@@ -37,12 +37,14 @@ def cpu_description() -> str:
 
 
 def commit() -> str:
-    """This checkout's commit, ``+changes`` if tracked files differ from it."""
+    """This checkout's commit, ``+changes`` if tracked files other than ``RESULTS`` differ from it
+    (a run of several benches writes that file between them)."""
     repo = str(Path(__file__).parents[1])
     head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "-uno"], capture_output=True,
-                           text=True).stdout.strip()
+    results = f":!{RESULTS.relative_to(repo).as_posix()}"
+    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "-uno", "--", ".", results],
+                           capture_output=True, text=True).stdout.strip()
     return head + ("+changes" if dirty else "")
 
 
