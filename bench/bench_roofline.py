@@ -3,10 +3,11 @@
 For each ``--shapes`` x ``--dtypes`` (default: every shape of ``real_models.SHAPES``, in float32
 and in bfloat16), measured here:
 - the GEMM rate of that dtype at the prefill layer's four shapes for a 512-token call (qkv, o,
-  gate_up, down as nb fuses them), all cores, in torch's ``F.linear`` and in the prepacked-weight
+  gate_up, down as nb fuses them), all cores, in torch's ``F.linear``, in the prepacked-weight
   kernels of MKL (float32 only; what inductor calls after freezing) and oneDNN (what vLLM CPU
-  and nb's packed linears call); the four together, each in its fastest kernel, are the ceiling of
-  a layer's dense work;
+  and nb's float32 packed linears call), and in nb's bfloat16 kernel (bfloat16 on a CPU with
+  AVX512-BF16, ``kernels/bf16_linear_cpu.py``); the four together, each in its fastest kernel,
+  are the ceiling of a layer's dense work;
 - memory bandwidth, from streaming a tensor larger than any cache (a copy, counted as bytes read
   plus written, and a sum, bytes read);
 - the floors of a decode step of ``B`` rows: memory, the bytes of the weights in that dtype (every
@@ -60,6 +61,7 @@ from workloads import TOKEN_LOW, Workload  # noqa: E402
 
 from neuron_buckets.core.padding import pad_prefill  # noqa: E402
 from neuron_buckets.core.step_plan import Segment  # noqa: E402
+from neuron_buckets.kernels import bf16_linear_cpu  # noqa: E402
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 
 TABLE = ResultsTable(
@@ -89,8 +91,9 @@ def layer_gemms(shape: Shape) -> dict[str, tuple[int, int]]:
 
 
 def gemm_kernels(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[], Tensor]]:
-    """One ``tokens x k -> n`` GEMM in ``dtype`` three ways: torch's ``F.linear``, and the
-    prepacked-weight kernels of MKL (float32 only) and oneDNN, where this torch has them."""
+    """One ``tokens x k -> n`` GEMM in ``dtype`` up to four ways: torch's ``F.linear``, the
+    prepacked-weight kernels of MKL (float32 only) and oneDNN, where this torch has them, and nb's
+    bfloat16 kernel where it applies."""
     x, w = torch.randn(tokens, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     out = {"F.linear": lambda: F.linear(x, w)}
     if torch.backends.mkl.is_available() and dtype == torch.float32:
@@ -99,6 +102,9 @@ def gemm_kernels(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[str, C
     if torch.backends.mkldnn.is_available():
         dnn = torch.ops.mkldnn._reorder_linear_weight(w, tokens)
         out["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], "")
+    if bf16_linear_cpu.applies(w):
+        packed = bf16_linear_cpu.pack(w)
+        out["nb bf16"] = lambda: bf16_linear_cpu.bf16_linear(x, packed)
     return out
 
 

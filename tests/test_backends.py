@@ -42,14 +42,22 @@ def test_inductor_graphs_are_keyed_and_checked_by_the_cpu_isa(monkeypatch):
     assert seen["AVX2"]["cpu_isa"] == "AVX2" and seen["AVX512"]["cpu_isa"] == "AVX512"
 
 
-def test_inductor_graphs_are_keyed_by_the_int8_kernel_the_cpu_runs(monkeypatch):
-    """A W8A8 graph traced for nb's AVX512-VNNI kernel reads weights packed for it, a oneDNN one
-    oneDNN's layout: a cache shared with a CPU of the other kind must not hand one to the other."""
-    from neuron_buckets.backends.inductor import InductorBackend
-    from neuron_buckets.kernels import int8_linear_cpu
+@pytest.mark.parametrize(("module", "probe", "key", "ours"), [
+    ("int8_linear_cpu", "cpu_has_vnni", "int8_w8a8", "nb avx512_vnni"),
+    ("bf16_linear_cpu", "chosen_here", "bf16", "nb avx512_bf16"),
+])
+def test_inductor_graphs_are_keyed_by_the_projection_kernel_the_cpu_runs(monkeypatch, module, probe, key,
+                                                                          ours):
+    """A W8A8 (bfloat16) graph traced for nb's AVX512-VNNI (AVX512-BF16) kernel reads weights packed
+    for it, a oneDNN one oneDNN's layout: a cache shared with a CPU of the other kind must not hand
+    one to the other."""
+    import importlib
 
+    from neuron_buckets.backends.inductor import InductorBackend
+
+    kernel = importlib.import_module(f"neuron_buckets.kernels.{module}")
     seen = {}
-    for vnni in (False, True):
-        monkeypatch.setattr(int8_linear_cpu, "cpu_has_vnni", lambda vnni=vnni: vnni)
-        seen[vnni] = InductorBackend().load_versions()["int8_w8a8"]
-    assert seen == {False: "onednn", True: "nb avx512_vnni"}
+    for has in (False, True):
+        monkeypatch.setattr(kernel, probe, lambda has=has: has)
+        seen[has] = InductorBackend().load_versions()[key]
+    assert seen == {False: "onednn", True: ours}

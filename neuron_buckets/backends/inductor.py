@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
-from neuron_buckets.kernels import block_kv_cpu, int8_linear_cpu
+from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu
 from neuron_buckets.model import linear
 from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
@@ -135,12 +135,14 @@ class InductorBackend:
         cache shared with an AVX2-only machine get other keys there, and a copied artifact is
         refused with one line instead of dying on an illegal instruction. Also whether the CPU has
         AVX512-VNNI, which decides the kernel a W8A8 graph calls and the layout the runtime packs
-        its weights in (``model/quantized_linear.py``): graphs and weights must agree."""
+        its weights in (``model/quantized_linear.py``), and whether it has AVX512-BF16, which does
+        the same for bfloat16 projections (``model/linear.py``): graphs and weights must agree."""
         return {
             "torch": torch.__version__,
             "cuda": torch.version.cuda or "none",
             "cpu_isa": torch.backends.cpu.get_cpu_capability(),
             "int8_w8a8": "nb avx512_vnni" if int8_linear_cpu.cpu_has_vnni() else "onednn",
+            "bf16": "nb avx512_bf16" if bf16_linear_cpu.chosen_here() else "onednn",
             "projections": PROJECTIONS,
         }
 
@@ -181,7 +183,7 @@ class InductorBackend:
         if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
             torch.set_num_threads(MAX_THREADS)
         index = torch.device(device).index
-        for library in (block_kv_cpu.LIBRARY, int8_linear_cpu.LIBRARY):
+        for library in (block_kv_cpu.LIBRARY, int8_linear_cpu.LIBRARY, bf16_linear_cpu.LIBRARY):
             if not library.registered() and _calls_op(path, library.op):
                 raise BackendUnavailable(f"graph {path.name} calls {library.op}, whose kernel library the "
                                          "artifact does not carry; recompile it with nb compile")

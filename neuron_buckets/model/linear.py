@@ -15,7 +15,12 @@ twice, dense for the embed piece's gather and packed for the head; the memory es
 
 bfloat16 takes the same path where oneDNN has native bfloat16 kernels (AVX512-BF16, AMX): its
 ``F.linear`` is oneDNN already, but over the plain layout a small batch reads the weight in a
-shape oneDNN's kernels stream poorly, so the packed layout pays most at decode. float16 stays
+shape oneDNN's kernels stream poorly, so the packed layout pays most at decode. Where the CPU has
+AVX512-BF16 (and no AMX), a bfloat16 projection whose output channels are a multiple of 32 runs nb's own
+kernel instead (``kernels/bf16_linear_cpu.py``), over a weight packed once for it: it streams a
+decode step's few rows' weights nearer memory speed than oneDNN does, and a prefill call about as
+fast. The graph takes it as it is traced; the runtime packs for it where the artifact carries its
+library, so graphs and weights agree. float16 stays
 ``F.linear``: oneDNN packs it only on CPUs with native float16 arithmetic (AVX512-FP16), where
 nb has not measured it.
 
@@ -33,13 +38,14 @@ the products ``torch._scaled_mm`` would sum, by the model dtype's GEMM.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from neuron_buckets.kernels import bf16_linear_cpu
 from neuron_buckets.model.quantized_linear import QOP, QOP_SHIM, int8_linear, pack_int8
 from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
 from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, Weight
@@ -74,7 +80,18 @@ def _linear_pointwise_fake(x: Tensor, weight: Tensor, bias: Tensor | None, attr:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_tracing_onednn = False
+# Set around a block by the context managers below: a trace for inductor's CPU compiles, and a
+# runtime loading an artifact whose graphs call nb's bfloat16 kernel.
+_mode = {"tracing_onednn": False, "bf16_kernel_weights": False}
+
+
+@contextmanager
+def _setting(key: str, value: bool) -> Iterator[None]:
+    previous, _mode[key] = _mode[key], value
+    try:
+        yield
+    finally:
+        _mode[key] = previous
 
 
 def available(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -86,15 +103,16 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
     return dtype == torch.float32 or native_bf16
 
 
-@contextmanager
-def onednn() -> Iterator[None]:
-    """Trace the projections as oneDNN calls inside the block (inductor's CPU compiles)."""
-    global _tracing_onednn
-    previous, _tracing_onednn = _tracing_onednn, True
-    try:
-        yield
-    finally:
-        _tracing_onednn = previous
+def onednn() -> AbstractContextManager[None]:
+    """Trace the projections as oneDNN calls inside the block (inductor's CPU compiles), and
+    bfloat16 ones as nb's kernel where it applies."""
+    return _setting("tracing_onednn", True)
+
+
+def bf16_kernel_weights(on: bool) -> AbstractContextManager[None]:
+    """Inside the block, if ``on``, pack bfloat16 projections for nb's kernel: for an artifact whose
+    graphs call it (its manifest carries the kernel's library), and for no other."""
+    return _setting("bf16_kernel_weights", on)
 
 
 def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
@@ -102,7 +120,7 @@ def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
     runs the runtime's packed weights too); a quantized weight by its scheme's kernel."""
     if isinstance(weight, QuantizedWeight):
         if weight.scheme.weights == "int8":
-            out = int8_linear(x, weight, _tracing_onednn and available(torch.float32, x.device))
+            out = int8_linear(x, weight, _mode["tracing_onednn"] and available(torch.float32, x.device))
         elif weight.input_scale is None:  # float8, widened at load (a no-op here then)
             out = (linear(x, weight.data.to(x.dtype)) * weight.scale).to(x.dtype)
         else:  # and static float8 activations: x rounded to float8 by the stored scale, widened back
@@ -110,13 +128,22 @@ def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
             scale = weight.scale * weight.input_scale
             out = (linear(qx.to(x.dtype), weight.data.to(x.dtype)) * scale).to(x.dtype)
         return out if bias is None else out + bias
-    if weight.is_mkldnn or (_tracing_onednn and available(weight.dtype, weight.device)):
+    tracing = _mode["tracing_onednn"]
+    traced_bf16 = tracing and x.dtype == torch.bfloat16 and bf16_linear_cpu.applies(weight)
+    if traced_bf16 or bf16_linear_cpu.is_packed(weight):
+        out = bf16_linear_cpu.bf16_linear(x, weight)
+        return out if bias is None else out + bias
+    if weight.is_mkldnn or (tracing and available(weight.dtype, weight.device)):
         return OP(x, weight, bias, "none", [], None)
     return F.linear(x, weight, bias)
 
 
 def pack_dense(weight: Tensor) -> Tensor:
-    """A dense weight in oneDNN's blocked layout, where oneDNN computes its dtype here."""
+    """A dense weight in the layout of the kernel its graphs call: nb's bfloat16 kernel's where the
+    artifact's graphs call it (``bf16_kernel_weights``) and it fits, else oneDNN's blocked layout,
+    where oneDNN computes its dtype here."""
+    if _mode["bf16_kernel_weights"] and bf16_linear_cpu.fits(weight):
+        return bf16_linear_cpu.pack(weight)
     if not available(weight.dtype, weight.device):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_TOKENS)

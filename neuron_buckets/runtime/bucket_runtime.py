@@ -31,7 +31,8 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.kernels import block_kv_cpu, int8_linear_cpu
+from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu
+from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.sharding import read_shard
 from neuron_buckets.model.tensor_parallel import TensorParallel
@@ -47,7 +48,8 @@ from neuron_buckets.utils.files import DigestMismatch, intact
 from neuron_buckets.utils.passing_thread import on_passing_thread
 
 # The native kernel libraries an artifact may carry, by their manifest name: how each is registered.
-LIBRARIES = {"block_kv_cpu": block_kv_cpu.LIBRARY.register, "int8_linear_cpu": int8_linear_cpu.register}
+LIBRARIES = {"block_kv_cpu": block_kv_cpu.LIBRARY.register, "int8_linear_cpu": int8_linear_cpu.register,
+             "bf16_linear_cpu": bf16_linear_cpu.register}
 
 
 class ArtifactError(UserError, RuntimeError):
@@ -94,7 +96,10 @@ class BucketRuntime:
         rank = self.ranks.rank if self.ranks else 0
         self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
         self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
-        weights = self._load_weights(rank)
+        # packed for nb's bfloat16 kernel only where this artifact's graphs call it
+        bf16_kernel = "bf16_linear_cpu" in manifest.libraries
+        with linear.bf16_kernel_weights(bf16_kernel):
+            weights = self._load_weights(rank)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
@@ -105,7 +110,8 @@ class BucketRuntime:
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
         norm, out = weights.head
-        self.head_weights = (norm, out if self.embeds else self.backend.pack_head(out))  # no head there
+        with linear.bf16_kernel_weights(bf16_kernel):
+            self.head_weights = (norm, out if self.embeds else self.backend.pack_head(out))  # no head there
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}

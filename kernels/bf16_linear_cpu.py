@@ -1,0 +1,97 @@
+"""bfloat16 projections on the CPU: a C++ kernel, ``nb::bf16_linear``, over weights packed at load.
+
+A decode step streams every weight once for a few tokens, so its projections are bound by memory.
+oneDNN's bfloat16 GEMM over its own packed layout read the Llama-3.2-1B projections at 0.6-0.8 of
+this machine's read bandwidth at 4-8 tokens, which left a batch-8 decode step at 1.85x its memory
+floor; ``bf16_linear_cpu.cpp``, one 32-channel group streamed per thread through vdpbf16ps with up
+to 8 tokens per pass, read them at 0.86-0.99 at 8 tokens, and ran a 512-token call about as fast as
+oneDNN (CHANGELOG has the figures). Both sum in float32 and round once to bfloat16.
+
+It needs AVX512-BF16 (and AVX512BW), bfloat16 activations, and a projection of a multiple of 32
+output channels and of 2 input features; elsewhere bfloat16 stays on oneDNN (``model/linear.py``),
+and so it does on a CPU with AMX, whose tiles oneDNN drives (not measured here).
+Whether a graph calls it is decided as it is traced (``applies``), on the compiling machine; the
+artifact then carries the library, and the runtime packs the weights for it only for an artifact
+that carries it, so a graph and its weights always agree.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_flags
+
+OP = "nb::bf16_linear"
+LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's bfloat16 linear kernel",
+                     ("-mavx512bf16", "-mavx512bw"))
+GROUP = 32  # output channels the kernel computes together (its packed layout's unit)
+NEEDS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo's names of what it runs on
+
+torch.library.define(OP, "(Tensor x, Tensor weight) -> Tensor")
+_packed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()  # what ``pack`` made
+
+
+@torch.library.register_fake(OP)
+def _bf16_linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs the kernel (AVX512-BF16 and AVX512BW)."""
+    flags = set(cpu_flags().split())
+    return all(f in flags for f in NEEDS)
+
+
+def chosen_here() -> bool:
+    """Whether graphs traced here call the kernel: a CPU that runs it, without AMX, whose tiles
+    oneDNN drives and nb has not measured against."""
+    return cpu_has_bf16() and "amx_bf16" not in cpu_flags().split()
+
+
+def fits(weight: Tensor) -> bool:
+    """Whether the kernel computes a projection of this (out, in) weight: bfloat16 on the CPU, a
+    multiple of 32 outputs and of 2 inputs."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return False
+    out, inp = weight.shape
+    return out % GROUP == 0 and inp % 2 == 0
+
+
+def applies(weight: Tensor) -> bool:
+    """Whether a projection of this weight traced here calls the kernel."""
+    return fits(weight) and chosen_here()
+
+
+def pack(weight: Tensor) -> Tensor:
+    """The (out, in) bfloat16 weight in the kernel's layout, still (out, in) bfloat16: 32-channel
+    groups, then pairs of input features, then 2 blocks of 16 channels with their 2 values
+    (``bf16_linear_cpu.cpp``)."""
+    out, inp = weight.shape
+    blocked = weight.reshape(out // GROUP, GROUP // 16, 16, inp // 2, 2).permute(0, 3, 1, 2, 4)
+    packed = blocked.contiguous().reshape(out, inp)
+    _packed[id(packed)] = packed
+    return packed
+
+
+def is_packed(weight: Tensor) -> bool:
+    """Whether ``weight`` is a tensor ``pack`` returned: an eager call on it (``nb verify``'s model
+    over the runtime's weights) must run the kernel, since its shape and dtype are a dense one's."""
+    return _packed.get(id(weight)) is weight
+
+
+def register(library: Path) -> None:
+    """Load an artifact's copy of the kernel, refused in one line on a CPU that cannot run it."""
+    if not cpu_has_bf16():
+        raise RuntimeError("this artifact's bfloat16 graphs call nb's bfloat16 kernel, which needs "
+                           "AVX512-BF16, and this CPU lacks it; compile the artifact on this machine")
+    LIBRARY.register(library)
+
+
+def bf16_linear(x: Tensor, packed: Tensor) -> Tensor:
+    """``x`` times the packed weight: (..., out) in bfloat16."""
+    LIBRARY.ensure()
+    return torch.ops.nb.bf16_linear(x, packed)
