@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_flags
+from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_has
 
 OP = "nb::bf16_linear"
 LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's bfloat16 linear kernel",
@@ -42,14 +42,13 @@ def _bf16_linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU runs the kernel (AVX512-BF16 and AVX512BW)."""
-    flags = set(cpu_flags().split())
-    return all(f in flags for f in NEEDS)
+    return cpu_has(*NEEDS)
 
 
 def chosen_here() -> bool:
     """Whether graphs traced here call the kernel: a CPU that runs it, without AMX, whose tiles
     oneDNN drives and nb has not measured against."""
-    return cpu_has_bf16() and "amx_bf16" not in cpu_flags().split()
+    return cpu_has_bf16() and not cpu_has("amx_bf16")
 
 
 def fits(weight: Tensor) -> bool:

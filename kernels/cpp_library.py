@@ -22,13 +22,20 @@ from pathlib import Path
 import torch
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The CPU's feature flags (Linux), or nothing where /proc/cpuinfo does not list them."""
+    """The CPU's feature flags (Linux), or nothing where /proc/cpuinfo does not list them; read once."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return ""
     return next((line for line in lines if line.startswith(("flags", "Features"))), "")
+
+
+def cpu_has(*names: str) -> bool:
+    """Whether the CPU lists every one of ``names`` (/proc/cpuinfo's spelling) among its flags."""
+    flags = set(cpu_flags().split())
+    return all(name in flags for name in names)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_flags
+from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_has
 
 OP = "nb::int8_linear"
 LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's INT8 linear kernel",
@@ -39,8 +39,7 @@ def _int8_linear_fake(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
 
 def cpu_has_vnni() -> bool:
     """Whether this CPU runs the kernel (AVX512-VNNI and AVX512BW)."""
-    flags = set(cpu_flags().split())
-    return all(f in flags for f in NEEDS)
+    return cpu_has(*NEEDS)
 
 
 def applies(weight: Tensor) -> bool:

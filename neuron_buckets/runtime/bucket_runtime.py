@@ -97,9 +97,10 @@ class BucketRuntime:
         self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
         self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
-        bf16_kernel = "bf16_linear_cpu" in manifest.libraries
-        with linear.bf16_kernel_weights(bf16_kernel):
+        with linear.bf16_kernel_weights("bf16_linear_cpu" in manifest.libraries):
             weights = self._load_weights(rank)
+            norm, out = weights.head
+            head = out if self.embeds else self.backend.pack_head(out)  # no head there
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
@@ -109,9 +110,7 @@ class BucketRuntime:
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
-        norm, out = weights.head
-        with linear.bf16_kernel_weights(bf16_kernel):
-            self.head_weights = (norm, out if self.embeds else self.backend.pack_head(out))  # no head there
+        self.head_weights = (norm, head)
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
