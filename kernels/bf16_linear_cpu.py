@@ -1,11 +1,10 @@
 """bfloat16 projections on the CPU: a C++ kernel, ``nb::bf16_linear``, over weights packed at load.
 
-A decode step streams every weight once for a few tokens, so its projections are bound by memory.
-oneDNN's bfloat16 GEMM over its own packed layout read the Llama-3.2-1B projections at 0.6-0.8 of
-this machine's read bandwidth at 4-8 tokens, which left a batch-8 decode step at 1.85x its memory
-floor; ``bf16_linear_cpu.cpp``, one 32-channel group streamed per thread through vdpbf16ps with up
-to 8 tokens per pass, read them at 0.86-0.99 at 8 tokens, and ran a 512-token call about as fast as
-oneDNN (CHANGELOG has the figures). Both sum in float32 and round once to bfloat16.
+A decode step streams every weight once for a few tokens, so its projections are bound by memory,
+and oneDNN's bfloat16 GEMM streams a few rows' weights well below the read rate.
+``bf16_linear_cpu.cpp`` streams one 32-channel group per thread through vdpbf16ps, up to 8 tokens
+per pass, so a decode step reads each weight once, and keeps pace with oneDNN on a prefill call
+(CHANGELOG and bench/RESULTS.md have the figures). Both sum in float32 and round once to bfloat16.
 
 It needs AVX512-BF16 (and AVX512BW), bfloat16 activations, and a projection of a multiple of 32
 output channels and of 2 input features; elsewhere bfloat16 stays on oneDNN (``model/linear.py``),

@@ -1,11 +1,11 @@
 """INT8 W8A8 projections on the CPU: a C++ kernel, ``nb::int8_linear``, over weights packed at load.
 
-A decode step streams every weight once for a few tokens, so its projections are bound by memory.
-oneDNN's u8s8 GEMM (what the W8A8 graphs called before, and what vLLM CPU calls) read the int8
-weights of the Llama-3.2-1B projections at 0.6-0.76 of this machine's read bandwidth at 4 tokens;
-``int8_linear_cpu.cpp``, one 64-channel group streamed per thread through vpdpbusd, read them at
-0.88-1.02, and a 512-token call ran as fast as oneDNN's (CHANGELOG has the figures). It also
-quantizes the activations per token itself, so a graph calls one op per projection.
+A decode step streams every weight once for a few tokens, so its projections are bound by memory,
+and oneDNN's u8s8 GEMM (what the W8A8 graphs called before, and what vLLM CPU calls) streams the
+int8 weights no faster per byte than its bfloat16 GEMM streams twice the bytes.
+``int8_linear_cpu.cpp`` streams one 64-channel group per thread through vpdpbusd, nearer the read
+rate, and keeps pace with oneDNN on a prefill call (CHANGELOG has the figures). It also quantizes
+the activations per token itself, so a graph calls one op per projection.
 
 It needs AVX512-VNNI (and AVX512BW), and a projection of a multiple of 64 output channels and of
 4 input features; elsewhere W8A8 stays on oneDNN (``model/quantized_linear.py``). Whether a
