@@ -16,10 +16,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from filelock import FileLock
 from safetensors.torch import save_file
 
@@ -45,9 +47,10 @@ from neuron_buckets.model.quantized_weight import QuantizedWeight
 from neuron_buckets.model.sharding import part_rank, read_shard, shard_tensor
 from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import PROJECTIONS
+from neuron_buckets.runtime import rank_group
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.memory import weights_bytes
-from neuron_buckets.runtime.rank_group import decode, encode
+from neuron_buckets.runtime.rank_group import RankLost, decode, encode
 from tests import test_quantized as quant
 from tests.conftest import free_port, save_tiny_model, write_config
 from tests.test_architectures import ARCH_CONFIG, TOLERANCE
@@ -193,12 +196,13 @@ class Compiled:
     hf: torch.nn.Module
 
 
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param(
-        c, id="-".join(c), marks=[pytest.mark.slow, pytest.mark.xdist_group("tp-" + "-".join(c))]
-    ) for c in CASES],
-)
+def case(c: tuple[str, str]) -> pytest.param:
+    """A compiled case, in its xdist group (the group shares its compiled artifacts)."""
+    name = "-".join(c)
+    return pytest.param(c, id=name, marks=[pytest.mark.slow, pytest.mark.xdist_group(f"tp-{name}")])
+
+
+@pytest.fixture(scope="module", params=[case(c) for c in CASES])
 def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir: Path) -> Compiled:
     import transformers
 
@@ -223,11 +227,12 @@ def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir:
 
 
 @contextlib.contextmanager
-def two_ranks(directory: Path) -> Iterator[BucketRuntime]:
+def two_ranks(directory: Path, follower_script: str = FOLLOWER) -> Iterator[BucketRuntime]:
     """Rank 0 here and rank 1 in a process of its own, joined by the rendezvous variables (as on two
-    machines), both caches NaN everywhere."""
+    machines), both caches NaN everywhere. However the body ends, this process leaves the group, so
+    a failure here does not fail the next test that joins one."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(directory)],
+    follower = subprocess.Popen([sys.executable, "-c", follower_script, str(directory)],
                                 env={**os.environ, **env, "RANK": "1"})
     saved = {k: os.environ.get(k) for k in [*env, "RANK"]}
     os.environ.update({**env, "RANK": "0"})
@@ -240,6 +245,8 @@ def two_ranks(directory: Path) -> Iterator[BucketRuntime]:
         assert follower.wait(30) == 0
     finally:
         follower.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
@@ -298,6 +305,49 @@ def test_two_ranks_generate_what_one_rank_and_transformers_do(compiled: Compiled
             assert decided == MAX_NEW
     if compiled.dtype == "float32":
         assert got == want
+
+
+# One case is enough for how the ranks start and fail: the compiled fixture's first.
+FIRST = case(CASES[0])
+# A follower that loads its shard late, as one started later or starved on a busy machine does.
+LATE_FOLLOWER = (
+    "import time; from neuron_buckets import BucketRuntime\n"
+    "load = BucketRuntime._load_weights\n"
+    "BucketRuntime._load_weights = lambda self, rank: (time.sleep(LATE), load(self, rank))[1]\n"
+)
+
+
+@pytest.mark.parametrize("compiled", [FIRST], indirect=True)
+def test_a_rank_that_loads_late_holds_back_the_first_step_not_past_its_timeout(
+    compiled: Compiled, monkeypatch: pytest.MonkeyPatch
+):
+    """The ranks meet once all have loaded: the first step's collectives never wait for a rank
+    still loading. Here a collective may wait 4 s, and rank 1 loads 10 s after rank 0."""
+    monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=4))
+    late = LATE_FOLLOWER.replace("LATE", "10") + FOLLOWER
+    with two_ranks(compiled.directories[2], late) as runtime:
+        got = greedy(runtime, prompts(), MAX_NEW)
+    one = BucketRuntime.open(compiled.directories[1])
+    assert got == greedy(one, prompts(), MAX_NEW)
+
+
+@pytest.mark.parametrize("compiled", [FIRST], indirect=True)
+def test_a_rank_that_dies_is_lost_at_the_next_step_and_its_group_is_left(compiled: Compiled):
+    """Rank 0 spawns rank 1 (one machine) and loses it: the next step fails at once as ``RankLost``,
+    rank 0 leaves the group, and the same process can then open the artifact again."""
+    runtime = BucketRuntime.open(compiled.directories[2])
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    generate(LLMEngine(runtime), prompts(), params)
+    [worker] = runtime.ranks.workers
+    worker.kill()
+    worker.wait(30)
+    with pytest.raises(RankLost, match="a step failed across the 2 ranks"):
+        generate(LLMEngine(runtime), prompts(), params)
+    assert not dist.is_initialized()
+    again = BucketRuntime.open(compiled.directories[2])
+    assert len(generate(LLMEngine(again), prompts(), params)) == len(prompts())
+    again.close()
+    assert not dist.is_initialized()
 
 
 # Quantized: int8 weights and float8 weights (one scale for each whole tensor), each the quantized

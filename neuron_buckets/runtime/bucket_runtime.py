@@ -71,7 +71,7 @@ def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Pa
 
 def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """Tensor-parallel: a call that fails leaves the ranks out of step (a rank died, a collective
-    timed out), so no later step can run: the failure is ``RankLost``."""
+    timed out), so no later step can run: the group is abandoned and the failure is ``RankLost``."""
     @functools.wraps(run)
     def guarded(self: BucketRuntime, *args: object) -> Tensor:
         try:
@@ -79,6 +79,7 @@ def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
         except Exception as e:
             if self.ranks is None:
                 raise
+            self.ranks.abandon()
             raise RankLost(f"a step failed across the {self.tp.size} ranks", e) from e
 
     return guarded
@@ -145,12 +146,20 @@ class BucketRuntime:
         def load() -> BucketRuntime:
             manifest = read_manifest(Path(path))
             runtime = cls(Path(path), manifest, device or manifest.backend.device)
-            # Ranks load every graph first: one loading a graph on first use mid-step would keep
-            # the others waiting in a collective, towards its timeout.
-            if preload or runtime.ranks is not None:
-                for record in runtime.records.values():
-                    for key in record.pieces.values():
-                        runtime.graph(key)
+            # Ranks load every graph, then wait for each other: one loading a graph on first use
+            # mid-step, or its shard after the others' first step began, would keep them waiting
+            # in a collective, towards its timeout.
+            try:
+                if preload or runtime.ranks is not None:
+                    for record in runtime.records.values():
+                        for key in record.pieces.values():
+                            runtime.graph(key)
+                if runtime.ranks is not None:
+                    runtime.ranks.loaded()
+            except Exception:
+                if runtime.ranks is not None:
+                    runtime.ranks.abandon()
+                raise
             return runtime
 
         return on_passing_thread(load)

@@ -38,7 +38,8 @@ TIMEOUT = timedelta(seconds=60)
 # A follower's wait for the next plan: an idle server sends none, and each wait that runs out logs a
 # line; rank 0 gone ends the wait at once (its store's socket closes).
 POLL = timedelta(hours=1)
-# How long the ranks may take to start (imports, artifact checks) before they form the group.
+# How long the ranks may take to start (imports, artifact checks) before they form the group, and
+# then to load their shards and graphs before the first step.
 START = timedelta(minutes=10)
 ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 STOP = b""  # the plan that ends the followers
@@ -110,7 +111,7 @@ class RankGroup:
             hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             store = dist.TCPStore(env["MASTER_ADDR"] or "", int(env["MASTER_PORT"] or 0), size, hosts,
                                   timeout=TIMEOUT, wait_for_workers=False)
-            _all_arrive(store, size, workers)
+            _meet(store, "arrived", size, workers, "start")
             dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
                                     world_size=size, timeout=TIMEOUT)
         except (RuntimeError, ValueError) as e:  # RankLost too
@@ -124,6 +125,15 @@ class RankGroup:
         if group.leads:
             atexit.register(group.close)
         return group
+
+    def loaded(self) -> None:
+        """Wait for every rank to have loaded its shard and graphs: the first step's collectives
+        would otherwise wait ``TIMEOUT`` for a rank that is still loading (one started later, or
+        slower on a busy machine), and fail the step."""
+        try:
+            _meet(self.store, "loaded", self.size, self.workers, "load the artifact")
+        except RuntimeError as e:  # the store itself failed: rank 0, its host, is gone
+            raise e if isinstance(e, RankLost) else RankLost("the ranks' store failed", e) from None
 
     def send(self, plan: StepPlan) -> None:
         """Rank 0: hand the followers the plan it is about to run."""
@@ -164,17 +174,27 @@ class RankGroup:
                 w.kill()
         dist.destroy_process_group()
 
+    def abandon(self) -> None:
+        """After a failed step, when no step can run again: end the ranks this one spawned at once
+        (they may sit in a collective), and leave the group, so this process holds no dead group
+        (it could open another tensor-parallel artifact) and its exit waits for nothing."""
+        for w in self.workers:
+            w.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
-def _all_arrive(store: dist.Store, size: int, workers: list[subprocess.Popen]) -> None:
-    """Wait, up to ``START``, for every rank to reach the store: gloo's own rendezvous would give a
-    rank still importing torch only ``TIMEOUT``. A rank this one spawned that exits ends the wait."""
-    store.add("arrived", 1)
+
+def _meet(store: dist.Store, key: str, size: int, workers: list[subprocess.Popen], what: str) -> None:
+    """Wait, up to ``START``, for every rank to count itself in at ``key``: gloo's own rendezvous
+    (and a step's collective) would give a rank still importing torch or loading its shard only
+    ``TIMEOUT``. A rank this one spawned that exits ends the wait."""
+    store.add(key, 1)
     deadline = time.monotonic() + START.total_seconds()
-    while store.add("arrived", 0) < size:
+    while store.add(key, 0) < size:
         if any(w.poll() is not None for w in workers):
-            raise RankLost("a rank exited while starting")
+            raise RankLost(f"a rank exited before the ranks could {what}")
         if time.monotonic() > deadline:
-            raise RankLost(f"the {size} ranks did not all start within {START.total_seconds():.0f} s")
+            raise RankLost(f"the {size} ranks did not all {what} within {START.total_seconds():.0f} s")
         time.sleep(0.1)
 
 
