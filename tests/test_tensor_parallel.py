@@ -50,7 +50,7 @@ from neuron_buckets.model.weights import PROJECTIONS
 from neuron_buckets.runtime import rank_group
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.memory import weights_bytes
-from neuron_buckets.runtime.rank_group import RankLost, decode, encode
+from neuron_buckets.runtime.rank_group import decode, encode
 from tests import test_quantized as quant
 from tests.conftest import free_port, save_tiny_model, write_config
 from tests.test_architectures import ARCH_CONFIG, TOLERANCE
@@ -329,25 +329,6 @@ def test_a_rank_that_loads_late_holds_back_the_first_step_not_past_its_timeout(
         got = greedy(runtime, prompts(), MAX_NEW)
     one = BucketRuntime.open(compiled.directories[1])
     assert got == greedy(one, prompts(), MAX_NEW)
-
-
-@pytest.mark.parametrize("compiled", [FIRST], indirect=True)
-def test_a_rank_that_dies_is_lost_at_the_next_step_and_its_group_is_left(compiled: Compiled):
-    """Rank 0 spawns rank 1 (one machine) and loses it: the next step fails at once as ``RankLost``,
-    rank 0 leaves the group, and the same process can then open the artifact again."""
-    runtime = BucketRuntime.open(compiled.directories[2])
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    generate(LLMEngine(runtime), prompts(), params)
-    [worker] = runtime.ranks.workers
-    worker.kill()
-    worker.wait(30)
-    with pytest.raises(RankLost, match="a step failed across the 2 ranks"):
-        generate(LLMEngine(runtime), prompts(), params)
-    assert not dist.is_initialized()
-    again = BucketRuntime.open(compiled.directories[2])
-    assert len(generate(LLMEngine(again), prompts(), params)) == len(prompts())
-    again.close()
-    assert not dist.is_initialized()
 
 
 # Quantized: int8 weights and float8 weights (one scale for each whole tensor), each the quantized
