@@ -266,9 +266,8 @@ def main() -> None:
                               **{**vars(LIMITS), "num_blocks": args.num_blocks})
     artifact = compile_config(args.work, f"{model.name}-{args.dtype}-{args.num_blocks}blocks", config)
     print(f"{cpu_description()}; nb {commit()}; {SHAPES[args.shape].name}, {args.layers} layers, "
-          f"{args.dtype}; "
-          f"{args.num_blocks} blocks of {LIMITS.block_size} each; max_tokens {args.max_tokens}; "
-          f"{LIMITS.describe().rsplit(',', 1)[0]}", flush=True)
+          f"{args.dtype}; {args.num_blocks} blocks of {LIMITS.block_size} each; "
+          f"max_tokens {args.max_tokens}; {LIMITS.describe().rsplit(',', 1)[0]}", flush=True)
     results = {}
     port = free_port()
     nb_cmd = nb_serve_command(artifact, port, served(args))

@@ -168,11 +168,9 @@ class RankGroup:
         with contextlib.suppress(RankLost):
             self._put(STOP)
         for w in self.workers:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 w.wait(TIMEOUT.total_seconds())
-            except subprocess.TimeoutExpired:
-                w.kill()
-        dist.destroy_process_group()
+        self.abandon()  # a follower still running after TIMEOUT is killed there
 
     def abandon(self) -> None:
         """After a failed step, when no step can run again: end the ranks this one spawned at once
