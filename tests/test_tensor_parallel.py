@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -50,7 +51,7 @@ from neuron_buckets.model.weights import PROJECTIONS
 from neuron_buckets.runtime import rank_group
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.memory import weights_bytes
-from neuron_buckets.runtime.rank_group import decode, encode
+from neuron_buckets.runtime.rank_group import RankGroup, decode, encode
 from tests import test_quantized as quant
 from tests.conftest import free_port, save_tiny_model, write_config
 from tests.test_architectures import ARCH_CONFIG, TOLERANCE
@@ -173,6 +174,13 @@ def test_a_plan_reaches_the_other_ranks_as_it_was():
     assert [(s.request_id, list(map(int, s.token_ids)), s.context_len, list(s.block_ids), s.num_samples)
             for s in got] == [(3, [5, 6, 7], 16, [2, 3, 9], 1), (0, [1], 4, [7], 1), (9, [], 0, [], 0)]
     assert decode(encode(())) == ()
+
+
+def test_abandoning_the_group_ends_and_reaps_the_ranks_it_spawned():
+    """A spawned rank that sits in a collective is killed and waited for: none is left a zombie."""
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    RankGroup(0, 3, dist.HashStore(), sleepers).abandon()
+    assert [w.returncode for w in sleepers] == [-signal.SIGKILL] * 2
 
 
 # Compiled: both architectures the split treats differently (Qwen3's q/k norms and head_dim), each in

@@ -175,9 +175,11 @@ class RankGroup:
     def abandon(self) -> None:
         """After a failed step, when no step can run again: end the ranks this one spawned at once
         (they may sit in a collective), and leave the group, so this process holds no dead group
-        (it could open another tensor-parallel artifact) and its exit waits for nothing."""
+        (it could open another tensor-parallel artifact) and its exit waits for nothing. Each
+        killed rank is reaped, so none lingers as a zombie for the rest of this process's life."""
         for w in self.workers:
             w.kill()
+            w.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
 
