@@ -46,6 +46,7 @@ class CppLibrary:
     op: str
     what: str  # for errors: "nb's CPU attention kernel"
     flags: tuple[str, ...] = ()  # compiler flags beyond the vector ISA's
+    dispatch_key: str = "CPU"  # where the op's kernel is registered
 
     @property
     def file_name(self) -> str:
@@ -54,7 +55,7 @@ class CppLibrary:
 
     def registered(self) -> bool:
         """Whether this process has the op's CPU kernel (from a build, or an artifact's library)."""
-        return torch._C._dispatch_has_kernel_for_dispatch_key(self.op, "CPU")
+        return torch._C._dispatch_has_kernel_for_dispatch_key(self.op, self.dispatch_key)
 
     def build(self) -> Path:
         """The shared library's path, built first if this machine has no build of this source for

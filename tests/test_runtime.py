@@ -332,6 +332,28 @@ def test_a_float32_cpu_artifact_carries_the_attention_kernel_that_its_graphs_cal
         assert _calls_op(graph, block_kv_cpu.OP), record.bucket.name
 
 
+def test_a_cpu_artifacts_graphs_run_through_nbs_call_that_frees_the_gil_and_compute_what_torchs_does(
+    compiled_dir, monkeypatch
+):
+    """The artifact carries ``kernels/package_call_cpu.so``; with it, every graph call is the op
+    ``nb::package_run`` (a dispatcher op, which releases the GIL while it runs), and its logits are
+    those of torch's own binding of the same graphs, bit for bit."""
+    from dataclasses import replace
+
+    from neuron_buckets.kernels import package_call_cpu
+
+    library = read_manifest(compiled_dir).libraries["package_call_cpu"]
+    assert sha256_file(compiled_dir / library.file) == library.sha256
+    plan = (Segment(0, [3, 1, 4, 1, 5], 0, [1], 1),)
+    with torch.profiler.profile() as prof:
+        ours = BucketRuntime.open(compiled_dir).run_plan(plan)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get(package_call_cpu.OP, 0) >= 2, calls  # the layer piece and the head, at least
+    unregistered = replace(package_call_cpu.LIBRARY, dispatch_key="CPU")  # no kernel there: torch's binding
+    monkeypatch.setattr(package_call_cpu, "LIBRARY", unregistered)
+    assert torch.equal(BucketRuntime.open(compiled_dir).run_plan(plan), ours)
+
+
 DECODER = """
 import sys
 from neuron_buckets.core.step_plan import Segment

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
-from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu
+from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from neuron_buckets.model import linear
 from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
@@ -187,8 +188,7 @@ class InductorBackend:
             if not library.registered() and _calls_op(path, library.op):
                 raise BackendUnavailable(f"graph {path.name} calls {library.op}, whose kernel library the "
                                          "artifact does not carry; recompile it with nb compile")
-        compiled = torch._inductor.aoti_load_package(str(path), device_index=-1 if index is None else index)
-        return PackageCall(compiled.loader)
+        return PackageCall(*package_call_cpu.open_package(path, -1 if index is None else index))
 
 
 def _calls_op(package: Path, op: str) -> bool:
@@ -202,12 +202,13 @@ class PackageCall:
     """A loaded package's call path without per-call overhead. The stock wrapper re-reads and
     parses the package's call spec (JSON) and walks the inputs with pytree on every call; a
     layer piece is called once per layer per step, so this parses the output spec once and
-    flattens the pieces' inputs (tensors, and one tuple of weights) directly."""
+    flattens the pieces' inputs (tensors, and one tuple of weights) directly. ``run`` is the
+    package's call (``kernels/package_call_cpu.py``: without the GIL where it can)."""
 
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+    def __init__(self, spec: list[str], run: Callable[[list[Tensor]], list[Tensor]]) -> None:
+        self.run = run
+        self.out_spec = pytree.treespec_loads(spec[1])
 
     def __call__(self, *args: Tensor | tuple[Tensor, ...]) -> Any:
         flat = [t for a in args for t in (a if isinstance(a, tuple) else (a,))]
-        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
+        return pytree.tree_unflatten(self.run(flat), self.out_spec)

@@ -35,7 +35,7 @@ from neuron_buckets.compile.outcome import Outcome
 from neuron_buckets.compile.output_dir import LOGS, prune
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import write_text_files
-from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu
+from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from neuron_buckets.kernels.cpp_library import CppLibrary
 from neuron_buckets.model.checkpoint import build_model, save_weights, weights_fingerprint
 from neuron_buckets.model.pieces import PieceShape
@@ -90,12 +90,14 @@ class ArtifactWriter:
         """The kernel libraries this artifact's graphs call, by their manifest name: the attention
         on a CPU, the INT8 projections of a W8A8 model where this CPU has AVX512-VNNI (the graphs
         were traced for that kernel then: ``model/quantized_linear.py``), and the bfloat16 ones of
-        a bfloat16 model where it has AVX512-BF16 and no AMX (``model/linear.py``)."""
+        a bfloat16 model where it has AVX512-BF16 and no AMX (``model/linear.py``); and the call
+        that runs a graph without holding Python's GIL (``kernels/package_call_cpu.py``)."""
         c, scheme = self.plan.config, self.plan.model_config.quantization
         if not self.plan.backend.cpu_kernels or torch.device(c.compile.device).type != "cpu":
             return {}
-        libraries = {"block_kv_cpu": block_kv_cpu.LIBRARY} if block_kv_cpu.applies(c.compile.device,
-                                                                                    c.cache.dtype) else {}
+        libraries: dict[str, CppLibrary] = {"package_call_cpu": package_call_cpu.LIBRARY}
+        if block_kv_cpu.applies(c.compile.device, c.cache.dtype):
+            libraries["block_kv_cpu"] = block_kv_cpu.LIBRARY
         if scheme and scheme.activations == "int8_token" and int8_linear_cpu.cpu_has_vnni():
             libraries["int8_linear_cpu"] = int8_linear_cpu.LIBRARY
         if c.cache.dtype == "bfloat16" and bf16_linear_cpu.chosen_here():

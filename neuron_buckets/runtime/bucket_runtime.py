@@ -31,7 +31,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu
+from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.sharding import read_shard
@@ -49,7 +49,8 @@ from neuron_buckets.utils.passing_thread import on_passing_thread
 
 # The native kernel libraries an artifact may carry, by their manifest name: how each is registered.
 LIBRARIES = {"block_kv_cpu": block_kv_cpu.LIBRARY.register, "int8_linear_cpu": int8_linear_cpu.register,
-             "bf16_linear_cpu": bf16_linear_cpu.register}
+             "bf16_linear_cpu": bf16_linear_cpu.register,
+             "package_call_cpu": package_call_cpu.LIBRARY.register}
 
 
 class ArtifactError(UserError, RuntimeError):
