@@ -9,14 +9,18 @@ Chosen by measuring the candidates at the Llama-3.2-1B projections' shapes on th
 - int8 weights and int8 per-token activations (W8A8), on a CPU with AVX512-VNNI: nb's own kernel,
   ``nb::int8_linear`` (``kernels/int8_linear_cpu.py``), which quantizes the activations per token
   and streams a weight packed once at load closer to memory speed than oneDNN's kernel below.
-- W8A8 elsewhere: the step's activations are quantized per token in the graph, then oneDNN's u8s8
-  int8 GEMM (VNNI) runs over a weight packed once at load, the weight scales in its epilogue, the
-  token scales after it. oneDNN's signed-int8 activation path is a reference loop, orders of
-  magnitude slower, so the activations are shifted to u8 with a
+- W8A8 on a CPU with AVX-VNNI but not AVX512-VNNI: the step's activations are quantized per token
+  in the graph, then oneDNN's u8s8 int8 GEMM (VNNI) runs over a weight packed once at load, the
+  weight scales in its epilogue, the token scales after it. oneDNN's signed-int8 activation path
+  is a reference loop, orders of magnitude slower, so the activations are shifted to u8 with a
   zero point of 128 (the same products). ``torch._int_mm`` reorders the weight on every call.
   Inductor's own lowering of oneDNN's op wants the packed weight as a graph constant, so the graph
   calls it as ``nb::_qlinear_pointwise_tensor``, opaque to inductor, whose schema and C shim are
   oneDNN's: weights stay inputs and a loaded graph needs nothing registered from Python.
+- W8A8 on a CPU without VNNI: the same products in float32 over the widened int8 weight. There
+  oneDNN's u8s8 GEMM adds pairs of products in int16 (vpmaddubsw), which saturates for activations
+  shifted to u8: on an AVX2-only EPYC its logits were off by 4 where they lie near 3
+  (``tests/test_quantized.py``).
 
 Off the CPU (the XLA device the Neuron pieces lower on) neither kernel exists: the graph widens the
 int8 weight and multiplies by the scales around a plain matmul (W8A8: over its int8-valued
@@ -33,6 +37,7 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.kernels import int8_linear_cpu
+from neuron_buckets.kernels.cpp_library import cpu_has
 from neuron_buckets.model.quantized_weight import QuantizedWeight
 
 torch.library.define(
@@ -78,13 +83,18 @@ def per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return (h / scale).round().clamp(-INT8_MAX, INT8_MAX), scale
 
 
+def onednn_int8_exact() -> bool:
+    """Whether oneDNN's u8s8 GEMM sums its products exactly here: only with VNNI (module docstring)."""
+    return cpu_has("avx512_vnni") or cpu_has("avx_vnni")
+
+
 def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
     """``x @ dequantized(w).T`` by the scheme's kernel; ``onednn``: trace oneDNN's calls."""
     if w.scheme.activations == "int8_token":
         if w.vnni or (onednn and int8_linear_cpu.applies(w.data)):
             return int8_linear_cpu.int8_linear(x, w.data, w.scale)
         q, x_scale = per_token_int8(x)
-        if onednn or w.data.is_mkldnn:
+        if (onednn and onednn_int8_exact()) or w.data.is_mkldnn:
             u8 = (q + ZERO_POINT).to(torch.uint8)
             y = QOP(u8, torch.ones((), device=x.device), torch.full((), ZERO_POINT, dtype=torch.int32),
                     w.data, w.scale, torch.zeros(w.scale.shape, dtype=torch.int32, device=x.device), None,
@@ -104,4 +114,6 @@ def pack_int8(w: QuantizedWeight, onednn: bool) -> QuantizedWeight:
         return w
     if int8_linear_cpu.LIBRARY.registered() and int8_linear_cpu.applies(w.data):
         return replace(w, data=int8_linear_cpu.pack(w.data), vnni=True)
+    if not onednn_int8_exact():
+        return w  # dense: the graph computes in float32
     return replace(w, data=torch.ops.onednn.qlinear_prepack(w.data, [PACK_TOKENS, w.data.shape[1]]))
