@@ -53,11 +53,27 @@ def test_inductor_graphs_are_keyed_by_the_projection_kernel_the_cpu_runs(monkeyp
     one to the other."""
     import importlib
 
+    from neuron_buckets.backends import inductor
     from neuron_buckets.backends.inductor import InductorBackend
 
     kernel = importlib.import_module(f"neuron_buckets.kernels.{module}")
+    monkeypatch.setattr(inductor, "onednn_int8_exact", lambda: True)  # oneDNN's INT8 path: VNNI
     seen = {}
     for has in (False, True):
         monkeypatch.setattr(kernel, probe, lambda has=has: has)
         seen[has] = InductorBackend().load_versions()[key]
     assert seen == {False: "onednn", True: ours}
+
+
+def test_w8a8_graphs_on_a_cpu_without_vnni_are_keyed_apart_from_onednns(monkeypatch):
+    """Without any VNNI a W8A8 graph multiplies in float32 over dense weights, not oneDNN's packed
+    ones (``model/quantized_linear.py``): its key says so."""
+    from neuron_buckets.backends import inductor
+    from neuron_buckets.kernels import int8_linear_cpu
+
+    monkeypatch.setattr(int8_linear_cpu, "cpu_has_vnni", lambda: False)
+    keys = {}
+    for exact in (False, True):
+        monkeypatch.setattr(inductor, "onednn_int8_exact", lambda exact=exact: exact)
+        keys[exact] = inductor.InductorBackend().load_versions()["int8_w8a8"]
+    assert keys == {False: "float32", True: "onednn"}
