@@ -2,9 +2,9 @@
 
 torch's binding of a loaded package's call (``AOTIModelPackageLoader.boxed_run``) holds the GIL for
 the whole call. A layer piece is one such call, so while a step runs, no other Python thread of the
-process runs: ``nb serve``'s HTTP loop answered neither ``/metrics`` nor ``/health`` for seconds
-on a CPU whose steps are slow (a bfloat16 prefill without AVX512-BF16), and no stream was written
-meanwhile. A torch op releases the GIL while it runs, so ``package_call_cpu.cpp`` opens the package
+process runs: ``nb serve``'s HTTP loop cannot answer ``/metrics`` or ``/health`` nor write a
+stream until the piece ends, which on a CPU whose steps are slow is seconds. A torch op releases
+the GIL while it runs, so ``package_call_cpu.cpp`` opens the package
 in a table of its own and runs it as one. ``nb compile`` carries the library in every CPU artifact
 of the inductor backend; one without it (compiled before) is called through torch's binding.
 """

@@ -17,10 +17,9 @@ Chosen by measuring the candidates at the Llama-3.2-1B projections' shapes on th
   Inductor's own lowering of oneDNN's op wants the packed weight as a graph constant, so the graph
   calls it as ``nb::_qlinear_pointwise_tensor``, opaque to inductor, whose schema and C shim are
   oneDNN's: weights stay inputs and a loaded graph needs nothing registered from Python.
-- W8A8 on a CPU without VNNI: the same products in float32 over the widened int8 weight. There
-  oneDNN's u8s8 GEMM adds pairs of products in int16 (vpmaddubsw), which saturates for activations
-  shifted to u8: on an AVX2-only EPYC its logits were off by 4 where they lie near 3
-  (``tests/test_quantized.py``).
+- W8A8 on a CPU without VNNI: the same products in float32 over the dense int8 weight, widened in
+  the graph. There oneDNN's u8s8 GEMM did not compute the reference's products (likely its int16
+  pair sums saturating for activations shifted to u8; ``tests/test_quantized.py`` holds it).
 
 Off the CPU (the XLA device the Neuron pieces lower on) neither kernel exists: the graph widens the
 int8 weight and multiplies by the scales around a plain matmul (W8A8: over its int8-valued
@@ -109,7 +108,8 @@ def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
 
 def pack_int8(w: QuantizedWeight, onednn: bool) -> QuantizedWeight:
     """The weight in the layout its kernel reads: W8A8's packed once for nb's INT8 kernel where
-    this process has it (an artifact whose graphs call it registered it), else for oneDNN."""
+    this process has it (an artifact whose graphs call it registered it), else for oneDNN where
+    its INT8 GEMM is exact (VNNI), else dense for the graph's float32 products."""
     if w.scheme.activations != "int8_token" or not onednn:
         return w
     if int8_linear_cpu.LIBRARY.registered() and int8_linear_cpu.applies(w.data):
