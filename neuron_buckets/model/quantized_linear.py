@@ -9,9 +9,10 @@ Chosen by measuring the candidates at the Llama-3.2-1B projections' shapes on th
 - int8 weights and int8 per-token activations (W8A8), on a CPU with AVX512-VNNI: nb's own kernel,
   ``nb::int8_linear`` (``kernels/int8_linear_cpu.py``), which quantizes the activations per token
   and streams a weight packed once at load closer to memory speed than oneDNN's kernel below.
-- W8A8 on a CPU with AVX-VNNI but not AVX512-VNNI: the step's activations are quantized per token
-  in the graph, then oneDNN's u8s8 int8 GEMM (VNNI) runs over a weight packed once at load, the
-  weight scales in its epilogue, the token scales after it. oneDNN's signed-int8 activation path
+- W8A8 elsewhere on a CPU with VNNI (AVX-VNNI only, or a shape nb's kernel does not take): the
+  step's activations are quantized per token in the graph, then oneDNN's u8s8 int8 GEMM (VNNI)
+  runs over a weight packed once at load, the weight scales in its epilogue, the token scales
+  after it. oneDNN's signed-int8 activation path
   is a reference loop, orders of magnitude slower, so the activations are shifted to u8 with a
   zero point of 128 (the same products). ``torch._int_mm`` reorders the weight on every call.
   Inductor's own lowering of oneDNN's op wants the packed weight as a graph constant, so the graph
