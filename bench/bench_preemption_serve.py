@@ -33,8 +33,21 @@ ending at the last sample in which the server held a request), not over the seco
 takes to start and send its test prompt, when the server is idle: those seconds weigh more
 against the faster server, whose run is shorter.
 
-Printed: per server the mean running batch, waiting and KV use, output tok/s, mean output,
-preemptions, and nb / vLLM;
+Both servers set those gauges after each step, so while a step that admits runs they show the
+batch before the admission; the more of its time a server spends in such steps (the faster its
+decode steps are beside its prefills), the lower its gauge reads against the batch it computes.
+So beside the gauge's mean the bench reports the mean held, read from counters instead: the growth
+over the run of ``vllm:request_inference_time_seconds_sum`` (each finished request's seconds from
+its first scheduling to its last token, preempted spells inside: vLLM's definition, which nb
+serves too) divided by the run's duration, by Little's law the mean number of requests the server
+held in its running batch.
+
+nb compiles prefill token buckets every 16 tokens up to 128, then 192, 256, 384, 512
+(``TOKEN_BUCKETS``, ``--token-buckets``): its default grid pads a step admitting a 70-token prompt
+to 128 tokens, where vLLM computes the 70.
+
+Printed: per server the mean running batch and held, waiting and KV use, output tok/s, mean
+output, preemptions, and nb / vLLM;
 one row goes into ``bench/RESULTS.md`` (``--tiny``, 2 layers and few prompts to check the harness,
 writes ``WORK/RESULTS.md`` instead). Run it on an idle machine; the load average is in the row.
 vLLM CPU computes on one OpenMP thread pinned to one core (it keeps the other for its engine), nb
@@ -92,11 +105,20 @@ same limits (max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching
 unmeasured prompts. Mean running batch, mean waiting, KV use: `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` read every 0.2 s and averaged over the
 run the client timed (of the streams' requests, those neither running nor waiting are between
-server and client); preemptions: `vllm:num_preemptions_total` over the run. Ratios are nb / vLLM,
-above 1 is better. Rows dated before 2026-12-04 averaged over the whole sampling, the client's
-start-up included, when the server sat idle: seconds that pulled the faster server's means down.""",
+server and client); preemptions: `vllm:num_preemptions_total` over the run. Mean held: the growth
+of `vllm:request_inference_time_seconds_sum` (each finished request's seconds from first scheduled
+to last token, preempted spells inside; nb serves vLLM's definition) over the run's seconds, by
+Little's law the mean number of requests held in the running batch. Both servers set the gauges
+after a step, so during a step that admits they show the batch before it, and the faster decoder,
+whose admitting steps are more of its time, reads lower; the mean held does not depend on when a
+gauge is set. nb compiles prefill token buckets every 16 tokens to 128, then 192, 256, 384, 512
+(rows of nb a118d15 and earlier: its default 64, 128, 256, 512; their mean held is "-", not
+measured then). Ratios are nb / vLLM, above 1 is better. Rows dated before 2026-12-04 averaged over
+the whole sampling, the client's start-up included, when the server sat idle: seconds that pulled
+the faster server's means down.""",
     columns=("model", "dtype", "layers", "blocks", "max_tokens", "prompts", "streams",
              "mean out tokens nb / vLLM", "mean running nb / vLLM", "running nb/vLLM",
+             "mean held nb / vLLM", "held nb/vLLM",
              "mean waiting nb / vLLM", "KV use nb / vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "preemptions nb / vLLM", *PROVENANCE, "load avg", "note"),
     key=7,
@@ -138,6 +160,9 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
+# Read before and after the measured run: preemptions, and the request-seconds between each finished
+# request's first scheduling and its last token (vLLM's inference interval, preempted spells inside).
+COUNTERS = {"preemptions": "vllm:num_preemptions_total", "held": "vllm:request_inference_time_seconds_sum"}
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
           "kv_use": "vllm:kv_cache_usage_perc"}
 
@@ -192,17 +217,21 @@ def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str
         run_client(args.vllm_python, client_args(args, port, model, args.streams, WARMUP_OUTPUT, 1),
                    args.work / f"{server}-warmup.json", args.work / f"{server}-warmup.log")
         load = os.getloadavg()[0]
-        before = metric(scrape(port), "vllm:num_preemptions_total")
+        text = scrape(port)
+        before = {k: metric(text, name) for k, name in COUNTERS.items()}
         sampler = GaugeSampler(port)
         sampler.start()
         r = run_client(args.vllm_python, client_args(args, port, model, args.num_prompts, args.max_tokens, 0),
                        args.work / f"{server}.json", args.work / f"{server}.log")
         sampler.done.set()
         sampler.join()
-        preemptions = metric(scrape(port), "vllm:num_preemptions_total") - before
+        text = scrape(port)
+        preemptions, held = (metric(text, COUNTERS[k]) - before[k] for k in ("preemptions", "held"))
     means, samples = sampler.means(r["duration"])
+    means["held"] = held / r["duration"]  # Little's law: request-seconds held over the run's seconds
     mean_out = r["total_output_tokens"] / max(r["completed"], 1)
-    print(f"  {server:5s}: mean running {means['running']:.2f}, waiting {means['waiting']:.2f}, "
+    print(f"  {server:5s}: mean running {means['running']:.2f}, held {means['held']:.2f}, "
+          f"waiting {means['waiting']:.2f}, "
           f"KV use {means['kv_use']:.0%} ({samples} samples in the run), "
           f"{r['output_throughput']:.1f} out tok/s, mean output {mean_out:.1f} tokens of {args.max_tokens}, "
           f"{preemptions:.0f} preemptions, {r['completed']} requests in {r['duration']:.0f} s, "
@@ -217,6 +246,7 @@ def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
     return [SHAPES[args.shape].name, args.dtype, str(args.layers), str(args.num_blocks),
             str(args.max_tokens), str(args.num_prompts), str(args.streams),
             pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
+            pair("held", ".2f"), ratio(nb["held"], vllm["held"]),
             pair("waiting", ".2f"), f"{nb['kv_use']:.0%} / {vllm['kv_use']:.0%}",
             pair("output_throughput", ".1f"), ratio(nb["output_throughput"], vllm["output_throughput"]),
             pair("preemptions", ".0f"),
@@ -294,7 +324,8 @@ def main() -> None:
     results["vLLM"] = measure(args, "vLLM", cmd, vllm_env(), port, model)
     (args.work / "bench_preemption_serve.json").write_text(json.dumps(results, default=str))
     nb, vllm = results["nb"], results["vLLM"]
-    print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, output tok/s "
+    print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, held "
+          f"{ratio(nb['held'], vllm['held'])}, output tok/s "
           f"{ratio(nb['output_throughput'], vllm['output_throughput'])}; max_tokens {args.max_tokens} over a "
           f"mean output of {nb['mean_out']:.1f} (nb) / {vllm['mean_out']:.1f} (vLLM) tokens", flush=True)
     TABLE.write(args.results, [row(args, nb, vllm)])

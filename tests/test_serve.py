@@ -182,6 +182,15 @@ def test_64_concurrent_streams_all_complete_waiting_for_blocks_and_give_every_bl
     assert total(samples, "vllm:prompt_tokens_total") == sum(lengths)
     assert total(samples, "vllm:generation_tokens_total") == sum(news)
     assert total(samples, "vllm:e2e_request_latency_seconds_count") == 64
+    # vLLM's intervals: queued + inference is the whole latency, prefill + decode the inference;
+    # some requests waited for blocks, and the inference sum over the run is its mean batch held
+    interval = {k: total(samples, f"vllm:request_{k}_time_seconds_sum") for k in
+                ("queue", "prefill", "decode", "inference")}
+    assert all(total(samples, f"vllm:request_{k}_time_seconds_count") == 64 for k in interval)
+    e2e = total(samples, "vllm:e2e_request_latency_seconds_sum")
+    assert interval["queue"] + interval["inference"] == pytest.approx(e2e, rel=1e-9)
+    assert interval["prefill"] + interval["decode"] == pytest.approx(interval["inference"], rel=1e-9)
+    assert interval["queue"] > 0 and interval["decode"] > 0
     assert total(samples, "vllm:num_requests_running") == 0
     calls = total(samples, "nb:bucket_calls_total")
     assert calls == sum(s.calls for s in engine.stats.values()) and calls > 0

@@ -115,6 +115,8 @@ class Connection:
 
     stream: RequestStream
     arrival: float
+    scheduled: float | None = None  # when the step that first admitted it began (vLLM's SCHEDULED)
+    first_token: float | None = None
     last_token: float | None = None
 
 
@@ -225,7 +227,9 @@ class EngineLoop:
         try:
             while not (self._stopping and not self.engine.has_unfinished):
                 self._drain(block=not self.engine.has_unfinished and not self._stopping)
+                began = time.monotonic()
                 outputs = self._step() if self.engine.has_unfinished else []
+                self._mark_scheduled(began)
                 self.metrics.running.set(self.engine.num_running)
                 self.metrics.waiting.set(self.engine.num_waiting)
                 self.metrics.kv_usage.set(self.engine.kv_cache.usage)
@@ -278,6 +282,15 @@ class EngineLoop:
                 return
             command()
 
+    def _mark_scheduled(self, began: float) -> None:
+        """Stamp the requests this step admitted for the first time with its start, as vLLM stamps
+        a request when its scheduler first schedules it (a readmission after preemption keeps the
+        first stamp)."""
+        waiting = {r.request_id for r in self.engine.scheduler.waiting}
+        for rid, connection in self._connections.items():
+            if connection.scheduled is None and rid not in waiting:
+                connection.scheduled = began
+
     def _record(self, outputs: list[RequestOutput], now: float) -> list[tuple[RequestStream, RequestOutput]]:
         """Record what vLLM records for a step's outputs, release finished requests' slots, and
         say where each output goes."""
@@ -287,6 +300,7 @@ class EngineLoop:
                 continue
             if out.new_token_ids:
                 if connection.last_token is None:
+                    connection.first_token = now
                     self.metrics.ttft.observe(now - connection.arrival)
                     self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:
@@ -299,6 +313,8 @@ class EngineLoop:
                 del self._connections[out.request_id]
                 self._open.release()
                 self.metrics.e2e.observe(now - connection.arrival)
+                self.metrics.intervals(connection.arrival, connection.scheduled, connection.first_token,
+                                       connection.last_token)
                 self.metrics.finished(out.finish_reason)
             deliveries.append((connection.stream, out))
         return deliveries

@@ -129,6 +129,18 @@ class ServerMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token", TPOT_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS)
+        # vLLM's intervals of a finished request, on its bins: queued (arrival to first scheduled),
+        # prefill (to first token), decode (first to last token), inference (first scheduled to
+        # last token; preempted spells inside count). Their ``_sum`` over a run divided by its
+        # length is the mean number of requests held (Little's law), whenever a gauge is set.
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Seconds queued before first scheduled", E2E_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Seconds from first scheduled to first token", E2E_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "Seconds from first to last token",
+                                     E2E_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Seconds from first scheduled to last token", E2E_BUCKETS)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self._success = Counter(
@@ -139,6 +151,18 @@ class ServerMetrics:
         self.registry.register(BucketCollector(model_name, bucket_stats))
         counters = EngineCounterCollector(model_name, prefix_cache, spec_stats, step_stats, preemptions)
         self.registry.register(counters)
+
+    def intervals(
+        self, arrival: float, scheduled: float | None, first: float | None, last: float | None
+    ) -> None:
+        """Observe a finished request's intervals, as vLLM does, where it was scheduled and produced
+        a token (a request aborted before either has none)."""
+        if scheduled is None or first is None or last is None:
+            return
+        self.queue_time.observe(scheduled - arrival)
+        self.prefill_time.observe(first - scheduled)
+        self.decode_time.observe(last - first)
+        self.inference_time.observe(last - scheduled)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()
