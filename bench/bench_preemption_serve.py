@@ -34,8 +34,8 @@ takes to start and send its test prompt, when the server is idle: those seconds 
 against the faster server, whose run is shorter.
 
 Both servers set those gauges after each step, so while a step that admits runs they show the
-batch before the admission; the more of its time a server spends in such steps (the faster its
-decode steps are beside its prefills), the lower its gauge reads against the batch it computes.
+batch before the admission; the more of its time a server spends in such steps, the lower its
+gauge reads against the batch it holds (by about the same share on both servers in most rows).
 So beside the gauge's mean the bench reports the mean held, read from counters instead: the growth
 over the run of ``vllm:request_inference_time_seconds_sum`` (each finished request's seconds from
 its first scheduling to its last token, preempted spells inside: vLLM's definition, which nb
@@ -109,9 +109,9 @@ server and client); preemptions: `vllm:num_preemptions_total` over the run. Mean
 of `vllm:request_inference_time_seconds_sum` (each finished request's seconds from first scheduled
 to last token, preempted spells inside; nb serves vLLM's definition) over the run's seconds, by
 Little's law the mean number of requests held in the running batch. Both servers set the gauges
-after a step, so during a step that admits they show the batch before it, and the faster decoder,
-whose admitting steps are more of its time, reads lower; the mean held does not depend on when a
-gauge is set. nb compiles prefill token buckets every 16 tokens to 128, then 192, 256, 384, 512
+after a step, so during a step that admits they show the batch before it, and a server whose
+admitting steps are more of its time reads lower; the mean held does not depend on when a gauge is
+set. nb compiles prefill token buckets every 16 tokens to 128, then 192, 256, 384, 512
 (rows of nb a118d15 and earlier: its default 64, 128, 256, 512; their mean held is "-", not
 measured then). Ratios are nb / vLLM, above 1 is better. Rows dated before 2026-12-04 averaged over
 the whole sampling, the client's start-up included, when the server sat idle: seconds that pulled

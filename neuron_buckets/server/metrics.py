@@ -1,10 +1,11 @@
 """The server's Prometheus metrics: vLLM's names where vLLM has one, ``nb:`` for the buckets.
 
 Dashboards and alerts written for ``vllm serve`` read the same series here: requests running and
-waiting, time to first token, time per output token, end-to-end latency, prompt and generation
-token counters, finished requests by reason, the prefix cache's query and hit counters (in tokens),
-preemptions and the KV cache's usage, and speculative decoding's draft and acceptance counters, all
-labelled with ``model_name``. What
+waiting, time to first token, time per output token, end-to-end latency, a finished request's
+queued, prefill, decode and inference seconds, prompt and generation token counters, finished
+requests by reason, the prefix cache's query and hit counters (in tokens), preemptions and the KV
+cache's usage, and speculative decoding's draft and acceptance counters, all labelled with
+``model_name``. What
 vLLM has no name for is the point of nb: per-bucket calls, real and computed tokens and the
 padding share, the engine's steps with their seconds (``nb:engine_*``: step time under HTTP load, to
 compare with the same steps run in-process), and the steps speculation sat out because it did
