@@ -35,7 +35,7 @@ against the faster server, whose run is shorter.
 
 Both servers set those gauges after each step, so while a step that admits runs they show the
 batch before the admission; the more of its time a server spends in such steps, the lower its
-gauge reads against the batch it holds (by about the same share on both servers in most rows).
+gauge reads against the batch it holds.
 So beside the gauge's mean the bench reports the mean held, read from counters instead: the growth
 over the run of ``vllm:request_inference_time_seconds_sum`` (each finished request's seconds from
 its first scheduling to its last token, preempted spells inside: vLLM's definition, which nb
