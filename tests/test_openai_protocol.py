@@ -134,7 +134,6 @@ def test_every_vllm_field_is_implemented_refused_by_name_or_harmless_for_a_state
 @pytest.mark.parametrize(
     "endpoint, fields",
     [
-        ("completions", {"min_tokens": 5}),
         ("completions", {"bad_words": ["a"]}),
         ("completions", {"allowed_token_ids": [1, 2]}),
         ("completions", {"guided_json": {"type": "object"}}),

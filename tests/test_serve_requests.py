@@ -54,20 +54,33 @@ def test_values_that_underflow_in_float32_give_greedys_tokens(base, fields):
 @pytest.mark.parametrize(
     "route, fields",
     [
-        ("completions", {"min_tokens": 4}),
         ("completions", {"bad_words": ["a"]}),
         ("completions", {"allowed_token_ids": [5, 6]}),
         ("completions", {"guided_json": {"type": "object"}}),
         ("completions", {"use_beam_search": True}),
         ("completions", {"max_completion_tokens": 2}),
         ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
-        ("chat/completions", {"min_tokens": 4}),
+        ("chat/completions", {"bad_words": ["a"]}),
     ],
 )
 def test_fields_that_would_change_the_answer_are_refused_by_name(base, route, fields):
     body = {"prompt": PROMPT} if route == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
     name = next(iter(fields))
     refused(*post(f"{base}/v1/{route}", {**body, **fields}), name, "is not supported by nb serve")
+
+
+def test_min_tokens_masks_the_stop_id_greedy_reaches_first(base):
+    """The first greedy token, made a stop id, ends the request at once; with ``min_tokens`` 3 it
+    is masked for three tokens, and a min_tokens above max_tokens is a 400 that names it."""
+    status, greedy = completion(base, temperature=0)
+    first = greedy["choices"][0]["token_ids"][0]
+    status, stopped = completion(base, temperature=0, stop_token_ids=[first])
+    assert status == 200 and stopped["choices"][0]["token_ids"] == [first], stopped
+    status, body = completion(base, temperature=0, stop_token_ids=[first], min_tokens=3)
+    assert status == 200, body
+    tokens = body["choices"][0]["token_ids"]
+    assert first not in tokens[:3] and (len(tokens) == 8 or (len(tokens) > 3 and tokens[-1] == first))
+    refused(*completion(base, min_tokens=9), "min_tokens must be an integer in [0, max_tokens=8]")
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from neuron_buckets.engine.llm_engine import LLMEngine, generate
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.step_check import StepLimits
-from tests.conftest import error_line, write_config
+from tests.conftest import error_line, first_new, write_config
 from tests.test_engine import EAGER_SPECULATIVE, make_prompts
 from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle fixture
 
@@ -100,6 +100,23 @@ def test_requests_end_mid_draft_exactly_where_they_would_without(runtime):
     for o, p, t in zip(got, plain, stops, strict=True):
         assert o.token_ids == p[: p.index(t) + 1] and o.finish_reason == "stop" and o.stop_reason == t
     assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_min_tokens_masks_stops_in_drafted_rows_as_in_plain_ones(runtime):
+    """Each request's first new token greedy decoding reaches is its stop id, masked for the first
+    ``min_tokens`` tokens at every draft position of a verified row too: the tokens equal those
+    without speculation."""
+    plain = [o.token_ids for o in run(LLMEngine(runtime), PROMPTS, greedy_params(40, 40, 40))]
+    firsts = [first_new(p) for p in plain]
+    params = [SamplingParams(max_tokens=40, min_tokens=k + 6, stop_token_ids=(p[k],))
+              for p, k in zip(plain, firsts, strict=True)]
+    masked = [o.token_ids for o in run(LLMEngine(runtime), PROMPTS, params)]
+    engine = LLMEngine(runtime, speculative=SPEC)
+    assert [o.token_ids for o in run(engine, PROMPTS, params)] == masked
+    assert engine.spec_stats.num_accepted_tokens > 0
+    for tokens, p, k in zip(masked, plain, firsts, strict=True):
+        assert tokens[:k] == p[:k] and p[k] not in tokens[: k + 6]  # the same until the masked id
+        assert len(tokens) == 40 or (len(tokens) > k + 6 and tokens[-1] == p[k])
 
 
 def test_a_request_filling_max_model_len_drafts_no_further(runtime):

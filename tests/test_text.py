@@ -61,6 +61,12 @@ def test_a_stop_string_cuts_the_text_where_it_begins(text_model, text_artifact):
     assert result.exit_code == 0, result.output
     assert result.stdout == full[: full.index(stop)] + "\n"
     assert f"stop: stop string {stop!r}" in result.stderr
+    within = nb("generate", text_artifact, *args, "--min-new-tokens", MAX_NEW)  # no stop string is looked for
+    assert within.exit_code == 0, within.output
+    assert within.stdout == full + "\n" and "length: max-new-tokens" in within.stderr
+    over = nb("generate", text_artifact, *args, "--min-new-tokens", MAX_NEW + 1)
+    assert over.exit_code != 0
+    assert f"min_tokens must be an integer in [0, max_tokens={MAX_NEW}]" in over.output
 
 
 def test_chat_applies_the_models_template(text_artifact):

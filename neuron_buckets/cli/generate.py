@@ -131,6 +131,7 @@ def generate(
     prompt_ids: Annotated[list[str] | None, typer.Option(help=f"Prompt token ids, {IDS}")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template to each --prompt")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 16,
+    min_new_tokens: Annotated[int, typer.Option(min=0, help="No stop ends a request before this")] = 0,
     temperature: Annotated[float, typer.Option(help="below 1e-5 (0 included) = greedy")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 = off")] = 0,
     top_p: Annotated[float, typer.Option(help="Keep the fewest most likely tokens of this mass")] = 1.0,
@@ -164,7 +165,7 @@ def generate(
     params = SamplingParams(
         max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop_token_ids=tuple(stop_ids),
-        stop=tuple(stop or ()), ignore_eos=ignore_eos,
+        stop=tuple(stop or ()), ignore_eos=ignore_eos, min_tokens=min_new_tokens,
     )
     if follows(directory):  # a rank other than 0 of a tensor-parallel artifact (torchrun starts every rank)
         raise typer.Exit(follow(directory))

@@ -26,22 +26,22 @@ class Detokenizer:
         self.hold = max(map(len, self.stop), default=1) - 1
         self.stopped_by: str | None = None
 
-    def push(self, token: int) -> str | None:
+    def push(self, token: int, search: bool = True) -> str | None:
         """Add a generated token; the stop string the text now contains, if any (the text is cut
-        just before it)."""
+        just before it). ``search=False`` adds its text unsearched: a token within ``min_tokens``."""
         self.ids.append(token)
         before = self.tokenizer.decode(self.ids[self.prefix : self.read])
         now = self.tokenizer.decode(self.ids[self.prefix :])
         if len(now) > len(before) and not now.endswith(UNFINISHED):
-            self._extend(now[len(before) :])
+            self._extend(now[len(before) :], search)
             self.prefix, self.read = self.read, len(self.ids)
         return self.stopped_by
 
-    def flush(self) -> None:
+    def flush(self, search: bool = True) -> None:
         """The request ended: the text still held as unfinished is final as it is."""
         if self.read < len(self.ids) and self.stopped_by is None:
             before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-            self._extend(self.tokenizer.decode(self.ids[self.prefix :])[len(before) :])
+            self._extend(self.tokenizer.decode(self.ids[self.prefix :])[len(before) :], search)
             self.read = len(self.ids)
 
     def visible(self, finished: bool) -> str:
@@ -49,10 +49,10 @@ class Detokenizer:
         string."""
         return self.text if finished or not self.hold else self.text[: max(len(self.text) - self.hold, 0)]
 
-    def _extend(self, new: str) -> None:
+    def _extend(self, new: str, search: bool = True) -> None:
         start = max(len(self.text) - self.hold, 0)  # a stop string may begin in earlier text
         self.text += new
-        if hit := self._search(self.text[start:]):
+        if search and (hit := self._search(self.text[start:])):
             at, self.stopped_by = hit
             self.text = self.text[: start + at]
 

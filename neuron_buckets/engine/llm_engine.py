@@ -58,7 +58,7 @@ from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sample
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.request_check import RequestError, check_request
 from neuron_buckets.engine.request_output import RequestOutput
-from neuron_buckets.engine.sampler import sample
+from neuron_buckets.engine.sampler import mask_early_stops, sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
@@ -262,6 +262,7 @@ class LLMEngine:
             if self.structured is not None and any(r.grammar is not None for r in requests):
                 rows = rows.float()  # a fresh tensor: the logprobs still read the raw logits
                 self.structured.mask(rows, [(r.grammar, ()) for r in requests])
+            rows = mask_early_stops(rows, [early_stops(r) for r in requests])
             tokens = sample(
                 rows, [r.params for r in requests], [r.generator for r in requests],
                 [r.token_ids for r in requests],
@@ -274,6 +275,7 @@ class LLMEngine:
             if self.structured is not None and request.grammar is not None:
                 rows = rows.float().clone()
                 self.structured.mask(rows, [(request.grammar, draft)])
+            rows = mask_early_stops(rows, [early_stops(request, j) for j in range(len(rows))])
             if request.params.greedy:
                 sampled[i] = accept_greedy(rows, draft)
             else:
@@ -305,6 +307,15 @@ class LLMEngine:
             )
             rows[i] = per_segment[i][len(prompt) :]
         return rows
+
+
+NO_IDS = torch.empty(0, dtype=torch.int64)
+
+
+def early_stops(request: Request, offset: int = 0) -> Tensor:
+    """The ids ``request`` may not sample ``offset`` rows after its next token: its stop ids while
+    that token is within its ``min_tokens``, else none."""
+    return request.early_stops if request.too_early(offset) else NO_IDS
 
 
 def generate(

@@ -73,6 +73,11 @@ class Request:
         # The params' stop ids as a set, derived here so a request built any way has it: one
         # lookup per token.
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
+        # What ``min_tokens`` keeps it from sampling early, as one index tensor (vLLM's rule: its
+        # stop ids, and its end-of-sequence ids unless it ignores them)
+        eos = frozenset() if self.params.ignore_eos else frozenset(self.eos_token_ids)
+        self.early_stops = torch.tensor(sorted(self.stop_token_ids | eos) if self.params.min_tokens else [],
+                                        dtype=torch.int64)
 
     @property
     def prefill_len(self) -> int:
@@ -107,19 +112,26 @@ class Request:
         assert self.prompt_logprobs is not None
         self.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
 
+    def too_early(self, offset: int = 0) -> bool:
+        """Whether the token sampled ``offset`` rows after its next one is within ``min_tokens``,
+        where it may not stop the request."""
+        return self.num_generated + offset < self.params.min_tokens
+
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def append(self, token: int) -> None:
         """Add a generated token and apply the stop rule: "stop" at an end-of-sequence or stop
-        token (not text) or a stop string (cut from the text), "length" at ``max_tokens``."""
+        token (not text) or a stop string (cut from the text), none of them within ``min_tokens``;
+        "length" at ``max_tokens``."""
+        early = self.too_early()
         self.token_ids.append(token)
         p = self.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in self.stop_token_ids:
+        if not early and ((token in self.eos_token_ids and not p.ignore_eos) or token in self.stop_token_ids):
             self.stop_reason = token
         elif self.detokenizer is not None:
-            self.stop_reason = self.detokenizer.push(token)
+            self.stop_reason = self.detokenizer.push(token, search=not early)
         if self.stop_reason is not None:
             self.finish_reason = "stop"
         elif self.num_generated >= p.max_tokens:
@@ -131,7 +143,7 @@ class Request:
         text = ""
         if self.detokenizer is not None:
             if finished:
-                self.detokenizer.flush()
+                self.detokenizer.flush(search=self.num_generated > self.params.min_tokens)
             text = self.detokenizer.visible(finished)
         generated = self.token_ids[self.prompt_len :]
         out = RequestOutput(

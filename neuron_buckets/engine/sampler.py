@@ -90,6 +90,21 @@ def filtered_probs(
     return (probs / probs.sum(dim=-1, keepdim=True) if masked else probs), ids
 
 
+def mask_early_stops(logits: Tensor, stops: Sequence[Tensor]) -> Tensor:
+    """``logits`` with ``stops[i]``'s ids in row i at -inf: what a request within its ``min_tokens``
+    may not sample. A copy when anything is masked (the raw logits still serve the logprobs); ids
+    past the vocabulary, which no row can sample anyway, are skipped."""
+    counts = [len(s) for s in stops]
+    if not any(counts):
+        return logits
+    ids = torch.cat(list(stops))
+    rows = torch.repeat_interleave(torch.arange(len(stops)), torch.tensor(counts))
+    keep = ids < logits.shape[-1]
+    logits = logits.clone()
+    logits[rows[keep], ids[keep]] = float("-inf")
+    return logits
+
+
 def draw(probs: Tensor, ids: Tensor | None, uniform: Tensor) -> Tensor:
     """Invert each row's CDF at its uniform number; a token of probability 0 is never drawn."""
     cdf = probs.double().cumsum(dim=-1)

@@ -41,6 +41,9 @@ class SamplingParams:
     logprobs: int | None = None  # each token's logprob and its top-k's; None: none (vLLM's)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token obeys
+    # vLLM's: the first min_tokens generated tokens never end the request (its end-of-sequence and
+    # stop ids are masked there, stop strings not searched); max_tokens still does
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # a client's JSON gives lists; keep the dataclass hashable and immutable
@@ -48,6 +51,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         checks = (
             ("temperature", self.temperature, lambda v: v >= 0, "at least 0"),
             ("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -2,7 +2,7 @@
 
 Field names, defaults and response shapes follow the OpenAI API as vLLM serves it, so existing
 clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchanged; vLLM's own
-extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``add_special_tokens``, ``return_token_ids``) are accepted too, and nb's ``speculative: false``
 opts a request out of the server's drafting. ``logprobs`` (and chat's ``top_logprobs``), ``n``,
 ``best_of``, ``response_format``, completions' ``echo`` and chat's ``tools``/``tool_choice`` are
@@ -66,7 +66,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # vLLM's
     "prompt_embeds": (),
     "use_beam_search": (False,),
-    "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
@@ -171,6 +170,7 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] = []
     ignore_eos: bool = False
+    min_tokens: Int = Field(0, ge=0)
     n: Int = Field(1, ge=1, le=MAX_N)  # choices: each seeded from ``seed`` (seed + its index)
     best_of: Int | None = Field(None, ge=1, le=MAX_N)  # run this many, return the n most likely
     response_format: ResponseFormat | None = None
@@ -232,6 +232,7 @@ class SamplingRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids),
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             speculative=self.speculative,
             logprobs=self.num_logprobs,
             structured_outputs=self.structured_outputs(),
