@@ -55,29 +55,44 @@ def test_the_packed_layout_is_the_weight_reordered():
 
 
 def test_a_shape_outside_the_kernel_is_not_taken_and_is_refused_if_called():
-    assert bf16_linear_cpu.applies(torch.zeros(64, 16, dtype=torch.bfloat16))
-    assert not bf16_linear_cpu.applies(torch.zeros(48, 16, dtype=torch.bfloat16))  # not 32-channel groups
-    assert not bf16_linear_cpu.applies(torch.zeros(64, 15, dtype=torch.bfloat16))
-    assert not bf16_linear_cpu.applies(torch.zeros(64, 16))  # float32 stays on oneDNN
+    """A graph traced here calls the kernel for the shapes it fits, and only where it is chosen here
+    (not on a CPU with AMX, whose tiles oneDNN drives)."""
+    fitting = torch.zeros(64, 16, dtype=torch.bfloat16)
+    assert bf16_linear_cpu.fits(fitting)
+    assert bf16_linear_cpu.applies(fitting) == bf16_linear_cpu.chosen_here()
+    assert not bf16_linear_cpu.fits(torch.zeros(48, 16, dtype=torch.bfloat16))  # not 32-channel groups
+    assert not bf16_linear_cpu.fits(torch.zeros(64, 15, dtype=torch.bfloat16))
+    assert not bf16_linear_cpu.fits(torch.zeros(64, 16))  # float32 stays on oneDNN
     with pytest.raises(RuntimeError, match="multiple of 32"):
         bf16_linear_cpu.bf16_linear(torch.randn(2, 16).bfloat16(), torch.zeros(48, 16, dtype=torch.bfloat16))
 
 
-def test_a_bfloat16_projection_is_traced_as_the_kernel_and_packed_for_it():
-    """Inside a oneDNN trace a bfloat16 projection of 32-channel groups calls the kernel; the
-    runtime packs for it only for an artifact whose graphs call it (``bf16_kernel_weights``), and
-    an eager call on a weight packed for it runs it too (``nb verify``'s model)."""
+def test_a_bfloat16_projection_is_traced_as_the_kernel_where_it_is_chosen_here():
+    """Inside a oneDNN trace a bfloat16 projection of 32-channel groups calls the kernel where it is
+    chosen here, else oneDNN's op (a CPU with AMX); the kernel's graph over a weight packed for it
+    computes what the kernel does."""
     w, x = torch.randn(96, 32).bfloat16(), torch.randn(5, 32).bfloat16()
     with linear.onednn():
         program = torch.export.export(Projection(), (x, w), strict=False)
     called = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    if not bf16_linear_cpu.chosen_here():
+        assert "nb._linear_pointwise.default" in called and "nb.bf16_linear.default" not in called
+        return
     assert "nb.bf16_linear.default" in called
+    packed = bf16_linear_cpu.pack(w)
+    assert torch.equal(program.module()(x, packed), bf16_linear_cpu.bf16_linear(x, packed))
+
+
+def test_weights_are_packed_for_the_kernel_only_for_an_artifact_that_calls_it():
+    """The runtime packs for the kernel only for an artifact whose graphs call it
+    (``bf16_kernel_weights``), and an eager call on a weight packed for it runs it too (``nb verify``'s
+    model)."""
+    w, x = torch.randn(96, 32).bfloat16(), torch.randn(5, 32).bfloat16()
     assert linear.pack_dense(w).is_mkldnn  # an artifact without the kernel: oneDNN's layout
     with linear.bf16_kernel_weights(True):
         packed = linear.pack_dense(w)
     assert not packed.is_mkldnn and torch.equal(packed, bf16_linear_cpu.pack(w))
-    want = bf16_linear_cpu.bf16_linear(x, packed)
-    assert torch.equal(program.module()(x, packed), want) and torch.equal(linear.linear(x, packed), want)
+    assert torch.equal(linear.linear(x, packed), bf16_linear_cpu.bf16_linear(x, packed))
     assert not bf16_linear_cpu.is_packed(w) and not bf16_linear_cpu.is_packed(packed.clone())
 
 

@@ -70,14 +70,13 @@ class Request:
         )
 
     def __post_init__(self) -> None:
-        # The params' stop ids as a set, derived here so a request built any way has it: one
-        # lookup per token.
-        self.stop_token_ids = frozenset(self.params.stop_token_ids)
-        # What ``min_tokens`` keeps it from sampling early, as one index tensor (vLLM's rule: its
-        # stop ids, and its end-of-sequence ids unless it ignores them)
+        # The ids that end it: its stop ids, and its end-of-sequence ids unless it ignores them.
+        # Derived here so a request built any way has them: one lookup per token. ``min_tokens``
+        # masks the same ids (vLLM's rule), kept as one index tensor when it has a ``min_tokens``.
         eos = frozenset() if self.params.ignore_eos else frozenset(self.eos_token_ids)
-        self.early_stops = torch.tensor(sorted(self.stop_token_ids | eos) if self.params.min_tokens else [],
-                                        dtype=torch.int64)
+        self.stop_ids = frozenset(self.params.stop_token_ids) | eos
+        early = sorted(self.stop_ids) if self.params.min_tokens else []
+        self.early_stops = torch.tensor(early, dtype=torch.int64)
 
     @property
     def prefill_len(self) -> int:
@@ -127,14 +126,13 @@ class Request:
         "length" at ``max_tokens``."""
         early = self.too_early()
         self.token_ids.append(token)
-        p = self.params
-        if not early and ((token in self.eos_token_ids and not p.ignore_eos) or token in self.stop_token_ids):
+        if not early and token in self.stop_ids:
             self.stop_reason = token
         elif self.detokenizer is not None:
             self.stop_reason = self.detokenizer.push(token, search=not early)
         if self.stop_reason is not None:
             self.finish_reason = "stop"
-        elif self.num_generated >= p.max_tokens:
+        elif self.num_generated >= self.params.max_tokens:
             self.finish_reason = "length"
 
     def output(self) -> RequestOutput:
