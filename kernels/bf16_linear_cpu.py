@@ -8,7 +8,8 @@ per pass, so a decode step reads each weight once, and keeps pace with oneDNN on
 
 It needs AVX512-BF16 (and AVX512BW), bfloat16 activations, and a projection of a multiple of 32
 output channels and of 2 input features; elsewhere bfloat16 stays on oneDNN (``model/linear.py``),
-and so it does on a CPU with AMX, whose tiles oneDNN drives (not measured here).
+and so it does on a CPU with AMX, whose tiles oneDNN drives: there oneDNN is as fast at one token
+and far faster from a few tokens up (bench/RESULTS.md).
 Whether a graph calls it is decided as it is traced (``applies``), on the compiling machine; the
 artifact then carries the library, and the runtime packs the weights for it only for an artifact
 that carries it, so a graph and its weights always agree.
@@ -46,7 +47,7 @@ def cpu_has_bf16() -> bool:
 
 def chosen_here() -> bool:
     """Whether graphs traced here call the kernel: a CPU that runs it, without AMX, whose tiles
-    oneDNN drives and nb has not measured against."""
+    oneDNN drives faster than the kernel streams."""
     return cpu_has_bf16() and not cpu_has("amx_bf16")
 
 
