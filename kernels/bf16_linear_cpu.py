@@ -8,8 +8,8 @@ per pass, so a decode step reads each weight once, and keeps pace with oneDNN on
 
 It needs AVX512-BF16 (and AVX512BW), bfloat16 activations, and a projection of a multiple of 32
 output channels and of 2 input features; elsewhere bfloat16 stays on oneDNN (``model/linear.py``),
-and so it does on a CPU with AMX, whose tiles oneDNN drives: there oneDNN is as fast at one token
-and far faster from a few tokens up (bench/RESULTS.md).
+and so it does on a CPU with AMX, whose tiles oneDNN drives: there oneDNN is within a tenth of it
+at one token and far faster from a few tokens up (bench/RESULTS.md).
 Whether a graph calls it is decided as it is traced (``applies``), on the compiling machine; the
 artifact then carries the library, and the runtime packs the weights for it only for an artifact
 that carries it, so a graph and its weights always agree.
