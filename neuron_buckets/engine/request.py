@@ -141,7 +141,8 @@ class Request:
         text = ""
         if self.detokenizer is not None:
             if finished:
-                self.detokenizer.flush(search=self.num_generated > self.params.min_tokens)
+                # the text still held is searched unless the last token was within min_tokens
+                self.detokenizer.flush(search=not self.too_early(-1))
             text = self.detokenizer.visible(finished)
         generated = self.token_ids[self.prompt_len :]
         out = RequestOutput(
