@@ -1,6 +1,8 @@
 """The README as a user follows it: its "your own model" config compiles as written, its Runtime
 snippet runs on an artifact without a tokenizer, and its text stays readable (no line past 300
-characters); no text of the repository names an issue."""
+characters); no text of the repository names an issue. The README stays a product page and the
+changelog a short history (sizes pinned, one Unreleased heading), the reference living in docs/,
+every relative link of which leads to a file and heading that exist."""
 
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ from tests.conftest import save_tiny_llama
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+README_MAX_BYTES = 30_000
+CHANGELOG_MAX_BYTES = 25_000
 
 
 def block(section: str, lang: str) -> str:
@@ -78,3 +85,37 @@ def test_the_runtime_snippet_runs_on_an_artifact_without_a_tokenizer(compiled_di
         exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - the README's own code
     lines = printed.getvalue().splitlines()
     assert lines[0].endswith("length") and lines[-1].startswith("{")
+
+
+def test_the_readme_is_a_product_page_and_the_changelog_a_short_history() -> None:
+    """The reference moved to docs/ so the README stays readable at a glance; the changelog says what
+    changed and why, and links to bench/RESULTS.md for a run's figures instead of repeating them."""
+    assert len(README.encode()) <= README_MAX_BYTES
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert len(changelog.encode()) <= CHANGELOG_MAX_BYTES
+    headings = re.findall(r"^## (.*)$", changelog, re.M)
+    assert len(headings) >= 3 and [h for h in headings if h.startswith("Unreleased")] == ["Unreleased"]
+    assert headings[0] == "Unreleased"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_readme_changelog_and_docs_leads_somewhere() -> None:
+    assert {"serving.md", "runtime.md", "tensor-parallel.md", "quantization.md", "design.md"} <= {
+        p.name for p in DOCS}
+    checked = 0
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS]:
+        for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL, not a file of the repository
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page
+            assert path.is_file(), f"{page.name}: {target} names no file"
+            if anchor:
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+                assert anchor in slugs, f"{page.name}: {target} names no heading of {path.name}"
+            checked += 1
+    assert checked >= 30  # the README's and the docs' links, not a page the pattern missed
