@@ -1,4 +1,4 @@
-"""The step plan: what one engine step computes, as plain data (README, "The step plan").
+"""The step plan: what one engine step computes, as plain data (docs/design.md, "The shared contract").
 
 The scheduler writes it, the runtime runs it and ``nb inspect`` replays it with lengths alone.
 Every segment carries its own context and block-table row, so one plan holds any mix of fresh

@@ -1,13 +1,13 @@
 """Host sampling: one token per row of a step's logits, each row with its own parameters and seed.
 
 The head piece returns every row's vocabulary-wide logits and the host picks the tokens (why the
-host and not the graph: README, "Sampling"). The repetition penalty, temperature, top-k, top-p
-and min-p are tensor operations over all rows of a kind at once (greedy; with top-k or top-p,
-which sort candidates; without, which sort nothing). Only the random draw is per row: each
-sampled row takes exactly one uniform number from its own request's generator and inverts its
-distribution's CDF with it, so a seeded request draws the same numbers, and therefore the same
-tokens, whatever else is in the batch. Greedy rows (temperature below ``MIN_TEMPERATURE``) take
-the argmax and draw nothing.
+host and not the graph: docs/runtime.md, "Generate, sampling and stop"). The repetition penalty,
+temperature, top-k, top-p and min-p are tensor operations over all rows of a kind at once (greedy;
+with top-k or top-p, which sort candidates; without, which sort nothing). Only the random draw is
+per row: each sampled row takes exactly one uniform number from its own request's generator and
+inverts its distribution's CDF with it, so a seeded request draws the same numbers, and therefore
+the same tokens, whatever else is in the batch. Greedy rows (temperature below ``MIN_TEMPERATURE``)
+take the argmax and draw nothing.
 
 Logits of any dtype are sampled in float32, and no filter may leave a row empty: top-p and min-p
 always keep the most likely token (a top_p that rounds to 0 in float32 would otherwise mask

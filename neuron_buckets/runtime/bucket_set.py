@@ -6,7 +6,7 @@ it computes, at most ``decode_seq`` of them, is a decode row: rows of similar co
 call, each call as wide as the widest decode bucket, on the smallest context bucket that holds
 its deepest row. Every other segment is a prefill chunk: chunks are laid end to end in the
 smallest token bucket that holds them, up to ``max_rows`` per call, each over its own
-block-table row and context (README, "Step layout"), so fresh prompts, continuing chunks and
+block-table row and context (docs/design.md, "The shared contract"), so fresh prompts, continuing chunks and
 prefix-cache hits share a call. A chunk longer than the largest token bucket runs as waves:
 wave k holds the k-th piece of every such chunk, and runs after wave k - 1 wrote the cache the
 piece attends to. A chunk returns the logits of its last ``num_samples`` tokens: its last one
