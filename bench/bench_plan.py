@@ -20,7 +20,7 @@ from neuron_buckets.traffic.planner import PlanOptions, optimal_sets, plan, powe
 from neuron_buckets.traffic.traces import load_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
 
 PADDING = ResultsTable(
     heading="Bucket planning: padding (bench_plan.py)",
@@ -33,6 +33,7 @@ the planner alone, so they change only with the code.
     columns=("trace", "requests", "K", "prefill powers of two", "prefill plan", "plan / powers of two",
              "decode powers of two", "decode plan", *PROVENANCE),
     key=1,
+    derived={"plan / powers of two": Ratio("prefill plan", "prefill powers of two", digits=3, suffix="")},
 )
 TIMES = ResultsTable(
     heading="Bucket planning: time (bench_plan.py)",
@@ -66,7 +67,7 @@ def compare(traces: Path, name: str) -> list[str]:
     print(f"  {'decode plan':22}{d['padding_ratio']:>9.1%}  {d['buckets']}  (peak {d['peak_batch']})")
     print("  Pareto: " + ", ".join(f"K={r['graphs']} {r['padding_ratio']:.1%}" for r in doc["pareto"]))
     powers, planned = base["padding_ratio"], p["padding_ratio"]
-    return [name, f"{len(trace)}", str(k), f"{powers:.1%}", f"{planned:.1%}", f"{planned / powers:.3f}",
+    return [name, f"{len(trace)}", str(k), f"{powers:.1%}", f"{planned:.1%}",
             f"{dbase['padding_ratio']:.1%}", f"{d['padding_ratio']:.1%}"]
 
 

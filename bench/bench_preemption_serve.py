@@ -79,7 +79,15 @@ from bench_generate import compile_config  # noqa: E402
 from bench_matrix import ratio  # noqa: E402
 from bench_serve import load_args, run_client  # noqa: E402
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument, commit, cpu_description  # noqa: E402
+from results_table import (  # noqa: E402
+    PEERS,
+    PROVENANCE,
+    Ratio,
+    ResultsTable,
+    add_results_argument,
+    commit,
+    cpu_description,
+)
 from serve_limits import NB_CONFIG, ServeLimits  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
@@ -118,7 +126,7 @@ Little's law the mean number of requests held in the running batch. Both servers
 after a step, so during a step that admits they show the batch before it, and a server whose
 admitting steps are more of its time reads lower; the mean held does not depend on when a gauge is
 set. nb compiles prefill token buckets every 16 tokens to 128, then 192, 256, 384, 512
-(rows of nb a118d15 and earlier: its default 64, 128, 256, 512; their mean held is "-", not
+(rows of nb a118d15 and earlier: its default 64, 128, 256, 512; their mean held was not
 measured then). Ratios are nb / vLLM, above 1 is better. Rows dated before 2026-12-04 averaged over
 the whole sampling, the client's start-up included, when the server sat idle: seconds that pulled
 the faster server's means down.""",
@@ -126,8 +134,10 @@ the faster server's means down.""",
              "mean out tokens nb / vLLM", "mean running nb / vLLM", "running nb/vLLM",
              "mean held nb / vLLM", "held nb/vLLM",
              "mean waiting nb / vLLM", "KV use nb / vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
-             "preemptions nb / vLLM", *PROVENANCE, "load avg", "note"),
+             "preemptions nb / vLLM", *PROVENANCE, *PEERS, "load avg", "note"),
     key=8,
+    derived={"running nb/vLLM": Ratio("mean running nb / vLLM"), "held nb/vLLM": Ratio("mean held nb / vLLM"),
+             "tok/s nb/vLLM": Ratio("out tok/s nb / vLLM")},
 )
 
 
@@ -239,11 +249,9 @@ def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
 
     return [SHAPES[args.shape].name, args.dtype, str(args.layers), str(args.num_blocks),
             str(args.max_tokens), str(args.num_prompts), str(args.streams), OUTPUTS,
-            pair("mean_out", ".1f"), pair("running", ".2f"), ratio(nb["running"], vllm["running"]),
-            pair("held", ".2f"), ratio(nb["held"], vllm["held"]),
+            pair("mean_out", ".1f"), pair("running", ".2f"), pair("held", ".2f"),
             pair("waiting", ".2f"), f"{nb['kv_use']:.0%} / {vllm['kv_use']:.0%}",
-            pair("output_throughput", ".1f"), ratio(nb["output_throughput"], vllm["output_throughput"]),
-            pair("preemptions", ".0f"),
+            pair("output_throughput", ".1f"), pair("preemptions", ".0f"),
             f"{nb['load_avg']:.1f} / {vllm['load_avg']:.1f}", args.note]
 
 
@@ -317,14 +325,15 @@ def main() -> None:
                              "--block-size", str(LIMITS.block_size),
                              "--num-gpu-blocks-override", str(args.num_blocks), "--enable-prefix-caching",
                              limits=tuple(LIMITS.vllm_args(args.dtype)))
-    results["vLLM"] = measure(args, "vLLM", cmd, vllm_env(), port)
+    envs = {"nb": nb_env, "vLLM": vllm_env()}
+    results["vLLM"] = measure(args, "vLLM", cmd, envs["vLLM"], port)
     (args.work / "bench_preemption_serve.json").write_text(json.dumps(results, default=str))
     nb, vllm = results["nb"], results["vLLM"]
     print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, held "
           f"{ratio(nb['held'], vllm['held'])}, output tok/s "
           f"{ratio(nb['output_throughput'], vllm['output_throughput'])}; max_tokens {args.max_tokens} over a "
           f"mean output of {nb['mean_out']:.1f} (nb) / {vllm['mean_out']:.1f} (vLLM) tokens", flush=True)
-    TABLE.write(args.results, [row(args, nb, vllm)])
+    TABLE.write(args.results, [row(args, nb, vllm)], envs)
 
 
 if __name__ == "__main__":

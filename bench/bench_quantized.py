@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
 
 from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate  # noqa: E402
 from neuron_buckets.compile.compiler import Compiler  # noqa: E402
@@ -87,6 +87,8 @@ quantized / bfloat16. The weights file keeps the tied embedding in bfloat16.
 """,
     columns=("shape", "scheme", "decode step ms q / bf16", "step q/bf16", "out tok/s c4 q / bf16",
              "tok/s q/bf16", "weights GB q / bf16", "weights q/bf16", *PROVENANCE, "load avg", "note"),
+    derived={"step q/bf16": Ratio("decode step ms q / bf16"), "tok/s q/bf16": Ratio("out tok/s c4 q / bf16"),
+             "weights q/bf16": Ratio("weights GB q / bf16")},
     key=2,
 )
 
@@ -144,6 +146,7 @@ that are not measured, the `independent` workload. Ratios are nb / vLLM.
 """,
         columns=("shape", "scheme", *MATRIX.columns[2:]),
         key=4,
+        derived=MATRIX.derived,
     )
 
 
@@ -157,7 +160,7 @@ def against_vllm(args: argparse.Namespace, quantized: Path, scheme: str, results
     args.limits, cell = ServeLimits(), Cell("llama-3.2-1b", "bfloat16", "independent", BATCH)
     text = args.limits.nb_config(quantized, SHAPES[cell.shape], cell.dtype)
     artifact = compile_config(args.work, f"{quantized.name}-serve", text)
-    served = {}
+    served, envs = {}, {}
     for server in ("nb", "vLLM"):
         port = free_port()
         if server == "nb":
@@ -166,12 +169,12 @@ def against_vllm(args: argparse.Namespace, quantized: Path, scheme: str, results
             cmd = vllm_serve_command(args.vllm_python, quantized, port, "--served-model-name", cell.shape,
                                      limits=tuple(args.limits.vllm_args(cell.dtype)))
             env = vllm_env(**args.limits.vllm_env())
-        served[server] = run_cells(args, server, cmd, env, port, quantized, [cell])[cell]
+        served[server], envs[server] = run_cells(args, server, cmd, env, port, quantized, [cell])[cell], env
     nb, vllm = (served[s]["output_throughput"] for s in ("nb", "vLLM"))
     print(f"served {quantized.name} ({args.limits.describe()}), {cell.workload} at concurrency "
           f"{cell.concurrency}: nb {nb:.1f} / vLLM {vllm:.1f} output tok/s = {nb / vllm:.2f}x")
     line = row(args, cell, served["nb"], served["vLLM"])
-    served_table().write(results, [[line[0], scheme, *line[2:]]])
+    served_table().write(results, [[line[0], scheme, *line[2:]]], envs)
 
 
 def main() -> None:
@@ -216,10 +219,8 @@ def main() -> None:
           f"{step[q] / step[b]:.2f}x")
     print(f"output tok/s at concurrency {BATCH}: {rate[q]:.1f} / {rate[b]:.1f} = {rate[q] / rate[b]:.2f}x")
     print(f"weights file: {size[q] / 1e9:.2f} GB / {size[b] / 1e9:.2f} GB = {size[q] / size[b]:.2f}x")
-    TABLE.write(results, [[shape.name, q, f"{step[q]:.1f} / {step[b]:.1f}", f"{step[q] / step[b]:.2f}x",
-                           f"{rate[q]:.1f} / {rate[b]:.1f}", f"{rate[q] / rate[b]:.2f}x",
-                           f"{size[q] / 1e9:.2f} / {size[b] / 1e9:.2f}", f"{size[q] / size[b]:.2f}x",
-                           f"{load:.1f}", args.note]])
+    TABLE.write(results, [[shape.name, q, f"{step[q]:.1f} / {step[b]:.1f}", f"{rate[q]:.1f} / {rate[b]:.1f}",
+                           f"{size[q] / 1e9:.2f} / {size[b] / 1e9:.2f}", f"{load:.1f}", args.note]])
     if args.vllm_python:
         runtimes.clear()  # their weights out of the way of the servers
         against_vllm(args, quantized, scheme.name, results)

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import compile_artifact  # noqa: E402
 from real_models import add_size_args, build_smollm  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from results_table import PEERS, PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
 from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
 
 CLIENT = Path(__file__).parent / "vllm_bench_client.py"
@@ -74,7 +74,7 @@ random word tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens). A 
 not run shows `-`.
 """,
     columns=("artifact", "workload", "conc", "prompts", *(f"{title} nb / vLLM" for _, title, _ in COLUMNS),
-             *PROVENANCE),
+             *PROVENANCE, *PEERS),
     key=3,
 )
 
@@ -142,13 +142,18 @@ def serve_artifact(work: Path, model: Path, args: argparse.Namespace) -> Path:
                             contexts=contexts)
 
 
+def server_envs() -> dict[str, dict[str, str]]:
+    """Each server's environment: this one for nb, its CPU settings over it for vLLM."""
+    return {"nb": dict(os.environ), "vLLM": vllm_env()}
+
+
 def nb_server(artifact: Path, port: int, log: Path) -> Server:
-    return serving(nb_serve_command(artifact, port, SERVED), dict(os.environ), port, log)
+    return serving(nb_serve_command(artifact, port, SERVED), server_envs()["nb"], port, log)
 
 
 def vllm_server(python: Path, model: Path, port: int, log: Path) -> Server:
     cmd = vllm_serve_command(python, model, port, "--served-model-name", SERVED, *LIMITS)
-    return serving(cmd, vllm_env(), port, log)
+    return serving(cmd, server_envs()["vLLM"], port, log)
 
 
 def loads(args: argparse.Namespace) -> list[Load]:
@@ -265,7 +270,8 @@ def main() -> None:
     print_targets(results)
     summary = [{"server": name, **asdict(ld), **res} for name, r in results.items() for ld, res in r.items()]
     (args.work / "bench_serve.json").write_text(json.dumps(summary, default=str))
-    TABLE.write(args.results, result_rows(results, artifact.name))
+    envs = {name: env for name, env in server_envs().items() if name in results}
+    TABLE.write(args.results, result_rows(results, artifact.name), envs)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from real_models import SHAPES, build_checkpoint  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
 
 GRID = """
 [model]
@@ -63,6 +63,7 @@ how much here.
     columns=("shape", "layers", "requests x prompt, new", "TP=1 tok/s", "TP=2 tok/s", "TP=2 / TP=1",
              *PROVENANCE),
     key=3,
+    derived={"TP=2 / TP=1": Ratio("TP=2 tok/s", "TP=1 tok/s")},
 )
 
 
@@ -114,7 +115,7 @@ def main() -> None:
           f"{args.requests} x {args.prompt} prompt tokens, {args.new} new)")
     TABLE.write(args.results, [[SHAPES[args.shape].name, str(args.layers),
                                 f"{args.requests} x {args.prompt}, {args.new}", f"{rates[1]:.1f}",
-                                f"{rates[2]:.1f}", f"{rates[2] / rates[1]:.2f}x"]])
+                                f"{rates[2]:.1f}"]])
 
 
 if __name__ == "__main__":

@@ -20,29 +20,29 @@ from results_table import PROVENANCE, ResultsTable  # noqa: E402
 from serve_limits import GIB, ServeLimits  # noqa: E402
 
 TABLE = ResultsTable("Serving", "What the rows are.", ("shape", "conc", "tok/s", "note"), key=2)
+OTHER = ResultsTable("Roofline", "Per shape.", ("shape", "ms"), key=1)
 
 
 def test_a_run_replaces_its_own_cells_and_keeps_the_others(tmp_path: Path) -> None:
     path = tmp_path / "RESULTS.md"
     TABLE.merge(path, [["A", "4", "10.0", "first"], ["B", "4", "20.0", "first"]])
-    path.write_text(path.read_text() + "\n## Notes\n\nwritten by hand\n")
+    path.write_text(path.read_text() + "\n" + OTHER.render([["A", "5.0"]]))
     TABLE.merge(path, [["B", "4", "25.0", "second"], ["C", "8", "30.0", "second"]])
     assert TABLE.rows(path) == [["A", "4", "10.0", "first"], ["B", "4", "25.0", "second"],
                                 ["C", "8", "30.0", "second"]]
     text = path.read_text()
-    assert text.index("## Serving") < text.index("## Notes")
-    assert text.rstrip().endswith("written by hand")
+    assert text.index("## Serving") < text.index("## Roofline")
+    assert text.rstrip().endswith("| A | 5.0 |")
     assert "What the rows are." in text
 
 
 def test_two_tables_share_one_file(tmp_path: Path) -> None:
     path = tmp_path / "RESULTS.md"
-    other = ResultsTable("Roofline", "Per shape.", ("shape", "ms"), key=1)
     TABLE.merge(path, [["A", "4", "10.0", ""]])
-    other.merge(path, [["A", "5.0"]])
+    OTHER.merge(path, [["A", "5.0"]])
     TABLE.merge(path, [["A", "4", "11.0", ""]])
     assert TABLE.rows(path) == [["A", "4", "11.0", ""]]
-    assert other.rows(path) == [["A", "5.0"]]
+    assert OTHER.rows(path) == [["A", "5.0"]]
 
 
 def test_a_row_of_the_wrong_width_is_refused(tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_no_two_benches_write_the_same_section() -> None:
 
 def test_a_bench_run_writes_rows_with_their_provenance(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "RESULTS.md"
-    path.write_text("# Benchmark results\n\n## Notes (written by hand)\n\nkept\n")
+    path.write_text("# Benchmark results\n\n" + OTHER.render([["kept", "1.0"]]))
     argv = ["bench_preemption.py", "--num-blocks", "24,40", "--watermarks", "0", "--requests", "8", "--long",
             "--results", str(path)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -129,7 +129,8 @@ def test_a_bench_run_writes_rows_with_their_provenance(tmp_path: Path, monkeypat
     date, cpu, commit = (rows[0][bench_preemption.TABLE.columns.index(c)] for c in PROVENANCE)
     assert re.fullmatch(r"20\d\d-\d\d-\d\d \d\d:\d\d", date) and "cores" in cpu and commit
     text = path.read_text()
-    assert "`bench/bench_preemption.py`: the scheduler alone" in text and text.rstrip().endswith("kept")
+    assert "`bench/bench_preemption.py`: the scheduler alone" in text
+    assert text.rstrip().endswith("| kept | 1.0 |")
 
 
 def test_the_gauges_are_averaged_over_the_clients_run_only() -> None:

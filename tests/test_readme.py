@@ -1,8 +1,9 @@
 """The README as a user follows it: its "your own model" config compiles as written, its Runtime
-snippet runs on an artifact without a tokenizer, and its text stays readable (no line past 300
-characters); no text of the repository names an issue. The README stays a product page and the
-changelog a short history (sizes pinned, one Unreleased heading), the reference living in docs/,
-every relative link of which leads to a file and heading that exist."""
+snippet runs on an artifact without a tokenizer, every speed it and docs/ quote stands in
+bench/RESULTS.md, and its text stays readable (no line past 300 characters); no text of the
+repository names an issue. The README stays a product page and the changelog a short history
+(sizes pinned, one Unreleased heading), the reference living in docs/, every relative link of which
+leads to a file and heading that exist."""
 
 from __future__ import annotations
 
@@ -19,6 +20,31 @@ from tests.conftest import save_tiny_llama
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
+RESULTS = (ROOT / "bench" / "RESULTS.md").read_text()
+SPEED = re.compile(r"\b(\d+(?:\.\d+)?) ?(tok/s|ms|GB/s|GFLOP/s|x)\b")  # a speed, or a ratio ("1.37x")
+
+
+def result_figures() -> set[tuple[str, str]]:
+    """Each (number, unit) bench/RESULTS.md holds: a ratio as written ("1.37x"), another number in a
+    column whose title names its unit."""
+    found, columns = set(), []
+    for line in RESULTS.splitlines():
+        if line.startswith("## "):
+            columns = []
+        elif line.startswith("|") and not columns:
+            columns = [c.strip() for c in line.strip("|").split("|")]
+        elif line.startswith("| "):
+            for title, cell in zip(columns, line.strip("|").split("|"), strict=True):
+                found |= {(m[1], "x") for m in re.finditer(r"(\d+\.\d+)x\b", cell)}
+                found |= {(n, unit) for n in re.findall(r"\d+(?:\.\d+)?", cell)
+                          for unit in ("tok/s", "ms", "GB/s", "GFLOP/s") if unit in title}
+    return found
+
+
+def unbacked(text: str) -> list[str]:
+    """The speed figures of ``text`` that no cell of bench/RESULTS.md holds: figures no bench wrote."""
+    held = result_figures()
+    return [m[0] for m in SPEED.finditer(text) if (m[1], m[2]) not in held]
 
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -54,6 +80,17 @@ def test_quick_start_says_what_it_needs() -> None:
     assert "python3 -m venv .venv && . .venv/bin/activate" in quick
     assert "7 GB" in quick and "make test" in quick
     assert not re.search(r"\b\d+ pieces\b", README)  # piece counts drift: nb compile --dry-run says
+
+
+def test_every_speed_figure_the_readme_and_docs_quote_stands_in_results() -> None:
+    quoted = {path.name: unbacked(path.read_text()) for path in (ROOT / "README.md", *DOCS)}
+    assert quoted == {name: [] for name in quoted}
+    told = "TP=2 generated 30.0 tok/s against TP=1's 21.8 (1.38x)"  # figures no bench wrote
+    assert unbacked(told) == ["30.0 tok/s", "1.38x"]
+    matrix = "| Llama-3.2-1B | bfloat16 | independent |"
+    row = next(line for line in RESULTS.splitlines() if line.startswith(matrix))
+    ratios, rates = re.findall(r"\| (\d+\.\d\dx) \|", row), re.findall(r"\| (\d+\.\d) / ", row)
+    assert ratios and rates and unbacked(f"nb served {rates[0]} tok/s, {ratios[0]} vLLM's") == []
 
 
 def _repository_text() -> list[Path]:
