@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from neuron_buckets.engine.rejection_sampler import accept_sampled, target_probs
-from neuron_buckets.engine.sampler import CANDIDATES, filtered_probs, repetition_penalty, sample
+from neuron_buckets.engine.sampler import (
+    CANDIDATES,
+    filtered_probs,
+    mask_early_stops,
+    repetition_penalty,
+    sample,
+)
 from neuron_buckets.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 LOGITS = torch.tensor([3.0, 2.5, 2.2, 1.9, 1.5, 1.2, 0.8, 0.5, 0.1, -0.3, -1.0, -2.0])[torch.randperm(12)]
@@ -177,3 +183,16 @@ def test_values_that_underflow_in_float32_give_the_argmax_on_every_sampling_path
     assert accept_sampled(probs[:2], [best[0]], None, gens[0]) == best[:2]  # the top token, kept
     worst = int(logits[0].float().argmin())
     assert accept_sampled(probs[:2], [worst], None, gens[0]) == [best[0]]  # rejected, then the top one
+
+
+def test_early_stops_are_masked_except_where_a_grammar_left_nothing_else():
+    """Row 0 (unconstrained) loses its stop ids; row 1, a grammar that allows only stop id 3 (it
+    is complete), keeps it, since nothing else is left: the grammar wins over min_tokens; row 2
+    masks nothing; id 99 is past the vocabulary."""
+    inf = float("-inf")
+    logits = torch.stack([LOGITS, torch.full((12,), inf).index_fill(0, torch.tensor([3]), 1.0), LOGITS])
+    stops = [torch.tensor([3, 5, 99]), torch.tensor([3, 5]), torch.tensor([], dtype=torch.int64)]
+    masked = mask_early_stops(logits, stops)
+    assert masked[0].isneginf().nonzero().flatten().tolist() == [3, 5]
+    assert torch.equal(masked[1:], logits[1:]) and torch.equal(masked[0, :3], LOGITS[:3])
+    assert sample(masked, [SamplingParams()] * 3, [None] * 3, [[]] * 3)[1] == 3

@@ -120,13 +120,21 @@ class Request:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def grammar_ended(self) -> bool:
+        """Whether its grammar accepted an end-of-sequence token, which only a complete grammar
+        allows: nothing after it would be under the grammar."""
+        return self.grammar is not None and self.grammar.is_terminated()
+
     def append(self, token: int) -> None:
         """Add a generated token and apply the stop rule: "stop" at an end-of-sequence or stop
         token (not text) or a stop string (cut from the text), none of them within ``min_tokens``;
-        "length" at ``max_tokens``."""
+        "length" at ``max_tokens``. A grammar wins over that: the end-of-sequence token that ends
+        its grammar (accepted before this is called) is "stop", whatever ``min_tokens`` or
+        ``ignore_eos`` say, so the output is the grammar's answer and nothing after it."""
         early = self.too_early()
         self.token_ids.append(token)
-        if not early and token in self.stop_ids:
+        if (token in self.eos_token_ids and self.grammar_ended) or (not early and token in self.stop_ids):
             self.stop_reason = token
         elif self.detokenizer is not None:
             self.stop_reason = self.detokenizer.push(token, search=not early)

@@ -93,16 +93,22 @@ def filtered_probs(
 def mask_early_stops(logits: Tensor, stops: Sequence[Tensor]) -> Tensor:
     """``logits`` with ``stops[i]``'s ids in row i at -inf: what a request within its ``min_tokens``
     may not sample. A copy when anything is masked (the raw logits still serve the logprobs); ids
-    past the vocabulary, which no row can sample anyway, are skipped."""
+    past the vocabulary, which no row can sample anyway, are skipped.
+
+    A grammar wins over ``min_tokens``: a row whose grammar mask left only stop ids (a complete
+    grammar allows nothing but its end-of-sequence) keeps them, since a row with nothing left
+    would draw an arbitrary token outside the grammar; the request then ends there
+    (``Request.append``). A model's own logits are finite, so only a grammar empties a row."""
     counts = [len(s) for s in stops]
     if not any(counts):
         return logits
     ids = torch.cat(list(stops))
     rows = torch.repeat_interleave(torch.arange(len(stops)), torch.tensor(counts))
     keep = ids < logits.shape[-1]
-    logits = logits.clone()
-    logits[rows[keep], ids[keep]] = float("-inf")
-    return logits
+    masked = logits.clone()
+    masked[rows[keep], ids[keep]] = float("-inf")
+    emptied = masked.isneginf().all(dim=-1)
+    return torch.where(emptied[:, None], logits, masked) if bool(emptied.any()) else masked
 
 
 def draw(probs: Tensor, ids: Tensor | None, uniform: Tensor) -> Tensor:

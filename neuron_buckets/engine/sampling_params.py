@@ -42,7 +42,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar every output token obeys
     # vLLM's: the first min_tokens generated tokens never end the request (its end-of-sequence and
-    # stop ids are masked there, stop strings not searched); max_tokens still does
+    # stop ids are masked there, stop strings not searched); max_tokens and a grammar's end still do
     min_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -7,7 +7,10 @@ matcher. Nothing is recompiled: masks are host work on the logits the head alrea
 decode row with drafts is masked at every position as if the drafts before it were accepted, so
 the verification keeps only drafts the grammar allows (a forbidden draft has probability 0),
 then the matcher is rolled back to where the row started. Once the grammar is complete only the
-end-of-sequence tokens are allowed, so the request ends there.
+end-of-sequence tokens are allowed, so the request ends there. A grammar wins over ``min_tokens``
+and ``ignore_eos``: the ``min_tokens`` mask keeps a row's stop ids when the grammar allows nothing
+else (``sampler.mask_early_stops``), and the stop rule ends a request at its grammar's end
+(``Request.append``); without that the row would sample outside the grammar after its answer.
 
 Grammars are compiled once per distinct schema (xgrammar's compiler cache, thread-safe), on the
 server's tokenizer thread when it checks a request, so the engine thread only makes matchers.
