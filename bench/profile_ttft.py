@@ -63,13 +63,14 @@ TABLE = ResultsTable(
 `bench_matrix.py`'s artifact: a closed loop of `conc` streams of random-id prompts (`independent`:
 225-375 tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens), `out` new tokens each, an
 arrival joining the engine after the step that was running. The measured requests' mean TTFT,
-cut into where it went: mean seconds (share of the TTFT) of each part. `schedule`: `fitted` cuts a
+cut into where it went: mean seconds (share of the TTFT) of each part. `layers`: the shape's
+decoder layers, or fewer (a shallow twin). `schedule`: `fitted` cuts a
 step's last prompt chunk at a token bucket where that pads less (the engine's own), `plain` fills
 every step to the budget; both run on one engine in `runs` alternating runs each.
 """,
-    columns=("shape", "dtype", "workload", "conc", "out", "schedule", "runs", "requests", "TTFT mean s",
-             "TTFT p50 s", *(f"{part} s" for part in PARTS), *PROVENANCE),
-    key=6,
+    columns=("shape", "layers", "dtype", "workload", "conc", "out", "schedule", "runs", "requests",
+             "TTFT mean s", "TTFT p50 s", *(f"{part} s" for part in PARTS), *PROVENANCE),
+    key=7,
 )
 
 
@@ -264,8 +265,10 @@ def report(args: argparse.Namespace, schedule: str, runs: list[Run], budget: int
     for (kind, tokens, n), secs in sorted(groups.items()):
         print(f"  {kind:8s}{tokens:5d} tokens, {n} rows: {len(secs):4d} calls, "
               f"mean {statistics.mean(secs) * 1e3:7.0f} ms")
-    return [SHAPES[args.shape].name, args.dtype, args.workload, str(args.concurrency), str(args.output_len),
-            schedule, str(len(runs)), str(len(ttft)), f"{total:.2f}", f"{statistics.median(ttft):.2f}",
+    layers = args.layers or SHAPES[args.shape].num_layers
+    return [SHAPES[args.shape].name, str(layers), args.dtype, args.workload, str(args.concurrency),
+            str(args.output_len), schedule, str(len(runs)), str(len(ttft)), f"{total:.2f}",
+            f"{statistics.median(ttft):.2f}",
             *(f"{mean:.2f} ({mean / total:.0%})" for mean in means.values())]
 
 
