@@ -10,17 +10,18 @@ cut into the step that was running when it arrived, steps it queued, and its own
 computed its prompt's chunks), and counted two ways:
 
 - **nb**: what the runtime computes, padding included: the tokens of its prefill calls' buckets
-  (decode rows riding in them) and its decode calls;
+  (decode rows riding in them), and its prefill and decode calls;
 - **vLLM**: the same steps as vLLM's scheduler plans them (running requests first, then prompt
   chunks filling ``max_num_batched_tokens``, which is what nb's scheduler does too) computed at
   their real tokens, as vLLM CPU does: it pads no step to a shape. A step with a prompt chunk counts
-  its real tokens, decode rows included; a decode-only step one decode call.
+  its real tokens, decode rows included, and one call; a decode-only step one decode call.
 
 Schedules: ``plain`` fills each step to the token budget whatever the buckets (nb before the step was
 cut at its buckets, and vLLM's), ``fitted`` cuts a step's last chunk at a token bucket where that
-pads less (``Scheduler.fit_buckets``: nb now). A prefill call costs about its tokens and a decode
-call about one pass over the weights, so TTFT is about prefill tokens x the prefill token time +
-decode calls x the decode call time: ``profile_ttft.py`` measures both on a model. Workloads as
+pads less (``Scheduler.fit_buckets``: nb now). A prefill call costs about its tokens x the prefill
+token time plus a fixed time (a pass over the weights and the head, about a decode call), so TTFT
+is about prefill tokens x the token time + calls (prefill and decode) x the fixed time:
+``profile_ttft.py`` measures both on a model. Workloads as
 ``profile_ttft.py``'s (random ids, ``independent`` 225-375 tokens, ``shared-prefix``). Rows go to
 ``bench/RESULTS.md`` (``--results`` names another file).
 
@@ -56,7 +57,7 @@ from neuron_buckets.runtime.bucket_set import BucketSet, Call  # noqa: E402
 OUTPUT_LEN = {"independent": 100, "shared-prefix": 64}
 COUNTS = ("steps, running", "steps, queued", "steps, own", "decode rows in own steps",
           "prefill tokens, running step", "prefill tokens, own steps", "real prompt tokens, own steps",
-          "decode calls")
+          "prefill calls", "decode calls")
 TABLE = ResultsTable(
     heading="An arrival's TTFT in steps and tokens (bench_ttft_schedule.py)",
     about="""
@@ -65,8 +66,9 @@ timings), the default grid for the matrix's limits, a closed loop of `conc` stre
 joining after the step that was running. Per measured request, mean counts from its arrival to its
 first token: steps (the running one, queued, its own), decode rows riding in its own steps, prefill
 tokens computed (the running step's, its own steps'; nb: its calls' bucket tokens, padding included;
-vLLM: real tokens, the same schedule unpadded), its own real prompt tokens, and decode-only calls.
-TTFT is about prefill tokens x the prefill token time + decode calls x the decode call time.
+vLLM: real tokens, the same schedule unpadded), its own real prompt tokens, and graph calls.
+TTFT is about prefill tokens x the prefill token time + calls x a call's fixed time (about a
+decode call's).
 `plain`: steps filled to the budget (nb before, and vLLM); `fitted`: the last chunk cut at a token
 bucket where that pads less (nb now).
 """,
@@ -138,15 +140,15 @@ def run(work: list[list[int]], output_len: int, buckets: BucketSet, cache: Cache
     return arrivals, steps
 
 
-def step_counts(step: Step, buckets: BucketSet, padded: bool) -> tuple[int, int]:
-    """(prefill tokens, decode calls) a step computes: nb's bucket tokens and calls, or (vLLM) its
-    real tokens in one pass when it has a prompt chunk, else one decode call."""
+def step_counts(step: Step, buckets: BucketSet, padded: bool) -> tuple[int, int, int]:
+    """(prefill tokens, prefill calls, decode calls) a step computes: nb's bucket tokens and calls,
+    or (vLLM) its real tokens in one pass when it has a prompt chunk, else one decode call."""
     if padded:
-        prefill = sum(c.bucket.seq for c in step.calls if c.bucket.kind == "prefill")
-        return prefill, sum(c.bucket.kind == "decode" for c in step.calls)
+        prefill = [c.bucket.seq for c in step.calls if c.bucket.kind == "prefill"]
+        return sum(prefill), len(prefill), len(step.calls) - len(prefill)
     if all(buckets.is_decode(s) for s in step.plan):
-        return 0, 1
-    return sum(len(s.token_ids) for s in step.plan), 0
+        return 0, 0, 1
+    return sum(len(s.token_ids) for s in step.plan), 1, 0
 
 
 def breakdown(a: Arrival, steps: list[Step], buckets: BucketSet, padded: bool) -> list[float]:
@@ -159,8 +161,9 @@ def breakdown(a: Arrival, steps: list[Step], buckets: BucketSet, padded: bool) -
     counts["steps, own"] = len(own)
     prefill_total = 0
     for s in window:
-        prefill, decode = step_counts(steps[s], buckets, padded)
+        prefill, prefill_calls, decode = step_counts(steps[s], buckets, padded)
         prefill_total += prefill
+        counts["prefill calls"] += prefill_calls
         counts["decode calls"] += decode
         if s == a.step and a.waited:
             counts["prefill tokens, running step"] = prefill
