@@ -70,6 +70,7 @@ bench:
 	$(PY) bench/bench_quantized.py
 	$(PY) bench/bench_roofline.py
 	$(PY) bench/profile_ttft.py
+	$(PY) bench/bench_ttft_schedule.py
 ifneq ($(VLLM_PYTHON),)
 	$(PY) bench/bench_serve.py $(VLLM_ARG)
 	$(PY) bench/profile_serve.py $(VLLM_ARG) --py-spy $(PY_SPY)

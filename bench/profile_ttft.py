@@ -21,8 +21,13 @@ A measured request's TTFT (arrival to the end of the step that samples its first
 Also printed: prefill calls by how many decode rows rode in them (their mean time), chunks per
 prompt, and other prompts packed beside it. Workloads: ``independent`` (random prompts of 225-375
 tokens) and ``shared-prefix`` (two 256-token prefixes + 64 own tokens), ``--output-len`` new
-tokens each, random token ids. The first ``--warmup`` requests are not measured. The breakdown's row
-goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny`` writes ``WORK/RESULTS.md``).
+tokens each, random token ids. The first ``--warmup`` requests are not measured. Schedules
+(``--schedules``): ``fitted`` cuts a step's last prompt chunk at a token bucket where that pads
+less (the engine's own), ``plain`` fills every step to the budget; one engine runs both, in
+``--rounds`` alternating runs on the same prompt lengths (other token ids each run, so none
+finds another's prompts cached), and the TTFT ratio of each round is printed. Each schedule's
+breakdown row goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny``
+writes ``WORK/RESULTS.md``).
 
     python bench/profile_ttft.py [--shape llama-3.2-1b --dtype bfloat16 --concurrency 4 --requests 16]
 """
@@ -58,11 +63,14 @@ TABLE = ResultsTable(
 `bench_matrix.py`'s artifact: a closed loop of `conc` streams of random-id prompts (`independent`:
 225-375 tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens), `out` new tokens each, an
 arrival joining the engine after the step that was running. The measured requests' mean TTFT,
-cut into where it went: mean seconds (share of the TTFT) of each part.
+cut into where it went: mean seconds (share of the TTFT) of each part. `layers`: the shape's
+decoder layers, or fewer (a shallow twin). `schedule`: `fitted` cuts a
+step's last prompt chunk at a token bucket where that pads less (the engine's own), `plain` fills
+every step to the budget; both run on one engine in `runs` alternating runs each.
 """,
-    columns=("shape", "dtype", "workload", "conc", "out", "requests", "TTFT mean s", "TTFT p50 s",
-             *(f"{part} s" for part in PARTS), *PROVENANCE),
-    key=5,
+    columns=("shape", "layers", "dtype", "workload", "conc", "out", "schedule", "runs", "requests",
+             "TTFT mean s", "TTFT p50 s", *(f"{part} s" for part in PARTS), *PROVENANCE),
+    key=7,
 )
 
 
@@ -73,7 +81,8 @@ class StepRecord:
     start: float
     end: float = 0.0
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (request, tokens, context)
-    calls: list[tuple[str, float, list[int]]] = field(default_factory=list)  # (kind, seconds, segments)
+    # (kind, seconds, segments, bucket tokens) of each call
+    calls: list[tuple[str, float, list[int], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +91,9 @@ class Tracked:
     arrival: float  # when its stream sent it
     added: float  # when the engine took it: between two steps
     first_token: float = 0.0
+
+
+Run = tuple[dict[int, Tracked], list[StepRecord], float]  # one run's requests, steps and wall seconds
 
 
 def prompts(workload: str, n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -95,7 +107,8 @@ def prompts(workload: str, n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def instrument(runtime: BucketRuntime, steps: list[StepRecord]) -> None:
-    """Time every graph call into the step being recorded (the last of ``steps``)."""
+    """Time every graph call into the step being recorded (the last of ``steps``, which each run
+    empties: the runtime is wrapped once)."""
     run_call, run_plan = runtime._run_call, runtime.run_plan
 
     def timed_plan(plan):
@@ -106,17 +119,17 @@ def instrument(runtime: BucketRuntime, steps: list[StepRecord]) -> None:
         start = time.perf_counter()
         out = run_call(plan, call)
         steps[-1].calls.append((call.bucket.kind, time.perf_counter() - start,
-                                [p.segment for p in call.parts]))
+                                [p.segment for p in call.parts], call.bucket.tokens))
         return out
 
     runtime.run_plan, runtime._run_call = timed_plan, timed_call
 
 
-def drive(engine: LLMEngine, work: list[list[int]], concurrency: int, output_len: int
-          ) -> tuple[dict[int, Tracked], list[StepRecord]]:
-    """Play the closed loop; every request's arrival and first token, and every step."""
-    steps: list[StepRecord] = []
-    instrument(engine.runtime, steps)
+def drive(engine: LLMEngine, steps: list[StepRecord], work: list[list[int]], concurrency: int, output_len: int
+          ) -> dict[int, Tracked]:
+    """Play the closed loop; every request's arrival and first token, and every step (into
+    ``steps``, the list ``instrument`` records into)."""
+    steps.clear()
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     tracked: dict[int, Tracked] = {}
     queue = list(reversed(work))
@@ -142,7 +155,7 @@ def drive(engine: LLMEngine, work: list[list[int]], concurrency: int, output_len
                 t.first_token = now
             if out.finished and queue:  # its stream sends the next request now
                 arrived.append((now, queue.pop()))
-    return tracked, steps
+    return tracked
 
 
 def decode_rows(step: StepRecord, segments: list[int], tracked: dict[int, Tracked]) -> list[int]:
@@ -163,7 +176,7 @@ def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], bu
         mine = [i for i, (r, _, ctx) in enumerate(step.segments) if r == rid and ctx < t.prompt_len]
         seconds = step.end - max(step.start, t.arrival)
         if step.start < t.added:
-            prompt = any(kind == "prefill" for kind, _, _ in step.calls)
+            prompt = any(kind == "prefill" for kind, *_ in step.calls)
             parts["running step, a prompt's call" if prompt else "running step, decode only"] += seconds
         elif not mine:
             tokens = sum(n for _, n, _ in step.segments)
@@ -172,7 +185,7 @@ def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], bu
         else:
             counts["chunks"] += len(mine)
             in_calls = 0.0
-            for kind, sec, segs in step.calls:
+            for kind, sec, segs, _ in step.calls:
                 in_calls += sec
                 if kind == "prefill" and set(segs) & set(mine):
                     riders = decode_rows(step, segs, tracked)
@@ -187,28 +200,53 @@ def breakdown(rid: int, tracked: dict[int, Tracked], steps: list[StepRecord], bu
     return parts, counts
 
 
+def shifted(work: list[list[int]], run: int, vocab: int) -> list[list[int]]:
+    """The same prompt lengths (and shared prefixes) with other token ids for each run, so that no
+    run finds an earlier one's prompts in the prefix cache."""
+    high = min(vocab, 49000)
+    return [[TOKEN_LOW + (t - TOKEN_LOW + 7919 * run) % (high - TOKEN_LOW) for t in p] for p in work]
+
+
 def main() -> None:
     args = parse_args()
     model, artifact = matrix_artifact(args.models, args.work, args.shape, args.layers, args.dtype)
     engine = LLMEngine(BucketRuntime.open(artifact, preload=True))
     vocab = SHAPES[args.shape].get("vocab_size")
     work = prompts(args.workload, args.warmup + args.requests, vocab, args.seed)
-    start = time.perf_counter()
-    tracked, steps = drive(engine, work, args.concurrency, args.output_len)
-    wall = time.perf_counter() - start
+    steps: list[StepRecord] = []
+    instrument(engine.runtime, steps)
+    fitted = engine.scheduler.token_buckets
     budget, max_rows = engine.runtime.buckets.token_budget, engine.runtime.buckets.max_rows
-    report(args, tracked, steps, budget, max_rows, wall)
+    results: dict[str, list[Run]] = defaultdict(list)
+    for r in range(args.rounds):  # the schedules alternate, and take turns going first
+        for k, schedule in enumerate(args.schedules[::-1] if r % 2 else args.schedules):
+            engine.scheduler.token_buckets = fitted if schedule == "fitted" else ()
+            start = time.perf_counter()
+            run_work = shifted(work, len(args.schedules) * r + k, vocab)
+            tracked = drive(engine, steps, run_work, args.concurrency, args.output_len)
+            results[schedule].append((tracked, list(steps), time.perf_counter() - start))
+    rows = [report(args, schedule, runs, budget, max_rows) for schedule, runs in results.items()]
+    if len(results) == 2:
+        per_round = [statistics.mean(ttfts(f[0], args.warmup)) / statistics.mean(ttfts(p[0], args.warmup))
+                     for f, p in zip(results["fitted"], results["plain"], strict=True)]
+        print(f"\nTTFT mean, fitted / plain, round by round: {', '.join(f'{x:.2f}' for x in per_round)}")
+    TABLE.write(args.results, rows)
 
 
-def report(args: argparse.Namespace, tracked: dict[int, Tracked], steps: list[StepRecord], budget: int,
-           max_rows: int, wall: float) -> None:
-    """Print the TTFT breakdown over the measured requests, and the calls by riders and rows."""
-    measured = sorted(tracked)[args.warmup:]
-    rows = [breakdown(rid, tracked, steps, budget, max_rows) for rid in measured]
-    ttft = [tracked[r].first_token - tracked[r].arrival for r in measured]
-    print(f"{SHAPES[args.shape].name}, {args.dtype}, {args.workload}, concurrency {args.concurrency}, "
-          f"{args.output_len} out; {len(measured)} requests measured after {args.warmup}; {len(steps)} steps "
-          f"in {wall:.0f} s; step budget {budget} tokens, {max_rows} rows")
+def ttfts(tracked: dict[int, Tracked], warmup: int) -> list[float]:
+    return [tracked[r].first_token - tracked[r].arrival for r in sorted(tracked)[warmup:]]
+
+
+def report(args: argparse.Namespace, schedule: str, runs: list[Run], budget: int, max_rows: int) -> list[str]:
+    """Print one schedule's TTFT breakdown over the measured requests of its runs, and the calls by
+    riders and rows; its table row."""
+    rows = [breakdown(rid, tracked, steps, budget, max_rows)
+            for tracked, steps, _ in runs for rid in sorted(tracked)[args.warmup:]]
+    ttft = [t for tracked, _, _ in runs for t in ttfts(tracked, args.warmup)]
+    print(f"\n{SHAPES[args.shape].name}, {args.dtype}, {args.workload}, concurrency {args.concurrency}, "
+          f"{args.output_len} out, schedule {schedule}; {len(ttft)} requests measured in {len(runs)} runs, "
+          f"{args.warmup} before each; {sum(len(s) for _, s, _ in runs)} steps in "
+          f"{sum(w for _, _, w in runs):.0f} s; step budget {budget} tokens, {max_rows} rows")
     print(f"TTFT: mean {statistics.mean(ttft):.2f} s, p50 {statistics.median(ttft):.2f} s, "
           f"max {max(ttft):.2f} s")
     print(f"\n{'where the TTFT goes':36s}{'mean s':>8s}{'share':>8s}")
@@ -218,17 +256,20 @@ def report(args: argparse.Namespace, tracked: dict[int, Tracked], steps: list[St
         print(f"  {part:34s}{mean:8.2f}{mean / total:8.0%}")
     for key in rows[0][1]:
         print(f"  per request, {key}: mean {statistics.mean(c[key] for _, c in rows):.1f}")
-    groups: dict[tuple[str, int], list[float]] = defaultdict(list)  # (kind, decode rows in it) -> seconds
-    for step in steps:
-        for kind, sec, segs in step.calls:
-            groups[kind, len(decode_rows(step, segs, tracked))].append(sec)
-    print("\ngraph calls by kind and the decode rows in them (riders, in a prefill call):")
-    for (kind, n), secs in sorted(groups.items()):
-        print(f"  {kind:8s}{n} rows: {len(secs):4d} calls, mean {statistics.mean(secs) * 1e3:7.0f} ms")
-    TABLE.write(args.results, [[SHAPES[args.shape].name, args.dtype, args.workload, str(args.concurrency),
-                                str(args.output_len), str(len(measured)), f"{total:.2f}",
-                                f"{statistics.median(ttft):.2f}",
-                                *(f"{mean:.2f} ({mean / total:.0%})" for mean in means.values())]])
+    groups: dict[tuple[str, int, int], list[float]] = defaultdict(list)  # (kind, tokens, decode rows) -> s
+    for tracked, steps, _ in runs:
+        for step in steps:
+            for kind, sec, segs, tokens in step.calls:
+                groups[kind, tokens, len(decode_rows(step, segs, tracked))].append(sec)
+    print("\ngraph calls by kind, bucket tokens and the decode rows in them (riders, in a prefill call):")
+    for (kind, tokens, n), secs in sorted(groups.items()):
+        print(f"  {kind:8s}{tokens:5d} tokens, {n} rows: {len(secs):4d} calls, "
+              f"mean {statistics.mean(secs) * 1e3:7.0f} ms")
+    layers = args.layers or SHAPES[args.shape].num_layers
+    return [SHAPES[args.shape].name, str(layers), args.dtype, args.workload, str(args.concurrency),
+            str(args.output_len), schedule, str(len(runs)), str(len(ttft)), f"{total:.2f}",
+            f"{statistics.median(ttft):.2f}",
+            *(f"{mean:.2f} ({mean / total:.0%})" for mean in means.values())]
 
 
 def parse_args() -> argparse.Namespace:
@@ -243,10 +284,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="requests before them, not measured")
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedules", nargs="+", choices=["fitted", "plain"], default=["fitted", "plain"],
+                   help="steps cut at the token buckets (nb's engine), or filled to the budget")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each schedule, alternating")
     add_results_argument(p)
     args = p.parse_args()
     if args.tiny:
-        args.layers, args.requests, args.warmup, args.output_len = 2, 6, 2, 8
+        args.layers, args.requests, args.warmup, args.output_len, args.rounds = 2, 6, 2, 8, 1
         args.results = args.work / "RESULTS.md"
     args.work.mkdir(parents=True, exist_ok=True)
     return args

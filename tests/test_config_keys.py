@@ -134,7 +134,7 @@ def engine_probe(config: Config, tmp_path: Path) -> tuple:
     file.write_text("[speculative]\n" + "\n".join(lines) + f'\ndraft_model = "{spec.draft_model}"\n')
     runtime = SimpleNamespace(
         block_size=4, num_blocks=64, manifest=SimpleNamespace(text=None),
-        buckets=SimpleNamespace(token_budget=64, max_rows=4, decode_seq=4),
+        buckets=SimpleNamespace(token_budget=64, max_rows=4, decode_seq=4, prefill=(), mix_decode=True),
         owner=None, claim=lambda engine: None, check_generates=lambda: None,
     )
     loaded = replace(speculative_config(0, 0, file), method="ngram")  # a draft model needs an artifact

@@ -203,3 +203,39 @@ def test_a_runtime_has_one_engine_the_newest_and_the_one_it_replaced_refuses_to_
         generate(first, [PROMPTS[0]], FULL)
     on_runtime = generate(runtime, [PROMPTS[0]], FULL)[0].token_ids  # runs on the runtime's engine
     assert on_runtime == generate(second, [PROMPTS[0]], FULL)[0].token_ids
+
+
+
+def test_prompts_cut_at_token_buckets_generate_what_steps_filled_to_the_budget_do(hf_model_dir, tmp_path):
+    """Token buckets 8/16/32: an 18-token prompt beside a decode row runs as 15 + the row (16) and
+    then 3 + the row (8), not as one call of 32; every greedy token is the same as when each step
+    is filled to the budget."""
+    from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.config import load_config
+
+    text = TINY_CONFIG.replace('"inductor"', '"eager"').replace("[16, 32]", "[8, 16, 32]")
+    config = load_config(write_config(tmp_path, hf_model_dir, text))
+    assert not Compiler(config, tmp_path / "artifact", tmp_path / "cache").run(jobs=1).failed
+    prompts = make_prompts((5, 18, 7, 21, 19), seed=5)
+
+    def run(fitted: bool) -> tuple[dict[int, list[int]], int]:
+        """Each request's tokens, and the steps under the budget that cut a prompt."""
+        engine = engine_of(tmp_path / "artifact")
+        assert engine.scheduler.token_buckets == (8, 16, 32)
+        engine.scheduler.token_buckets = engine.scheduler.token_buckets if fitted else ()
+        schedule, plans = engine.scheduler.schedule, []
+        engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        outputs = []
+        for prompt in prompts:  # each arrives while the one before it decodes
+            engine.add_request(prompt, FULL)
+            outputs += [o for _ in range(3) for o in engine.step()]
+        while engine.has_unfinished:
+            outputs += engine.step()
+        cuts = sum(any(s.num_samples == 0 for s in plan) and sum(len(s.token_ids) for s in plan) < 32
+                   for plan in plans)
+        return {o.request_id: o.token_ids for o in outputs if o.finished}, cuts
+
+    (fitted, cuts), (plain, none) = run(True), run(False)
+    assert cuts >= 2 and none == 0
+    assert fitted == plain and len(fitted) == len(prompts)
+    assert sum(len(tokens) for tokens in fitted.values()) == 10 * len(prompts)

@@ -208,10 +208,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     a short pool, and aborted, in any order. A model of the cache follows every slot: what each
     segment reads must hold the K/V of exactly its own tokens, however it was preempted."""
 
+    TOKEN_BUCKETS: tuple[int, ...] = ()  # steps filled to the budget
+
     def __init__(self) -> None:
         super().__init__()
         self.pool = BlockPool(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True, salt=b"q")
-        self.sched = Scheduler(KVCacheManager(self.pool, watermark=0.2), budget=8, max_rows=3)
+        self.sched = Scheduler(KVCacheManager(self.pool, watermark=0.2), budget=8, max_rows=3,
+                               token_buckets=self.TOKEN_BUCKETS)
         self.limits = StepLimits(BLOCK, 6, 64, 2)
         self.requests: dict[int, Request] = {}
         self.streamed: dict[int, list[int]] = {}  # what a streaming client of each got, in order
@@ -300,5 +303,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.streamed[req.request_id] += req.output().new_token_ids
 
 
+class FittedSchedulerMachine(SchedulerMachine):
+    """The same, with steps cut at token buckets: a cut prompt holds blocks for tokens it writes
+    next step, and may be preempted or aborted holding them."""
+
+    TOKEN_BUCKETS = (2, 4, 8)
+
+
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestFittedSchedulerMachine = FittedSchedulerMachine.TestCase
+TestFittedSchedulerMachine.settings = TestSchedulerMachine.settings

@@ -10,7 +10,7 @@ from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.kv_cache_manager import WATERMARK, KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
-from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.engine.scheduler import Scheduler, fit_buckets
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from bench_preemption import Workload, run_workload  # noqa: E402
@@ -39,6 +39,52 @@ def test_the_scheduler_fills_the_budget_and_cuts_only_the_last_prompt():
     ]
     assert list(second[2].token_ids) == [7]  # the sampled token is fed back
     assert all(len(s.block_ids) * 16 >= s.end for s in second)
+
+
+def decoding_and_arriving(token_buckets: tuple[int, ...], mixed: bool = True) -> Scheduler:
+    """Three requests decoding, then a 300-token prompt arriving beside them, on a 512-token budget."""
+    sched = Scheduler(KVCacheManager(BlockPool(128, 16)), budget=512, max_rows=8, token_buckets=token_buckets,
+                      mixed=mixed)
+    for i in range(3):
+        sched.add(Request(i, [i + 1] * 20, 20, SamplingParams(max_tokens=50)))
+    step(sched)
+    sched.add(Request(3, [9] * 300, 300, SamplingParams(max_tokens=50)))
+    return sched
+
+
+def shape(plan: StepPlan) -> list[tuple[int, int, int, int]]:
+    return [(s.request_id, len(s.token_ids), s.context_len, s.num_samples) for s in plan]
+
+
+def test_a_prompt_beside_decode_rows_is_cut_at_the_token_bucket_below_when_that_pads_less():
+    """300 prompt tokens + 3 decode rows: 256 now and 47 + the 3 rows next step (a 64-token call)
+    compute 320 tokens where one call of 512 pads 209; the prompt samples only at its end."""
+    sched = decoding_and_arriving((64, 128, 256, 512))
+    first, second = step(sched), step(sched)
+    assert shape(first) == [(3, 253, 0, 0), (0, 1, 20, 1), (1, 1, 20, 1), (2, 1, 20, 1)]
+    assert shape(second) == [(3, 47, 253, 1), (0, 1, 21, 1), (1, 1, 21, 1), (2, 1, 21, 1)]
+    assert sum(len(s.token_ids) for s in first) == 256 and sum(len(s.token_ids) for s in second) == 50
+    assert sched.running[3].num_generated == 1
+
+
+def test_without_token_buckets_or_where_a_cut_saves_nothing_the_step_is_filled():
+    plain = decoding_and_arriving(())
+    assert shape(plain.schedule())[0] == (3, 300, 0, 1)
+    # 3 rows + 380 prompt tokens: 256 + a 128-token rest would cost 384 + ... the rest's 256: no cut
+    big = decoding_and_arriving((64, 128, 256, 512))
+    big.waiting[0] = Request(3, [9] * 380, 380, SamplingParams(max_tokens=50))
+    assert shape(big.schedule())[0] == (3, 380, 0, 1)
+    # unmixed: the rows take their own decode call, so only the prompt's tokens are fitted
+    unmixed = decoding_and_arriving((64, 128, 256, 512), mixed=False)
+    assert shape(unmixed.schedule())[0] == (3, 256, 0, 0)
+
+
+def test_fit_buckets_cuts_only_where_the_bucket_below_and_the_rests_cost_less():
+    buckets = (64, 128, 256, 512)
+    cases = {(303, 3): 47, (384, 3): 0, (381, 3): 125, (256, 3): 0, (258, 3): 0, (260, 3): 4, (60, 0): 0,
+             (100, 0): 0, (150, 0): 22, (600, 0): 0}
+    assert {case: fit_buckets(*case, buckets) for case in cases} == cases
+    assert fit_buckets(303, 3, ()) == 0
 
 
 def test_commit_appends_retires_the_finished_and_frees_their_blocks():

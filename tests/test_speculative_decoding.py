@@ -285,7 +285,9 @@ class MarkovRuntime:
     def __init__(self, probs: torch.Tensor, k: int) -> None:
         self.log_p = probs.log()
         self.manifest = SimpleNamespace(text=None)
-        self.buckets = SimpleNamespace(token_budget=512, max_rows=64, decode_seq=1 + k)
+        # no token buckets: its steps are filled to the budget, never cut at a bucket
+        self.buckets = SimpleNamespace(token_budget=512, max_rows=64, decode_seq=1 + k, prefill=(),
+                                       mix_decode=True)
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, len(probs))
 
     def claim(self, owner: object) -> None:

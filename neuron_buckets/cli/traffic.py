@@ -189,11 +189,13 @@ def _replay_load(
 
 
 def _packed(
-    config: Config, trace: Trace, limit: int, trace_block_size: int, load: ReplayLoad
+    config: Config, trace: Trace, limit: int, trace_block_size: int, load: ReplayLoad,
+    fit_buckets: bool = True,
 ) -> tuple[dict, Replay]:
     """The runtime's calls and padding for the first ``limit`` requests of the trace, replayed as
-    ``load`` says; with the trace's ``hash_ids``, also its prefix-cache hits at the configured
-    cache size. The report, and the replay (its calls)."""
+    ``load`` says (steps cut at the config's token buckets as the engine cuts them, unless
+    ``fit_buckets`` is off); with the trace's ``hash_ids``, also its prefix-cache hits at the
+    configured cache size. The report, and the replay (its calls)."""
     cache = config.cache
     lens, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
     prompts = None
@@ -201,7 +203,7 @@ def _packed(
         prompts = trace_prompts(trace.hash_ids[: len(lens)], lens, trace_block_size)
     replay = replay_runtime(
         lens, outputs, enumerate_grid(config), cache.num_blocks, cache.block_size, prompts,
-        cache.enable_prefix_caching, load,
+        cache.enable_prefix_caching, load, fit_buckets,
     )
     doc = packed_report(replay, len(lens), load)
     if prompts is not None:
@@ -354,7 +356,7 @@ def _plan_replayed(
     config: Config, trace: Trace, opts: PlanOptions, doc: dict, load: ReplayLoad, limit: int, block: int
 ) -> dict:
     """Replay the trace once on the config's grid, then choose the token buckets on its calls."""
-    report, replay = _packed(config, trace, limit, block, load)
+    report, replay = _packed(config, trace, limit, block, load, fit_buckets=False)  # bucket-blind steps
     b = config.buckets
     tokens = replay.packed_tokens()
     chosen = plan_replayed(

@@ -132,6 +132,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache, runtime.buckets.token_budget, runtime.buckets.max_rows,
             self.gate or self.drafter, spec.num_speculative_tokens,
+            [b.seq for b in runtime.buckets.prefill], runtime.buckets.mix_decode,
         )
         self.step_stats = StepStats()
         self.structured = None if tokenizer is None else StructuredOutputManager(

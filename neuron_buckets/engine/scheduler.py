@@ -6,7 +6,11 @@ count first (so they fit the prefill call when ``BucketSet.mix_decode`` lets the
 the step stays within ``max_num_seqs`` rows either way), then the request whose prompt was cut last
 step continues, then waiting requests are admitted in order (but for one waiting for its prefix,
 below) while the budget ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the KV cache
-allow; the last one admitted may be cut, to continue next step. The caller runs the plan and hands
+allow; the last one admitted may be cut, to continue next step. Given the runtime's token
+bucket sizes, the step's last chunk may be cut shorter, at a bucket boundary, where the padding
+that saves outweighs the call its rest then takes next step (``fit_buckets``): a prompt of 300
+tokens beside 3 decode rows runs as 256 + 64 tokens over two steps, not one call padded to 512.
+The cut request keeps the blocks its admission took for the rest. The caller runs the plan and hands
 ``commit`` the tokens it sampled; ``commit`` appends them, retires the requests that ended and
 frees their blocks. A request whose prompt completes in a step decodes from the next one, because
 a plan is decided before anything of it runs. Every segment carries its own context, so the plan
@@ -66,11 +70,17 @@ class Scheduler:
         max_rows: int,
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
+        token_buckets: Sequence[int] = (),
+        mixed: bool = True,
     ) -> None:
         """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
         chunks: the packed call's block-table rows); a
-        ``drafter`` proposes up to ``num_speculative_tokens`` tokens per decode row."""
+        ``drafter`` proposes up to ``num_speculative_tokens`` tokens per decode row;
+        ``token_buckets`` (the runtime's token bucket sizes) lets a step's last prompt chunk be cut
+        at a bucket boundary (``fit_buckets``), its decode rows counted in the prefill call where
+        they ride in it (``mixed``: ``BucketSet.mix_decode``)."""
         self.kv, self.budget, self.max_rows = kv, budget, max_rows
+        self.token_buckets, self.mixed = tuple(sorted(token_buckets)), mixed
         self.drafter, self.num_speculative_tokens = drafter, num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -111,9 +121,13 @@ class Scheduler:
         decoding = [r for r in self.running if r.prefilled]
         rows = [(req, req.token_ids[-1:] + d) for req, d in zip(decoding, self.drafts(decoding), strict=True)]
         # decode rows' tokens and rows come first: room for them to ride in the prefill call
-        chunks = self._prefill_chunks(
-            self.budget - sum(len(tokens) for _, tokens in rows), self.max_rows - len(rows), not preempted
-        )
+        decode_tokens = sum(len(tokens) for _, tokens in rows)
+        chunks = self._prefill_chunks(self.budget - decode_tokens, self.max_rows - len(rows), not preempted)
+        if chunks:
+            riding = decode_tokens if self.mixed else 0
+            cut = fit_buckets(riding + sum(n for _, n in chunks), riding, self.token_buckets)
+            if 0 < cut < chunks[-1][1]:  # the rest of the last chunk continues next step, first
+                chunks[-1] = (chunks[-1][0], chunks[-1][1] - cut)
         # Only a chunk that ends its prefill samples; one of a request that asked for its
         # prompt's logprobs returns the logits of every token it computes.
         prefill = tuple(
@@ -229,3 +243,23 @@ class Scheduler:
         if not step and not self.running and self.waiting and not self._ended:  # a caller's pool in use
             raise RuntimeError(self.kv.shortfall(self.waiting[0]))
         return step
+
+
+def fit_buckets(tokens: int, decode_tokens: int, buckets: Sequence[int]) -> int:
+    """How many of a prefill call's ``tokens`` (``decode_tokens`` of them decode rows riding in
+    it) to leave to the next step so that this one fills a token bucket (0: none). A call costs
+    about its bucket's tokens, real or padding: a step of 303 tokens on buckets (256, 512) pads 209,
+    while 256 now and the other 47 beside the same decode rows in a 64-token call next step
+    compute 320, and the prompt cut gets its first token after those 320 rather than 512. So the
+    step is cut to the bucket below when that bucket plus the one the rest then takes (with the
+    decode rows, which run again next step) is smaller than the bucket the whole step takes:
+    never when it would cost as much (a step's fixed cost then tips it), never a step that
+    already fills its bucket or fits the smallest, and never one whose prompt tokens alone fit
+    the bucket below (the runtime then runs the rows in their own decode call instead)."""
+    above = next((b for b in buckets if b >= tokens), None)
+    below = max((b for b in buckets if b < tokens), default=0)
+    if above is None or above == tokens or not below or tokens - decode_tokens <= below:
+        return 0
+    rest = tokens - below
+    after = next((b for b in buckets if b >= rest + decode_tokens), None)
+    return rest if after is not None and below + after < above else 0

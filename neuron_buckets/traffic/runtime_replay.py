@@ -68,14 +68,18 @@ def replay_runtime(
     prompts: Sequence[Sequence[int]] | None = None,
     enable_prefix_caching: bool = False,
     load: ReplayLoad = ALL_AT_ONCE,
+    fit_buckets: bool = True,
 ) -> Replay:
     """Generate every request through the scheduler and the bucket set, the requests reaching the
-    waiting queue between steps as ``load`` says."""
+    waiting queue between steps as ``load`` says; ``fit_buckets`` cuts steps at the token buckets
+    as the engine does (off, steps are filled to the budget whatever the buckets: ``nb plan``'s
+    replay, so that its schedule is the same for every bucket list it scores)."""
     bucket_set = BucketSet.of(buckets)
     stats = {b.name: BucketStats() for b in buckets}
     pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
     kv = KVCacheManager(pool)
-    sched = Scheduler(kv, bucket_set.token_budget, bucket_set.max_rows)
+    sizes = [b.seq for b in bucket_set.prefill] if fit_buckets else []
+    sched = Scheduler(kv, bucket_set.token_budget, bucket_set.max_rows, token_buckets=sizes)
     requests = []
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
         tokens = [-1 - i] * p if prompts is None else list(prompts[i][:p])  # no two alike
