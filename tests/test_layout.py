@@ -7,6 +7,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import neuron_buckets
 
 PACKAGE = Path(neuron_buckets.__file__).parent
@@ -126,3 +128,89 @@ def test_no_docstring_or_comment_holds_a_measurement_of_one_day():
         for text in _prose(path) if (hit := MEASUREMENT.search(text))
     }
     assert len(benches) > 10 and found == {}
+
+
+SERVER = PACKAGE / "server"
+
+
+def test_the_http_front_is_one_room_per_endpoint_over_a_short_shared_base():
+    """vLLM's ``entrypoints/openai`` shape: a serving base, a module per endpoint with its wire
+    format beside it, the app apart; no file a reader cannot hold, and a base class of one idea."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in SERVER.glob("*.py")}
+    rooms = {"serving.py", "serving_completion.py", "serving_chat.py", "serving_embedding.py",
+             "api_server.py", "openai_protocol.py", "completion_protocol.py", "chat_protocol.py",
+             "embedding_protocol.py"}
+    assert rooms <= set(sizes)
+    assert {name: n for name, n in sizes.items() if n > 300} == {}
+    classes = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse((SERVER / "serving.py").read_text())) if isinstance(node, ast.ClassDef)
+    }
+    assert 0 < classes["OpenAIServing"] <= 200
+
+
+def test_busy_and_unknown_model_are_said_by_one_helper_each():
+    """Every route and stage says them the same way: only ``errors.py`` writes their text."""
+    for phrase in ("open requests; retry later", "does not exist; this server serves"):
+        writers = sorted(p.name for p in SERVER.glob("*.py") if phrase in p.read_text())
+        assert writers == ["errors.py"], phrase
+
+
+def manifest_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every read of a ``manifest.json`` from now on, by path."""
+    reads: list[Path] = []
+    real = Path.read_text
+
+    def read_text(self: Path, *args, **kwargs) -> str:
+        if self.name == "manifest.json":
+            reads.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    return reads
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_opening_an_artifact_to_serve_reads_its_manifest_once(
+    compiled_dir, embedding_dir, rank, monkeypatch
+):
+    """``nb serve`` decides what serves an artifact from one reading of its manifest: the engine,
+    the embedder (runtime and tokenizer both take the manifest read) and, for a rank other than 0
+    of a single-rank artifact, the engine still."""
+    from neuron_buckets.engine.embedder import Embedder
+    from neuron_buckets.engine.llm_engine import LLMEngine
+    from neuron_buckets.engine.open_artifact import open_artifact
+
+    monkeypatch.setenv("RANK", rank)
+    reads = manifest_reads(monkeypatch)
+    engine = open_artifact(compiled_dir)
+    assert isinstance(engine, LLMEngine) and engine.runtime.directory == compiled_dir
+    assert reads == [compiled_dir / "manifest.json"]
+    embedder = open_artifact(embedding_dir, pooling="mean")
+    assert isinstance(embedder, Embedder) and embedder.pooler.pooling == "mean"
+    assert reads == [compiled_dir / "manifest.json", embedding_dir / "manifest.json"]
+    engine.runtime.close()
+    embedder.runtime.close()
+
+
+def test_a_follower_rank_is_decided_and_opened_from_the_one_reading(
+    compiled_dir, tmp_path, monkeypatch, capsys
+):
+    """Rank 1 of a two-rank artifact follows: the manifest read to decide so is the one its
+    runtime opens with (here it then finds no graph files, and ends with one line and status 1)."""
+    import json
+
+    from neuron_buckets.engine.open_artifact import open_artifact
+    from neuron_buckets.runtime.rank_worker import RankFollower
+
+    manifest = json.loads((compiled_dir / "manifest.json").read_text())
+    manifest["parallel"] = {"tensor_parallel_size": 2}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("RANK", "1")
+    reads = manifest_reads(monkeypatch)
+    follower = open_artifact(tmp_path)
+    assert isinstance(follower, RankFollower) and follower.manifest.parallel.tensor_parallel_size == 2
+    with pytest.raises(SystemExit) as ended:
+        follower.run()
+    assert ended.value.code == 1 and capsys.readouterr().err.startswith("error: rank 1: ")
+    assert reads == [tmp_path / "manifest.json"]

@@ -9,12 +9,9 @@ from pydantic import ValidationError
 
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
-from neuron_buckets.server.openai_protocol import (
-    IGNORED,
-    UNSUPPORTED,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from neuron_buckets.server.chat_protocol import ChatCompletionRequest
+from neuron_buckets.server.completion_protocol import CompletionRequest
+from neuron_buckets.server.openai_protocol import IGNORED, UNSUPPORTED
 
 
 def test_fields_map_to_the_engine_parameters_and_chat_without_max_tokens_fills_the_room():

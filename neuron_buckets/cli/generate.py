@@ -154,7 +154,7 @@ def generate(
     from neuron_buckets.engine.sampling_params import SamplingParams
     from neuron_buckets.engine.tokenizer import Tokenizer
     from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-    from neuron_buckets.runtime.rank_worker import follow, follows
+    from neuron_buckets.runtime.rank_worker import follower
 
     if bool(prompt) == bool(prompt_ids):
         raise UserError("give the prompts as text (--prompt) or as token ids (--prompt-ids): one of the two")
@@ -167,8 +167,9 @@ def generate(
         repetition_penalty=repetition_penalty, seed=seed, stop_token_ids=tuple(stop_ids),
         stop=tuple(stop or ()), ignore_eos=ignore_eos, min_tokens=min_new_tokens,
     )
-    if follows(directory):  # a rank other than 0 of a tensor-parallel artifact (torchrun starts every rank)
-        raise typer.Exit(follow(directory))
+    if (rank := follower(directory)) is not None:  # a rank other than 0 (torchrun starts every rank)
+        rank.run()
+        return
     runtime = BucketRuntime.open(directory)
     tokenizer = Tokenizer.open(directory) if prompt or stop else None
     if prompt:

@@ -15,7 +15,6 @@ import typer
 
 from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt, speculative_config
 from neuron_buckets.config.model import POOLINGS
-from neuron_buckets.runtime.rank_worker import follow, follows
 from neuron_buckets.utils.errors import UserError
 
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
@@ -84,8 +83,6 @@ def serve(
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
     if pooling not in (None, *POOLINGS):
         raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    if follows(directory):  # a rank other than 0 of a tensor-parallel artifact: rank 0 serves
-        raise typer.Exit(follow(directory))
     run_server(
         directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload,
         pooling,

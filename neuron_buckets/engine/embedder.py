@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from neuron_buckets.artifact.manifest import Manifest
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.engine.pooler import Pooler
@@ -39,13 +40,13 @@ class Embedder:
 
     @classmethod
     def open(cls, directory: str | Path, device: str | None = None, pooling: str | None = None,
-             preload: bool = False) -> Embedder:
-        """An embedder over an artifact directory, its tokenizer (if it has one), and ``pooling``
-        in place of the artifact's when given."""
-        runtime = BucketRuntime.open(directory, device, preload=preload)
+             preload: bool = False, manifest: Manifest | None = None) -> Embedder:
+        """An embedder over an artifact directory (its ``manifest``, if read already), its
+        tokenizer (if it has one), and ``pooling`` in place of the artifact's when given."""
+        runtime = BucketRuntime.open(directory, device, preload=preload, manifest=manifest)
         info = runtime.manifest.embedding
         pooler = Pooler(pooling, info.normalize) if pooling is not None and info is not None else None
-        return cls(runtime, pooler, Tokenizer.open(directory))
+        return cls(runtime, pooler, Tokenizer.open(directory, runtime.manifest))
 
     @property
     def max_model_len(self) -> int:

@@ -153,11 +153,12 @@ class LLMEngine:
         device: str | None = None,
         speculative: SpeculativeConfig | None = None,
         preload: bool = False,
+        manifest: Manifest | None = None,
     ) -> LLMEngine:
-        """An engine over an artifact directory: its runtime (every graph loaded now with
-        ``preload``) and its tokenizer (if it has one)."""
-        runtime = BucketRuntime.open(directory, device, preload=preload)
-        return cls(runtime, Tokenizer.open(directory), speculative=speculative)
+        """An engine over an artifact directory (its ``manifest``, if read already): its runtime
+        (every graph loaded now with ``preload``) and its tokenizer (if it has one)."""
+        runtime = BucketRuntime.open(directory, device, preload=preload, manifest=manifest)
+        return cls(runtime, Tokenizer.open(directory, runtime.manifest), speculative=speculative)
 
     @property
     def max_model_len(self) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from neuron_buckets.artifact.manifest import TOKENIZER, ManifestError, read_manifest
+from neuron_buckets.artifact.manifest import TOKENIZER, Manifest, ManifestError, read_manifest
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import intact
 from neuron_buckets.utils.owner_only import check_owner_only
@@ -25,10 +25,11 @@ class Tokenizer:
         self.hf = hf_tokenizer
 
     @classmethod
-    def open(cls, directory: str | Path) -> Tokenizer | None:
-        """The artifact's tokenizer, or None when its model directory had none."""
+    def open(cls, directory: str | Path, manifest: Manifest | None = None) -> Tokenizer | None:
+        """The artifact's tokenizer (as its ``manifest`` says, if read already), or None when its
+        model directory had none."""
         directory = Path(directory)
-        text = read_manifest(directory).text
+        text = (manifest or read_manifest(directory)).text
         if text is None or not text.has_tokenizer:
             return None
         for rel, digest in text.files.items():

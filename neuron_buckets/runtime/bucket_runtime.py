@@ -139,14 +139,17 @@ class BucketRuntime:
         self._owner = weakref.ref(owner)
 
     @classmethod
-    def open(cls, path: str | Path, device: str | None = None, preload: bool = False) -> BucketRuntime:
-        """Open an artifact directory; ``preload`` loads every graph now instead of on first use
-        (always, for a tensor-parallel artifact's ranks).
+    def open(
+        cls, path: str | Path, device: str | None = None, preload: bool = False,
+        manifest: Manifest | None = None,
+    ) -> BucketRuntime:
+        """Open an artifact directory (its ``manifest``, if the caller read it already); ``preload``
+        loads every graph now instead of on first use (always, for a tensor-parallel artifact's ranks).
         The weights are cast, packed and the cache filled on a passing thread, so the thread that
         opens leaves no OpenMP pool to slow the one that steps (``utils/passing_thread.py``)."""
         def load() -> BucketRuntime:
-            manifest = read_manifest(Path(path))
-            runtime = cls(Path(path), manifest, device or manifest.backend.device)
+            read = manifest or read_manifest(Path(path))
+            runtime = cls(Path(path), read, device or read.backend.device)
             # Ranks load every graph, then wait for each other: one loading a graph on first use
             # mid-step, or its shard after the others' first step began, would keep them waiting
             # in a collective, towards its timeout.

@@ -10,13 +10,14 @@ nb's models are not trained to be cut.
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import Tensor
 
-Int = Annotated[int, Strict()]
+from neuron_buckets.server.openai_protocol import Int
+
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI's limit
 
 

@@ -10,7 +10,7 @@ Commands run in order between steps, at most ``MAX_COMMANDS`` before each step, 
 submissions cannot hold back the requests already running; a connection that goes away is aborted
 (its blocks back in the pool) before the next step runs. When idle the thread sleeps on the
 command queue; it does not poll. Tokenizing and chat templating happen before a command is
-queued, off this thread (``api_server.py``): a client's megabyte of text costs it, not everyone.
+queued, off this thread (``serving.py``): a client's megabyte of text costs it, not everyone.
 
 An exception from a step (a graph refused at first use, a bug) fails the requests that step
 touched: a batch cannot say which row caused it, so each of them gets ``StepFailed`` and is
@@ -31,81 +31,22 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.request_output import RequestOutput
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.rank_group import RankLost
+from neuron_buckets.server.errors import EngineDead, StepFailed, server_busy
 from neuron_buckets.server.metrics import ServerMetrics
+from neuron_buckets.server.request_stream import RequestStream, deliver_step
 from neuron_buckets.utils.errors import UserError
 
 log = logging.getLogger("nb.serve")
 
-Encode = Callable[[], Sequence[int]]  # a request's prompt ids
-ParamsFor = Callable[[int], SamplingParams]  # its sampling parameters, given its prompt's length
-
-
-class ServerBusy(UserError):
-    """More requests are open than the server's bound; the client should retry later (HTTP 429)."""
-
-
-class EngineDead(RuntimeError):
-    """The engine loop stopped after an error; nothing more can be served (HTTP 503)."""
-
-
-class StepFailed(RuntimeError):
-    """The step that ran this request raised; the request is aborted, the loop goes on (HTTP 500)."""
-
-
 # Commands run between two steps at most: a queue of thousands of adds waits for later steps
 # instead of delaying the running requests' next token by all of them.
 MAX_COMMANDS = 64
-
-
-class RequestStream:
-    """One request as its connection sees it: admitted or refused, then its outputs in order.
-
-    The engine thread fills it through ``loop.call_soon_threadsafe``, so asyncio objects are only
-    ever touched on their own loop.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.admitted: asyncio.Future[int] = loop.create_future()
-        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.request_id: int | None = None  # set on the engine thread once admitted
-        self.attached = True  # cleared on the engine thread when the connection goes away
-
-    def deliver(self, item: RequestOutput | BaseException) -> None:
-        if self.attached:
-            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
-
-    def admit(self, error: BaseException | None) -> None:
-        def settle() -> None:
-            if self.admitted.done():  # the connection went away while waiting
-                return
-            if error is None:
-                self.admitted.set_result(self.request_id)
-            else:
-                self.admitted.set_exception(error)
-
-        self.loop.call_soon_threadsafe(settle)
-
-
-def deliver_step(deliveries: Sequence[tuple[RequestStream, RequestOutput]]) -> None:
-    """A step's outputs handed over in one call per event loop, not one per request: each call
-    wakes the loop, which then takes the GIL from the engine thread while it hands over the rest."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-    for stream, out in deliveries:
-        if stream.attached:
-            by_loop.setdefault(stream.loop, []).append((stream, out))
-    for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.outputs.put_nowait(out)
 
 
 @dataclass
@@ -148,23 +89,20 @@ class EngineLoop:
     def dead(self) -> EngineDead:
         return EngineDead(f"the engine loop stopped: {self.error or 'the server is shutting down'}")
 
-    async def submit(self, encode: Encode, params: ParamsFor) -> RequestStream:
-        """Admit one request into the engine, or raise: ``ServerBusy`` over the bound, the engine's
-        ``UserError`` or ``ValueError`` for a request that can never complete, ``EngineDead``.
-        Read its outputs with ``outputs``.
+    async def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Admit one request, its prompt's ids and its sampling parameters, into the engine, or
+        raise: ``ServerBusy`` over the bound, the engine's ``UserError`` or ``ValueError`` for a
+        request that can never complete, ``EngineDead``. Read its outputs with ``outputs``.
 
-        ``encode`` gives the prompt's ids and ``params`` the sampling parameters for a prompt of
-        that many tokens, both called on the engine thread as the request is added. Keep them
-        cheap: the server tokenizes and checks a request before it submits, off this thread
-        (``api_server.py``), and hands over ids it already has.
+        The server tokenizes and checks a request before it submits, off this thread
+        (``serving.py``): what reaches the engine thread is data, ready to add.
         """
         if not self.alive:
             raise self.dead()
         if not self._open.acquire(blocking=False):
-            limit = self.max_open_requests
-            raise ServerBusy(f"the server holds its limit of {limit} open requests; retry later")
+            raise server_busy(self.max_open_requests)
         stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
-        self._commands.put(lambda: self._add(stream, encode, params, arrival))
+        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival))
         if not self.alive:  # it died after the check above: the command may never run
             stream.admit(self.dead())
         try:
@@ -195,13 +133,14 @@ class EngineLoop:
 
     # Everything below runs on the engine thread.
 
-    def _add(self, stream: RequestStream, encode: Encode, params: ParamsFor, arrival: float) -> None:
+    def _add(
+        self, stream: RequestStream, prompt_ids: Sequence[int], params: SamplingParams, arrival: float
+    ) -> None:
         if self.error is not None:
             stream.admit(self.dead())
             return
         try:
-            prompt_ids = encode()
-            stream.request_id = self.engine.add_request(prompt_ids, params(len(prompt_ids)))
+            stream.request_id = self.engine.add_request(prompt_ids, params)
         except Exception as e:  # refused; the engine checks before it changes anything
             if not isinstance(e, UserError | ValueError):
                 log.exception("a request could not be added")

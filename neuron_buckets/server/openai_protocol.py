@@ -1,4 +1,4 @@
-"""The OpenAI wire format that ``nb serve`` speaks: request and response bodies as pydantic models.
+"""The OpenAI wire format that ``nb serve`` speaks: what every endpoint shares, as pydantic models.
 
 Field names, defaults and response shapes follow the OpenAI API as vLLM serves it, so existing
 clients (the ``openai`` package, curl scripts, benchmark harnesses) work unchanged; vLLM's own
@@ -16,6 +16,9 @@ Fields in neither table are ignored, as vLLM does.
 Types are strict: JSON's ``true`` is not the number 1 (pydantic's lax mode would take it as one),
 and ``"yes"`` is not a boolean, so ``temperature: true``, ``stream: "yes"`` and ``prompt: [true, 1]``
 are refused by name.
+
+Each endpoint's own models live beside it: ``completion_protocol.py``, ``chat_protocol.py``,
+``embedding_protocol.py``.
 """
 
 from __future__ import annotations
@@ -24,16 +27,13 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
-from neuron_buckets.engine.logprobs import TokenLogprob
 from neuron_buckets.engine.request_output import RequestOutput
-from neuron_buckets.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
-from neuron_buckets.server.hermes_tool_parser import forced_call_tag
 
 Int = Annotated[int, Strict()]  # no bools, no numeric strings
 STRICT = ConfigDict(strict=True)  # no bools as numbers, no strings as booleans
@@ -239,198 +239,6 @@ class SamplingRequest(BaseModel):
         )
 
 
-class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt, as text or as token ids.
-
-    ``echo`` puts the prompt before each choice's text, and with ``logprobs`` its tokens' logprobs
-    before the choice's (the first token's null); ``max_tokens: 0`` with ``echo`` generates
-    nothing: the prompt's logprobs alone, what evaluation harnesses score a text with. As vLLM,
-    the engine then runs one token, which the response leaves out."""
-
-    prompt: str | list[Int] | list[str] | list[list[Int]]
-    max_tokens: Int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
-    echo: bool = False
-    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
-    return_token_ids: bool = False
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _false_is_off(cls, value: Any) -> Any:
-        """Clients that share one body between the routes send chat's ``false`` for "off"."""
-        return None if value is False else value
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def echo_only(self) -> bool:
-        """The prompt (and its logprobs) back, nothing generated."""
-        return self.echo and self.max_tokens == 0
-
-    def sampling_params(self, room: int) -> SamplingParams:
-        params = super().sampling_params(room)
-        if self.echo_only:
-            params = replace(params, max_tokens=1)  # 0 would mean "no bound" there
-        if self.echo and self.logprobs is not None:
-            params = replace(params, prompt_logprobs=self.logprobs)
-        return params
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens=0 generates nothing: it needs echo=true (the prompt's logprobs)")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
-            if len(self.prompt) != 1:
-                raise ValueError(f"prompt: nb serve takes one prompt per request, got {len(self.prompt)}")
-            self.prompt = self.prompt[0]
-        if not self.prompt:
-            raise ValueError("prompt is empty")
-        return self
-
-
-class TextPart(BaseModel):
-    model_config = STRICT
-
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def parsed_arguments(self) -> Any:
-        try:
-            return json.loads(self.arguments)
-        except json.JSONDecodeError:
-            return self.arguments
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    model_config = STRICT
-
-    role: str
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's reply: the call it answers
-    name: str | None = None
-
-    def as_template_input(self) -> dict[str, Any]:
-        """The plain dict chat templates expect: role and content, and the tool fields when
-        given, a call's arguments as an object (templates write them with ``tojson``)."""
-        parts = self.content if isinstance(self.content, list) else [self.content or ""]
-        message: dict[str, Any] = {
-            "role": self.role, "content": "".join(p if isinstance(p, str) else p.text for p in parts)
-        }
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": c.function.parsed_arguments()}}
-                for c in self.tool_calls
-            ]
-        message.update({k: v for k in ("tool_call_id", "name") if (v := getattr(self, k)) is not None})
-        return message
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-
-
-class Tool(BaseModel):
-    model_config = STRICT
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    model_config = STRICT
-
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = STRICT
-
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: messages rendered with the artifact's chat template.
-
-    ``tools`` go to the template; with ``tool_choice`` ``auto`` (the default with tools) the reply's
-    ``<tool_call>`` blocks become ``tool_calls``; ``required`` or a named function forces one call
-    through the grammar; ``none`` parses nothing.
-    """
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_completion_tokens: Int | None = Field(None, ge=1)
-    add_special_tokens: bool = False  # vLLM's: special tokens beyond those the template writes
-    logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _newer_name(self) -> ChatCompletionRequest:
-        """OpenAI renamed ``max_tokens`` to ``max_completion_tokens`` for chat; take either."""
-        self.max_tokens = self.max_completion_tokens or self.max_tokens
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        if self.tool_choice is None:
-            self.tool_choice = "auto" if self.tools else "none"
-        declared = [t.function.name for t in self.tools or []]
-        if self.forced_tool_choice and not declared:
-            raise ValueError(f"tool_choice={self.forced_tool_choice!r} needs tools")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in declared:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
-        shaped = self.response_format is not None and self.response_format.type != "text"
-        if self.forced_tool_choice and shaped:
-            raise ValueError("response_format and a forced tool_choice cannot both shape the reply")
-        return self
-
-    @property
-    def forced_tool_choice(self) -> str | None:
-        """``required``, or the named function's name, or None when no call is forced."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
-        return "required" if self.tool_choice == "required" else None
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        if (forced := self.forced_tool_choice) is None:
-            return super().structured_outputs()
-        functions = [
-            (t.function.name, t.function.parameters) for t in self.tools or []
-            if forced == "required" or t.function.name == forced
-        ]
-        return StructuredOutputsParams(structural_tag=forced_call_tag(functions))
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template reads them (OpenAI's shape)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -450,103 +258,6 @@ def floored(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-class CompletionLogprobs(BaseModel):
-    """Completions' logprobs: per token its text, offset in the choice's text, logprob, and the
-    top ``logprobs`` tokens with the emitted one (so up to ``logprobs + 1`` entries), as OpenAI's;
-    an echoed prompt's first token has null for both (nothing predicts it)."""
-
-    text_offset: list[int]
-    token_logprobs: list[float | None]
-    tokens: list[str]
-    top_logprobs: list[dict[str, float] | None]
-
-    @classmethod
-    def of(
-        cls, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], text: TokenText,
-        offset: int = 0,
-    ) -> CompletionLogprobs:
-        """``entries[j]`` scores ``token_ids[j]``; None for a prompt's first token."""
-        tokens = [text(t) for t in token_ids]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        tops = [
-            None if e is None
-            else {**{text(t): floored(v) for t, v in e.top}, text(e.token_id): floored(e.logprob)}
-            for e in entries
-        ]
-        return cls(
-            text_offset=offsets, token_logprobs=[None if e is None else floored(e.logprob) for e in entries],
-            tokens=tokens, top_logprobs=tops,
-        )
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-    @classmethod
-    def of(cls, token: str, logprob: float) -> TopLogprob:
-        return cls(token=token, logprob=floored(logprob), bytes=list(token.encode()))
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    """Chat's logprobs: per token its text, bytes, logprob and the ``top_logprobs`` most likely."""
-
-    content: list[ChatTokenLogprob]
-
-    @classmethod
-    def of(cls, entries: Sequence[TokenLogprob], text: TokenText) -> ChatLogprobs:
-        return cls(content=[
-            ChatTokenLogprob(
-                **TopLogprob.of(text(e.token_id), e.logprob).model_dump(),
-                top_logprobs=[TopLogprob.of(text(t), v) for t, v in e.top],
-            )
-            for e in entries
-        ])
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-    token_ids: list[int] | None = None  # vLLM's ``return_token_ids`` extension
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = []
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ToolCallDelta(ToolCall):
-    index: int
-
-
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
 class ResponseHeader(BaseModel):
     """The fields every response and stream chunk of one request repeats."""
 
@@ -557,24 +268,6 @@ class ResponseHeader(BaseModel):
     @classmethod
     def new(cls, prefix: str, model: str) -> ResponseHeader:
         return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
-
-
-class Completion(ResponseHeader):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatCompletion(ResponseHeader):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatCompletionChunk(ResponseHeader):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
@@ -588,16 +281,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
