@@ -14,6 +14,7 @@ from dataclasses import MISSING, field, fields
 from typing import Any, ClassVar, Protocol
 
 from neuron_buckets.config.config_error import ConfigError
+from neuron_buckets.utils.ascii_int import is_int
 
 GRAPH = "graph"  # the field metadata key
 
@@ -43,9 +44,7 @@ def check_types(obj: Section) -> None:
     for f in fields(obj):
         want = f.default_factory() if f.default is MISSING else f.default
         value, key = getattr(obj, f.name), f"{obj.SECTION}.{f.name}"
-        if isinstance(want, int) and not isinstance(want, bool) and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 0
-        ):
+        if is_int(want) and (not is_int(value) or value < 0):
             raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
         if isinstance(want, bool) and not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")
