@@ -25,6 +25,7 @@ from tests.conftest import (
     EMBED_CONFIG,
     TEXT_EAGER,
     as_embedding,
+    error_line,
     tiny_tokenizer,
     wait_for_line,
     write_config,
@@ -170,3 +171,12 @@ def test_a_generation_server_refuses_embeddings_naming_why(compiled_dir):
     assert status == 400
     message = body["error"]["message"]
     assert "compiled for generation" in message and 'task = "embed"' in message
+
+
+def test_nb_serve_refuses_a_runtime_file_for_an_embedding_artifact(embedding_dir, tmp_path):
+    """A runtime file only sets decode drafting, which an embedding artifact never runs: even one
+    that leaves drafting off is refused in one line rather than read by nothing."""
+    file = tmp_path / "run.toml"
+    file.write_text("[speculative]\nauto_off = false\n")
+    result = CliRunner().invoke(app, ["serve", str(embedding_dir), "--port", "0", "--config", str(file)])
+    assert error_line(result) == "error: an embedding artifact does not decode: drop the speculative options"

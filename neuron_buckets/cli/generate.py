@@ -109,14 +109,17 @@ CONFIG_HELP = (
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help=CONFIG_HELP)]
 
 
-def speculative_config(ngram: int, draft: int, config: Path | None = None) -> SpeculativeConfig:
-    """The drafting to run: the runtime file ``config``'s (none: off), its drafter and drafts per
-    row replaced by ``--speculative-ngram`` or ``--speculative-draft`` (one of the two)."""
+def speculative_config(ngram: int, draft: int, config: Path | None = None) -> SpeculativeConfig | None:
+    """The drafting to run: the runtime file ``config``'s, its drafter and drafts per row replaced
+    by ``--speculative-ngram`` or ``--speculative-draft`` (one of the two); None when no option
+    was given (off), so an artifact that does not decode can refuse any that was."""
     from neuron_buckets.config.runtime_file import load_runtime_config
     from neuron_buckets.config.speculative import SpeculativeConfig
 
     if ngram and draft:
         raise UserError("--speculative-ngram and --speculative-draft each pick a drafter: give one")
+    if not (config or ngram or draft):
+        return None
     spec = load_runtime_config(config) if config else SpeculativeConfig()
     if draft:
         return replace(spec, method="draft_model", num_speculative_tokens=draft)

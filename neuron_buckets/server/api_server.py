@@ -629,7 +629,7 @@ def run_server(
         start = time.perf_counter()
         engine: LLMEngine | Embedder
         if read_manifest(directory).embedding is not None:
-            if speculative is not None and speculative.enabled:
+            if speculative is not None:  # a runtime file or a flag, which nothing here would read
                 raise UserError("an embedding artifact does not decode: drop the speculative options")
             engine = Embedder.open(directory, pooling=pooling, preload=preload)
         else:
