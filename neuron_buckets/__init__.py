@@ -22,7 +22,7 @@ _PUBLIC = {
     "select_bucket": "neuron_buckets.core.bucket",
     "BlockPool": "neuron_buckets.engine.block_pool",
     "PrefillChunk": "neuron_buckets.runtime.prefill_chunk",
-    "StepInputs": "neuron_buckets.core.padding",
+    "PaddedCall": "neuron_buckets.core.padding",
     "Segment": "neuron_buckets.core.step_plan",
     "StepPlan": "neuron_buckets.core.step_plan",
     "Config": "neuron_buckets.config",
@@ -54,7 +54,7 @@ __all__ = [
     "select_bucket",
     "BlockPool",
     "PrefillChunk",
-    "StepInputs",
+    "PaddedCall",
     "Segment",
     "StepPlan",
     "Config",
@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     )
     from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
     from neuron_buckets.core.masks import gen_cache_mask
-    from neuron_buckets.core.padding import StepInputs
+    from neuron_buckets.core.padding import PaddedCall
     from neuron_buckets.core.step_plan import Segment, StepPlan
     from neuron_buckets.engine.block_pool import BlockPool
     from neuron_buckets.engine.llm_engine import LLMEngine, generate

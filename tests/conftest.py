@@ -176,7 +176,13 @@ def compiled_dir(
 # The tiny model as an embedding artifact: TINY_CONFIG's cache and prefill buckets, so its embed and
 # layer pieces are the generation artifact's (taken from the shared graph cache), and only the
 # final-norm piece is compiled.
-EMBED_CONFIG = TINY_CONFIG.replace('path = "{model}"', 'path = "{model}"\ntask = "embed"')
+def as_embedding(config: str) -> str:
+    """A config text for ``task = "embed"``: an embedding artifact has no decode batch sizes."""
+    return config.replace('path = "{model}"', 'path = "{model}"\ntask = "embed"').replace(
+        "num_seqs_buckets = [1, 2]\n", "")
+
+
+EMBED_CONFIG = as_embedding(TINY_CONFIG)
 
 
 @pytest.fixture(scope="session")

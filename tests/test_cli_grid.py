@@ -68,7 +68,7 @@ def test_grid_lists_the_draft_models_buckets_beside_the_targets(tmp_path):
     path = tmp_path / "draft.toml"
     path.write_text(
         "[buckets]\nmax_num_seqs = 2\nnum_seqs_buckets = [1, 2]\nspeculation_length = 3\n"
-        "[speculative]\nmethod = 'draft_model'\ndraft_model = 'small'\nnum_speculative_tokens = 3\n"
+        "[speculative]\nmethod = 'draft_model'\ndraft_model = 'small'\n"
     )
     result = runner.invoke(app, ["grid", str(path)])
     assert result.exit_code == 0, result.output

@@ -21,6 +21,7 @@ from neuron_buckets.config import (
     parse_config,
 )
 from neuron_buckets.config.loader import SECTIONS
+from neuron_buckets.config.runtime_file import load_runtime_config
 from neuron_buckets.runtime.artifact_check import _geometry_problem
 
 
@@ -146,12 +147,15 @@ def test_relative_model_path_resolves_next_to_the_file(tmp_path):
          r"buckets.decode_context_length_buckets's last entry must equal cache.max_model_len \(256\)"),
         ("[speculative]\nmethod = 'draft_model'", "speculative.draft_model: method 'draft_model' needs"),
         ("[speculative]\nmethod = 'eagle'", "speculative.method must be one of .* got 'eagle'"),
-        ("[speculative]\nnum_speculative_tokens = -2", "num_speculative_tokens must be a non-negative"),
-        ("[speculative]\nprompt_lookup_min = 5", "prompt_lookup_min and prompt_lookup_max need 1 <= min"),
-        ("[speculative]\nprompt_lookup_max = 0", "need 1 <= min <= max, got 1 and 0"),
         ("[speculative]\nk = 3", "speculative. unknown key"),
-        ("[speculative]\nauto_off_window = 0", "speculative.auto_off_window must be positive, got 0"),
-        ("[speculative]\nauto_off = 1", "speculative.auto_off must be true or false, got 1"),
+        # keys nothing would read: a run's, or one the task has no use for
+        ("[speculative]\nauto_off = false", "speculative.auto_off is a run-time setting that nb compile does "
+         r"not record: give it to nb generate or nb serve in a runtime file \(--config"),
+        ("[model]\ntask = 'embed'\n[buckets]\nspeculation_length = 0",
+         'buckets.speculation_length does nothing for model.task = "embed" .*: delete it'),
+        ("[model]\ntask = 'embed'\n[cache]\nenable_prefix_caching = false",
+         'cache.enable_prefix_caching does nothing for model.task = "embed"'),
+        ("[model]\nnormalize = false", 'model.normalize does nothing for model.task = "generate"'),
         # removed keys name the release and say what replaced them
         ("[buckets]\nprefill_batch_buckets = [2]\nnum_batched_tokens_buckets = [128]",
          "prefill_batch_buckets was removed in 0.2: .*packs up to max_num_seqs requests.*delete the key"),
@@ -164,6 +168,31 @@ def test_bad_files_fail_with_one_message_naming_the_key(tmp_path, text, message)
     path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=message) as e:
         load_config(path)
+    assert str(e.value).startswith(f"{path}: ")
+    assert "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[speculative]\nnum_speculative_tokens = -2", "num_speculative_tokens must be a non-negative"),
+        ("[speculative]\nprompt_lookup_min = 5", "prompt_lookup_min and prompt_lookup_max need 1 <= min"),
+        ("[speculative]\nprompt_lookup_max = 0", "need 1 <= min <= max, got 1 and 0"),
+        ("[speculative]\nk = 3", "speculative. unknown key"),
+        ("[speculative]\nmethod = 'eagle'", "speculative.method must be one of .* got 'eagle'"),
+        ("[speculative]\nauto_off_window = 0", "speculative.auto_off_window must be positive, got 0"),
+        ("[speculative]\nauto_off = 1", "speculative.auto_off must be true or false, got 1"),
+        # a compile setting is built into the artifact: nothing at run time would read it
+        ("[cache]\nnum_blocks = 64", r"\[cache\] is an nb compile setting, built into the artifact"),
+        ("[speculative]\ndraft_model = 'small'", "speculative.draft_model is an nb compile setting"),
+        ("[speculative\nk = 3", "not valid TOML"),
+    ],
+)  # fmt: skip
+def test_bad_runtime_files_fail_with_one_message_naming_the_key(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_runtime_config(path)
     assert str(e.value).startswith(f"{path}: ")
     assert "\n" not in str(e.value)
     assert isinstance(e.value, ValueError)
@@ -242,20 +271,21 @@ def test_the_config_and_the_artifact_check_apply_one_geometry_rule(block_size, n
 
 def test_speculative_section_is_off_by_default_and_reads_vllms_names(tmp_path):
     assert not load_config(write(tmp_path, "")).speculative.enabled
+    assert not load_runtime_config(write(tmp_path, "")).enabled
     text = "[speculative]\nnum_speculative_tokens = 3\nprompt_lookup_min = 2\nprompt_lookup_max = 5\n"
-    spec = load_config(write(tmp_path, text)).speculative
+    spec = load_runtime_config(write(tmp_path, text))
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
         "ngram", 3, 2, 5
     )
     assert spec.enabled
     assert (spec.auto_off, spec.auto_off_window, spec.auto_off_probe_interval) == (True, 16, 128)
     text += "auto_off = false\nauto_off_window = 8\nauto_off_probe_interval = 32\n"
-    spec = load_config(write(tmp_path, text)).speculative
+    spec = load_runtime_config(write(tmp_path, text))
     assert (spec.auto_off, spec.auto_off_window, spec.auto_off_probe_interval) == (False, 8, 32)
 
 
 def test_a_draft_models_relative_path_resolves_against_the_config_file(tmp_path):
-    text = "[speculative]\nmethod = 'draft_model'\ndraft_model = 'models/small'\nnum_speculative_tokens = 2\n"
+    text = "[speculative]\nmethod = 'draft_model'\ndraft_model = 'models/small'\n"
     spec = load_config(write(tmp_path, text)).speculative
     assert spec.uses_draft_model and spec.draft_model == tmp_path / "models" / "small"
     assert SpeculativeConfig(method="draft_model").draft_model is None  # a runtime's: the artifact has it

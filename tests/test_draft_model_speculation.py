@@ -28,11 +28,10 @@ from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle 
 from tests.test_speculative_decoding import PROMPTS, greedy_params, recording
 
 K = 3
-DRAFT_SECTION = f"""
+DRAFT_SECTION = """
 [speculative]
 method = "draft_model"
-draft_model = "{{draft}}"
-num_speculative_tokens = {K}
+draft_model = "{draft}"
 """
 
 
@@ -48,9 +47,10 @@ def compile_with_draft(tmp: Path, model: Path, draft: Path, cache: Path):
 
 
 def always_drafting(spec: SpeculativeConfig) -> SpeculativeConfig:
-    """These tests check what the drafts compute, every step: not whether they pay, which the
-    clock decides (the target drafting for itself costs about what it saves)."""
-    return replace(spec, auto_off=False)
+    """The compiled drafter, K drafts per row at run time, every step: these tests check what the
+    drafts compute, not whether they pay, which the clock decides (the target drafting for itself
+    costs about what it saves)."""
+    return replace(spec, num_speculative_tokens=K, auto_off=False)
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_nb_inspect_shows_what_speculation_costs_in_graphs_and_compile_time(self
     assert "draft model: 2 buckets, 1 pieces of its own" in rich.output.replace("\n", " ")
     config = tmp_path / "nb.toml"
     config.write_text("[buckets]\nspeculation_length = 3\nnum_seqs_buckets = [1, 2, 4]\n[speculative]\n"
-                      "method = 'draft_model'\ndraft_model = 'small'\nnum_speculative_tokens = 3\n")
+                      "method = 'draft_model'\ndraft_model = 'small'\n")
     planned = CliRunner().invoke(app, ["inspect", "--trace", str(CODE), str(config), "--json"])
     assert planned.exit_code == 0, planned.output
     assert json.loads(planned.stdout)["speculation"] == {

@@ -21,7 +21,15 @@ from neuron_buckets.engine.embedder import Embedder
 from neuron_buckets.engine.llm_engine import LLMEngine
 from neuron_buckets.engine.pooler import Pooler
 from neuron_buckets.runtime.bucket_runtime import ArtifactError
-from tests.conftest import EMBED_CONFIG, TEXT_EAGER, tiny_tokenizer, wait_for_line, write_config
+from tests.conftest import (
+    EMBED_CONFIG,
+    TEXT_EAGER,
+    as_embedding,
+    error_line,
+    tiny_tokenizer,
+    wait_for_line,
+    write_config,
+)
 from tests.test_serve import MODEL, client, post, serving
 
 # Inputs of 1 to 45 tokens: more than max_num_seqs (2) per call, and one longer than the largest
@@ -141,8 +149,7 @@ def test_nb_serve_pooling_mean_equals_transformers_mean_of_hidden_states(embeddi
 @pytest.mark.slow
 def test_text_inputs_are_tokenized_as_transformers_does(text_model, tmp_path):
     """A string and a list of strings, through the artifact's tokenizer (eager pieces)."""
-    config = write_config(tmp_path, text_model[0], TEXT_EAGER.replace('path = "{model}"',
-                                                                      'path = "{model}"\ntask = "embed"'))
+    config = write_config(tmp_path, text_model[0], as_embedding(TEXT_EAGER))
     args = ["compile", str(config), "--out", str(tmp_path / "art"), "--cache-dir", str(tmp_path / "c")]
     assert (result := CliRunner().invoke(app, args)).exit_code == 0, result.output
     texts = ["hello world", "the quick brown fox jumps over the lazy dog"]
@@ -164,3 +171,12 @@ def test_a_generation_server_refuses_embeddings_naming_why(compiled_dir):
     assert status == 400
     message = body["error"]["message"]
     assert "compiled for generation" in message and 'task = "embed"' in message
+
+
+def test_nb_serve_refuses_a_runtime_file_for_an_embedding_artifact(embedding_dir, tmp_path):
+    """A runtime file only sets decode drafting, which an embedding artifact never runs: even one
+    that leaves drafting off is refused in one line rather than read by nothing."""
+    file = tmp_path / "run.toml"
+    file.write_text("[speculative]\nauto_off = false\n")
+    result = CliRunner().invoke(app, ["serve", str(embedding_dir), "--port", "0", "--config", str(file)])
+    assert error_line(result) == "error: an embedding artifact does not decode: drop the speculative options"

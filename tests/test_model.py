@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.kernels import dispatch
 from neuron_buckets.model.checkpoint import load_weights
@@ -61,7 +61,7 @@ class Session:
         self.blocks[req] += [self.free.pop() for _ in range(max(need, 0))]
         return self.blocks[req]
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: PaddedCall) -> torch.Tensor:
         with torch.no_grad():
             return self.model(*step.args(), self.k, self.v)[: step.num_samples]
 
@@ -187,7 +187,7 @@ def test_llama3_rope_scaling_matches_transformers():
     s.decode([0, 1], Bucket("decode", 2, 3, CTX), {0: [7, 8], 1: [9, 10]})
 
 
-def run_step(model: Llama, step: StepInputs, k: torch.Tensor, v: torch.Tensor):
+def run_step(model: Llama, step: PaddedCall, k: torch.Tensor, v: torch.Tensor):
     k, v = k.clone(), v.clone()
     with torch.no_grad():
         logits = model(*step.args(), k, v)[: step.num_samples]
@@ -227,7 +227,7 @@ def test_padded_and_unpadded_steps_agree(kind, make):
     rows = [make(i, p, b) for i, p, b in zip(ids, starts, blocks, strict=True)]
     seq = max(len(r.token_ids) for r in rows) if kind == "decode" else sum(len(r.token_ids) for r in rows)
 
-    def real(step: StepInputs, bucket_seq: int):
+    def real(step: PaddedCall, bucket_seq: int):
         logits, k_out, v_out = run_step(model, step, k, v)
         if kind == "decode":  # every token is sampled: drop the padded columns
             logits = logits.view(3, bucket_seq, -1)[:, :seq].reshape(3 * seq, -1)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
-from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
 from neuron_buckets.engine.block_pool import BlockPool
 from tests.conftest import segment
 
@@ -216,7 +216,7 @@ def steps(draw):
 @settings(max_examples=200, deadline=None)
 def test_padding_matches_the_reference_and_keeps_the_slot_invariants(case):
     rows, bucket, block_size, decode = case
-    step: StepInputs = (pad_decode if decode else pad_prefill)(rows, bucket, block_size)
+    step: PaddedCall = (pad_decode if decode else pad_prefill)(rows, bucket, block_size)
     want = reference_step(rows, bucket, block_size, decode)
     for name, expected in want.items():
         got = getattr(step, name)

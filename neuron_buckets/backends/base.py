@@ -1,8 +1,11 @@
-"""The one small protocol every backend implements: compile a piece's graph, load it, say versions.
+"""The protocol every backend implements: whether it runs here, its versions and resolved flags,
+compile a piece's graph, load it, and lay out the weights its graphs read.
 
-The compiler drives ``compile`` in worker processes, once per piece (embed, decoder layer, head);
-the runtime calls ``load`` and then the graph with the step, the caches and the weights as
-inputs. Nothing here assumes a particular compiler, file format or device.
+The compiler drives ``compile`` in worker processes, once per piece (``model/pieces.py``: embed, a
+decoder layer and its fresh twin, head or an embedding artifact's norm); the runtime packs each
+layer's weights (``pack``, ``pack_head``) as it loads them, then calls ``load`` and the graph with
+the padded call, the caches and the weights as inputs. Nothing here assumes a particular compiler,
+file format or device.
 """
 
 from __future__ import annotations

@@ -103,21 +103,24 @@ DRAFT_HELP = (
 
 
 CONFIG_HELP = (
-    "TOML config (the one nb compile took will do) whose [speculative] section sets the drafting: "
-    "method, num_speculative_tokens, prompt lookup lengths, auto_off; --speculative-* flags override"
+    "Runtime file: TOML whose [speculative] table sets the drafting (method, num_speculative_tokens, "
+    "prompt lookup lengths, auto_off); no compile setting; --speculative-* flags override it"
 )
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help=CONFIG_HELP)]
 
 
-def speculative_config(ngram: int, draft: int, config: Path | None = None) -> SpeculativeConfig:
-    """The drafting to run: ``config``'s ``[speculative]`` section (none: off), its drafter and
-    drafts per row replaced by ``--speculative-ngram`` or ``--speculative-draft`` (one of the two)."""
-    from neuron_buckets.config import load_config
+def speculative_config(ngram: int, draft: int, config: Path | None = None) -> SpeculativeConfig | None:
+    """The drafting to run: the runtime file ``config``'s, its drafter and drafts per row replaced
+    by ``--speculative-ngram`` or ``--speculative-draft`` (one of the two); None when no option
+    was given (off), so an artifact that does not decode can refuse any that was."""
+    from neuron_buckets.config.runtime_file import load_runtime_config
     from neuron_buckets.config.speculative import SpeculativeConfig
 
     if ngram and draft:
         raise UserError("--speculative-ngram and --speculative-draft each pick a drafter: give one")
-    spec = load_config(config).speculative if config else SpeculativeConfig()
+    if not (config or ngram or draft):
+        return None
+    spec = load_runtime_config(config) if config else SpeculativeConfig()
     if draft:
         return replace(spec, method="draft_model", num_speculative_tokens=draft)
     if ngram:

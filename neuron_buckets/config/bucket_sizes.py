@@ -8,6 +8,7 @@ from typing import Any
 
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.core.bucket import linear, powers_of_two, validate_buckets
+from neuron_buckets.utils.ascii_int import is_int
 
 STRATEGY_KEYS = ("max", "min", "step", "strategy")
 
@@ -31,7 +32,7 @@ def _expand(key: str, spec: Mapping[str, Any], last: int) -> list[int]:
     lo, hi = spec.get("min", 1), spec.get("max", last)
     step = spec.get("step", lo)
     for name, value in (("min", lo), ("max", hi), ("step", step)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise ConfigError(f"{key}.{name} must be an integer, got {value!r}")
     try:
         if spec.get("strategy") == "powers_of_two":

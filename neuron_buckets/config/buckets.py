@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from neuron_buckets.config.bucket_sizes import bucket_sizes
-from neuron_buckets.config.setting import check_positive, check_types, setting
+from neuron_buckets.config.setting import DECODES, check_positive, check_types, setting
 from neuron_buckets.core.bucket import powers_of_two
 
 # Requests in one decode call when a config does not say: the config's default and ``nb plan``'s.
@@ -47,12 +47,12 @@ class BucketConfig:
     # requests in a decode call or a packed prefill
     max_num_seqs: int = setting(DEFAULT_MAX_NUM_SEQS, graph=False)
     max_num_batched_tokens: int = setting(128, graph=False)  # the token budget of a prefill step
-    num_seqs_buckets: tuple[int, ...] | None = setting(None, graph=False)  # decode batch sizes
+    num_seqs_buckets: tuple[int, ...] | None = setting(None, graph=False, tasks=DECODES)  # decode batch sizes
     num_batched_tokens_buckets: tuple[int, ...] | None = setting(None, graph=False)  # prefill tokens
-    speculation_length: int = setting(0, graph=False)
+    speculation_length: int = setting(0, graph=False, tasks=DECODES)
     # Bounded by the cache, so ``Config`` derives, expands (a list or strategy table until then) and
     # checks it.
-    decode_context_length_buckets: tuple[int, ...] | None = setting(None, graph=False)
+    decode_context_length_buckets: tuple[int, ...] | None = setting(None, graph=False, tasks=DECODES)
 
     def __post_init__(self) -> None:
         check_types(self)

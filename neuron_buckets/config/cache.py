@@ -49,7 +49,8 @@ class CacheConfig:
     num_blocks: int = setting(128, graph=True)
     max_model_len: int = setting(256, graph=False)  # each bucket's own ctx bounds its graph
     dtype: str = setting("float32", graph=True)
-    enable_prefix_caching: bool = setting(True, graph=False)  # block sharing, a runtime decision
+    # block sharing, a runtime decision; an embedding artifact keeps no prompt's blocks to share
+    enable_prefix_caching: bool = setting(True, graph=False, tasks=("generate",))
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from neuron_buckets.config.config_error import ConfigError
-from neuron_buckets.config.setting import check_choice, check_types, setting
+from neuron_buckets.config.setting import TASKS, check_choice, check_types, setting
 
-TASKS = ("generate", "embed")
 POOLINGS = ("last", "mean")
 
 
@@ -29,8 +28,8 @@ class ModelSource:
     path: Path | None = setting(None, graph=False)
     # Which buckets and pieces exist (each piece's role is in its key), not what one computes.
     task: str = setting("generate", graph=False)
-    pooling: str = setting("last", graph=False)  # an embedding artifact's default pooling
-    normalize: bool = setting(True, graph=False)  # L2-normalize pooled embeddings
+    pooling: str = setting("last", graph=False, tasks=("embed",))  # an embedding artifact's default pooling
+    normalize: bool = setting(True, graph=False, tasks=("embed",))  # L2-normalize pooled embeddings
 
     def __post_init__(self) -> None:
         if isinstance(self.path, str):

@@ -1,9 +1,10 @@
 """``[speculative]``: drafting tokens that the target verifies in one decode row (vLLM's names).
 
 ``nb compile`` reads ``method`` and ``draft_model`` (a draft model is compiled into the artifact,
-and the draft's own manifest records its source); the other keys are run-time settings, read by
-``nb generate`` and ``nb serve`` from the config given with ``--config`` (their
-``--speculative-*`` flags override the drafter and ``num_speculative_tokens``).
+and the draft's own manifest records its source) and refuses the rest; those are run-time settings
+(``read_by=(RUN,)``), read by ``nb generate`` and ``nb serve`` from the runtime file given with
+``--config`` (``config/runtime_file.py``; ``method`` there picks the drafter, ``draft_model`` is
+refused), and their ``--speculative-*`` flags override the drafter and ``num_speculative_tokens``.
 
 Off by default (``num_speculative_tokens = 0``). Drafts ride in the ``1 + speculation_length``
 positions a decode row already has, so ``num_speculative_tokens`` may not exceed the artifact's
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from neuron_buckets.config.config_error import ConfigError
-from neuron_buckets.config.setting import check_positive, check_types, setting
+from neuron_buckets.config.setting import COMPILE, DECODES, RUN, check_positive, check_types, setting
 
 METHODS = ("ngram", "draft_model")
 
@@ -36,15 +37,19 @@ METHODS = ("ngram", "draft_model")
 class SpeculativeConfig:
     SECTION: ClassVar[str] = "speculative"
 
-    method: str = setting("ngram", graph=False)  # prompt lookup: no second model
-    num_speculative_tokens: int = setting(0, graph=False)  # 0 = off
-    prompt_lookup_min: int = setting(1, graph=False)
-    prompt_lookup_max: int = setting(4, graph=False)
+    # prompt lookup (no second model), or the draft model: nb compile builds it, a run drafts with it
+    method: str = setting("ngram", graph=False, read_by=(COMPILE, RUN), tasks=DECODES)
+    num_speculative_tokens: int = setting(0, graph=False, read_by=(RUN,), tasks=DECODES)  # 0 = off
+    prompt_lookup_min: int = setting(1, graph=False, read_by=(RUN,), tasks=DECODES)
+    prompt_lookup_max: int = setting(4, graph=False, read_by=(RUN,), tasks=DECODES)
     # the draft checkpoint (a directory, as model.path), compiled into the artifact's draft/
-    draft_model: Path | None = setting(None, graph=False)
-    auto_off: bool = setting(True, graph=False)  # stop drafting while it does not pay
-    auto_off_window: int = setting(16, graph=False)  # drafting steps that decide whether it pays
-    auto_off_probe_interval: int = setting(128, graph=False)  # steps off before drafting again
+    draft_model: Path | None = setting(None, graph=False, tasks=DECODES)
+    # stop drafting while it does not pay
+    auto_off: bool = setting(True, graph=False, read_by=(RUN,), tasks=DECODES)
+    # drafting steps that decide whether it pays
+    auto_off_window: int = setting(16, graph=False, read_by=(RUN,), tasks=DECODES)
+    # steps off before drafting again
+    auto_off_probe_interval: int = setting(128, graph=False, read_by=(RUN,), tasks=DECODES)
 
     def __post_init__(self) -> None:
         if isinstance(self.draft_model, str):

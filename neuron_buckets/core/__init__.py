@@ -1,3 +1,3 @@
-"""The graph contract: block tables and slot mapping, masks, step padding (`StepInputs`) and
+"""The graph contract: block tables and slot mapping, masks, step padding (`PaddedCall`) and
 buckets. Compiled pieces depend on this code, so it is hashed into every piece's cache key; it
 imports no other stage."""

@@ -29,7 +29,7 @@ def gen_active_mask(
     return causal.expand(batch, num_heads, s_tkg, s_tkg)
 
 
-def segment_offsets(segment_ids: Tensor) -> Tensor:
+def _segment_offsets(segment_ids: Tensor) -> Tensor:
     """(B, S): each token's index within its segment (segments are contiguous runs of a row)."""
     index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
     starts = torch.ones_like(segment_ids, dtype=torch.bool)
@@ -37,12 +37,12 @@ def segment_offsets(segment_ids: Tensor) -> Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
-def segment_positions(cached: Tensor, segment_ids: Tensor) -> Tensor:
+def _segment_positions(cached: Tensor, segment_ids: Tensor) -> Tensor:
     """(B, S): each token's position, its segment's context length plus its index in the segment
     (``cached`` as in ``gen_segment_masks``; a pad's segment past the rows has no context)."""
     batch = cached.shape[0]
     lens = torch.cat([cached.sum(-1), cached.new_zeros(batch, 1, dtype=torch.int64)], dim=1)
-    return lens.gather(1, segment_ids.clamp(max=cached.shape[1])) + segment_offsets(segment_ids)
+    return lens.gather(1, segment_ids.clamp(max=cached.shape[1])) + _segment_offsets(segment_ids)
 
 
 def gen_segment_masks(
@@ -66,7 +66,7 @@ def gen_segment_masks(
     row_ids = torch.arange(rows, device=cached.device)
     context = cached[:, None] & (segment_ids[:, :, None, None] == row_ids[:, None])  # (B, S, K, C)
     if window is not None:
-        position = segment_positions(cached, segment_ids)[:, :, None, None]
+        position = _segment_positions(cached, segment_ids)[:, :, None, None]
         ctx_back = position - torch.arange(ctx, device=cached.device)
         context = context & (ctx_back < window)
         active = active & (back < window)

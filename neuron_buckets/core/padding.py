@@ -30,8 +30,9 @@ from neuron_buckets.core.step_plan import Segment
 
 
 @dataclass(frozen=True)
-class StepInputs:
-    """Fixed-shape graph inputs for one bucket; all tensors int64."""
+class PaddedCall:
+    """One graph call padded to its bucket's fixed shape: the inputs every piece of the call
+    takes, all tensors int64."""
 
     input_ids: Tensor  # (T,) with T = batch * seq
     positions: Tensor  # (T,)
@@ -64,7 +65,7 @@ class StepInputs:
         """Nothing cached before this step: no row reads a context."""
         return not bool(self.cache_lens.any())
 
-    def without_context(self) -> StepInputs:
+    def without_context(self) -> PaddedCall:
         """The inputs of a fresh step as a layer piece over no context takes them: a block table
         of no columns (the slots the step writes are already in ``slot_mapping``)."""
         return replace(self, block_table=self.block_table[:, :0])
@@ -72,7 +73,7 @@ class StepInputs:
 
 def pad_prefill(
     chunks: Sequence[Segment], bucket: Bucket, block_size: int, samples: int | None = None
-) -> StepInputs:
+) -> PaddedCall:
     """Segments (each the part of a plan's segment that one call runs) end to end in
     ``bucket.seq`` tokens, at most ``bucket.batch`` of them, segment g over block-table row g; the
     logits of each one's last ``num_samples`` tokens are sampled, in segment order, into
@@ -113,7 +114,7 @@ def pad_prefill(
     groups = max(1, -(-int(wanted.sum()) // samples))
     cache_lens = torch.zeros(bucket.batch, dtype=torch.int64)
     cache_lens[: len(chunks)] = starts
-    return StepInputs(
+    return PaddedCall(
         input_ids=padded(flat_ids, 0),
         positions=padded(positions, 0),
         slot_mapping=padded(slots, PAD_SLOT_ID),
@@ -126,7 +127,7 @@ def pad_prefill(
     )
 
 
-def pad_decode(rows: Sequence[Segment], bucket: Bucket, block_size: int) -> StepInputs:
+def pad_decode(rows: Sequence[Segment], bucket: Bucket, block_size: int) -> PaddedCall:
     """One row per request of up to ``1 + speculation_length`` tokens; every real token is sampled.
 
     The first ``num_rows * seq`` samples are the real rows, row by row; a short row's pad entries
@@ -168,7 +169,7 @@ def pad_decode(rows: Sequence[Segment], bucket: Bucket, block_size: int) -> Step
     cache_lens = torch.zeros(batch, dtype=torch.int64)
     cache_lens[: len(rows)] = starts
     tokens = torch.arange(batch * seq, dtype=torch.int64)
-    return StepInputs(
+    return PaddedCall(
         input_ids=input_ids.reshape(-1),
         positions=positions,
         slot_mapping=slot_mapping,

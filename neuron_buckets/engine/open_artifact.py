@@ -36,7 +36,7 @@ def open_artifact(
     if (rank := follower(directory, manifest)) is not None:
         return rank
     if manifest.embedding is not None:
-        if speculative is not None and speculative.enabled:
+        if speculative is not None:  # a runtime file or a flag, which nothing here would read
             raise UserError("an embedding artifact does not decode: drop the speculative options")
         return Embedder.open(directory, pooling=pooling, preload=preload, manifest=manifest)
     if pooling is not None:

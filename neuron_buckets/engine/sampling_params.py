@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
-from neuron_buckets.runtime.step_check import is_int
+from neuron_buckets.utils.ascii_int import is_int
 
 INT64_MAX = 2**63 - 1
 # Below this a temperature is greedy, as in vLLM: dividing float32 logits by a value that small

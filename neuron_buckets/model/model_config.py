@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.utils.ascii_int import is_int
 
 ROPE_TYPES = ("default", "llama3")
 # model_type -> the transformers class whose math ``model/llama.py`` reproduces (tests check each
@@ -206,10 +207,6 @@ class ModelConfigError(ValueError):
     """A model config that cannot describe a supported model; the message names its source."""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def parse_hf_config(raw: object, where: str) -> LlamaConfig:
     """``raw`` as a LlamaConfig, or a ModelConfigError naming ``where`` and the bad key."""
     if not isinstance(raw, dict):
@@ -218,7 +215,7 @@ def parse_hf_config(raw: object, where: str) -> LlamaConfig:
         raise ModelConfigError(f"{where}: lacks {', '.join(map(repr, missing))}")
     for key in REQUIRED_INTS + OPTIONAL_INTS:
         value = raw.get(key)
-        if (key in REQUIRED_INTS or value is not None) and not (_is_int(value) and value > 0):
+        if (key in REQUIRED_INTS or value is not None) and not (is_int(value) and value > 0):
             raise ModelConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
     for key in OPTIONAL_NUMBERS:
         value = raw.get(key, 1.0)

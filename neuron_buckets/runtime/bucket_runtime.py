@@ -29,7 +29,7 @@ from torch import Tensor
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
 from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from neuron_buckets.model import linear
@@ -227,7 +227,7 @@ class BucketRuntime:
 
     @torch.inference_mode()
     @_ranks_stay_in_step
-    def run(self, bucket: Bucket, step: StepInputs) -> Tensor:
+    def run(self, bucket: Bucket, step: PaddedCall) -> Tensor:
         """Run one padded step through the bucket's pieces; logits of the real samples only, or for
         an embedding artifact the (real tokens, hidden) float32 final-norm hidden states."""
         pieces = self.record(bucket).pieces

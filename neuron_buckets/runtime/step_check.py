@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 from torch import Tensor
@@ -27,6 +26,7 @@ from torch import Tensor
 from neuron_buckets.core.block_table import NULL_BLOCK_ID
 from neuron_buckets.core.bucket import NoBucketFits
 from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.utils.ascii_int import is_int
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -39,10 +39,6 @@ class StepLimits:
     num_blocks: int
     max_model_len: int
     vocab_size: int
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _int_list(values: Sequence[int] | Tensor, what: str) -> list[int]:

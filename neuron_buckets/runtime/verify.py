@@ -16,7 +16,7 @@ import torch
 
 from neuron_buckets.artifact.manifest import ManifestError, read_manifest
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.core.padding import StepInputs, pad_decode, pad_prefill
+from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
@@ -61,7 +61,7 @@ def file_problems(directory: Path) -> list[str]:
 def random_step(
     bucket: Bucket, block_size: int, num_blocks: int, vocab: int, gen: torch.Generator, samples: int,
     fresh: bool = False,
-) -> StepInputs:
+) -> PaddedCall:
     """A padded step with 1..batch real requests of random tokens, length, context (none with
     ``fresh``) and shuffled blocks (prefill: packed, each segment over a context of its own;
     ``samples`` logits back).
