@@ -43,9 +43,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from neuron_buckets.artifact.manifest import Manifest
 from neuron_buckets.config.speculative import SpeculativeConfig
+from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.drafter import Drafter
@@ -219,13 +221,7 @@ class LLMEngine:
         self._check_owner()
         start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
-        graph_start = time.perf_counter()
-        # empty only when the requests it had ended as it was planned (the pool could not hold them)
-        logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
-        if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
-            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
-            drafter.follow(chunks)
-        graph_seconds = time.perf_counter() - graph_start  # the target's calls and the draft's catch-up
+        logits, graph_seconds = self._run(plan)
         sampled = self.sampler.sample(plan, [self._requests[s.request_id] for s in plan], logits)
         for request in self.scheduler.commit(plan, sampled):
             outputs.append(request.output())
@@ -236,6 +232,17 @@ class LLMEngine:
         if self.gate is not None:
             self.gate.observe(seconds, self.spec_stats.num_accepted_tokens - accepted)
         return outputs
+
+    def _run(self, plan: StepPlan) -> tuple[Tensor, float]:
+        """The plan's logits from the runtime, the drafter following its prompt chunks, and the
+        seconds of both (the target's calls and the draft's catch-up)."""
+        start = time.perf_counter()
+        # empty only when the requests it had ended as it was planned (the pool could not hold them)
+        logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
+        if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
+            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
+            drafter.follow(chunks)
+        return logits, time.perf_counter() - start
 
     def _check_owner(self) -> None:
         if self.runtime.owner is not self:
