@@ -1,7 +1,8 @@
 """One step's logits in, each segment's tokens out: the sampling stage of the engine's step.
 
 The engine calls ``StepSampler.sample`` once per step with the plan it ran and the logits it
-returned. The stage runs in a fixed order, as vLLM's v1 sampler does:
+returned; the engine itself never touches logits. Like vLLM's v1 sampler, the stage runs in one
+fixed order:
 
 1. prompt logprobs: a chunk that returned every token's logits (its request asked for prompt
    logprobs) scores its prompt tokens; only its last row is sampled;
