@@ -214,3 +214,40 @@ def test_a_follower_rank_is_decided_and_opened_from_the_one_reading(
         follower.run()
     assert ended.value.code == 1 and capsys.readouterr().err.startswith("error: rank 1: ")
     assert reads == [tmp_path / "manifest.json"]
+
+
+def _places(path: Path, name: re.Pattern[str]) -> set[int]:
+    """The lines of the statements in ``path``'s code (imports left out) that use a name matching
+    ``name``: where a concept reaches into a module, prose not counted."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = set()
+    for node in ast.walk(tree):
+        used = {ast.Name: "id", ast.Attribute: "attr", ast.keyword: "arg", ast.arg: "arg"}.get(type(node))
+        if used is None or not name.search(getattr(node, used) or ""):
+            continue
+        while not isinstance(node, ast.stmt):
+            node = parents[node]
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            found.add(node.lineno)
+    return found
+
+
+def test_sampling_is_a_stage_and_the_grammar_reaches_the_engine_twice_at_most():
+    """The step sampler owns what is done with a step's logits (grammar masks, early stops,
+    acceptance, logprobs), so the engine neither imports their modules nor reaches into the
+    grammar: it builds the grammar's manager and calls the sampler once a step. A grammar's
+    compile is a verb of the manager, called when a request is validated, not in the engine."""
+    engine = PACKAGE / "engine" / "llm_engine.py"
+    assert 1 <= len(_places(engine, re.compile("grammar|structured", re.IGNORECASE))) <= 2
+    stages = {f"neuron_buckets.engine.{m}" for m in ("sampler", "rejection_sampler", "logprobs")}
+    assert _imports(engine) & stages == set()
+    assert "neuron_buckets.engine.step_sampler" in _imports(engine)
+    tree = ast.parse(engine.read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine"]
+    assert cls.end_lineno - cls.lineno + 1 <= 200
+    calls = [n.func for n in ast.walk(cls) if isinstance(n, ast.Call)]
+    called = [f.attr for f in calls if isinstance(f, ast.Attribute)]
+    assert called.count("sample") == 1 and "compile" not in called and "mask" not in called
+    sampler = (PACKAGE / "engine" / "step_sampler.py").read_text()
+    assert "self.grammar.compile(" in sampler and "self.grammar.mask(" in sampler

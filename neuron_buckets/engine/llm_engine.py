@@ -3,12 +3,12 @@
 nano-vllm's ``LLMEngine`` in miniature, and a step is straight-line code: the scheduler plans it
 (``engine/scheduler.py``: prefill chunks up to the token budget, a continuing prompt first, and a
 decode row for every request whose prompt is complete), the runtime runs the plan on its buckets,
-the sampler picks a token for every segment that returned logits, and the scheduler commits
+the step sampler picks the tokens of every segment that returned logits, and the scheduler commits
 them. Blocks are taken per step for the tokens actually written, never for padding; when they run
 short the newest request is preempted and later recomputed (``engine/kv_cache_manager.py``), its
 reported tokens unchanged. A request ends at an end-of-sequence token, one of its stop tokens or
 strings, its ``max_tokens``, or an abort, and gives its blocks back at once. Requests may be
-added and aborted between steps. Tokens are picked on the host (``engine/sampler.py``), each
+added and aborted between steps. Tokens are picked on the host (``engine/step_sampler.py``), each
 request with its own parameters and random generator, under its grammar's mask when it has
 structured outputs (``engine/structured_output_manager.py``); asked-for logprobs come from the raw
 logits (``engine/logprobs.py``), a prompt's from the logits its chunks return for every token when
@@ -52,17 +52,15 @@ from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.drafter import Drafter
 from neuron_buckets.engine.kv_cache_manager import KVCacheManager
-from neuron_buckets.engine.logprobs import token_logprobs
 from neuron_buckets.engine.ngram_drafter import NgramDrafter
-from neuron_buckets.engine.rejection_sampler import accept_greedy, accept_sampled, target_probs
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.request_check import RequestError, check_request
 from neuron_buckets.engine.request_output import RequestOutput
-from neuron_buckets.engine.sampler import mask_early_stops, sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.engine.spec_decode_stats import SpecDecodeStats
 from neuron_buckets.engine.speculation_gate import SpeculationGate
+from neuron_buckets.engine.step_sampler import StepSampler
 from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.structured_output_manager import StructuredOutputManager
 from neuron_buckets.engine.tokenizer import Tokenizer
@@ -135,9 +133,9 @@ class LLMEngine:
             [b.seq for b in runtime.buckets.prefill], runtime.buckets.mix_decode,
         )
         self.step_stats = StepStats()
-        self.structured = None if tokenizer is None else StructuredOutputManager(
+        self.sampler = StepSampler(self.spec_stats, None if tokenizer is None else StructuredOutputManager(
             tokenizer.hf, runtime.config.vocab_size, self.eos_token_ids, self.step_stats
-        )
+        ))
         self._requests: dict[int, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._next_id = 0
@@ -194,10 +192,7 @@ class LLMEngine:
             raise RequestError(f"{what}: expected SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise RequestError(f"{what}: stop strings need a tokenizer, and this engine has none")
-        if params.structured_outputs is not None:
-            if self.structured is None:
-                raise RequestError(f"{what}: structured outputs need a tokenizer, and this engine has none")
-            self.structured.compile(params.structured_outputs)  # compiled once, here: cached for add
+        self.sampler.check(params, what)
         return check_request(prompt_token_ids, params.max_tokens, self.runtime.limits, self.pool, what)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
@@ -206,8 +201,7 @@ class LLMEngine:
         ids = self.check_request(prompt_token_ids, params)
         rid, self._next_id = self._next_id, self._next_id + 1
         request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
-        if params.structured_outputs is not None and self.structured is not None:
-            request.grammar = self.structured.matcher(params.structured_outputs)
+        self.sampler.admit(request)
         self._requests[rid] = request
         self.scheduler.add(request)
         return rid
@@ -229,14 +223,9 @@ class LLMEngine:
         self._check_owner()
         start, accepted = time.perf_counter(), self.spec_stats.num_accepted_tokens
         plan = self.scheduler.schedule()
-        graph_start = time.perf_counter()
-        # empty only when the requests it had ended as it was planned (the pool could not hold them)
-        logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
-        if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
-            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
-            drafter.follow(chunks)
-        graph_seconds = time.perf_counter() - graph_start  # the target's calls and the draft's catch-up
-        for request in self.scheduler.commit(plan, self._sample(plan, logits)):
+        logits, graph_seconds = self._run(plan)
+        sampled = self.sampler.sample(plan, [self._requests[s.request_id] for s in plan], logits)
+        for request in self.scheduler.commit(plan, sampled):
             outputs.append(request.output())
             if request.done:
                 del self._requests[request.request_id]
@@ -246,78 +235,21 @@ class LLMEngine:
             self.gate.observe(seconds, self.spec_stats.num_accepted_tokens - accepted)
         return outputs
 
+    def _run(self, plan: StepPlan) -> tuple[Tensor, float]:
+        """The plan's logits from the runtime, the drafter following its prompt chunks, and the
+        seconds of both (the target's calls and the draft's catch-up)."""
+        start = time.perf_counter()
+        # empty only when the requests it had ended as it was planned (the pool could not hold them)
+        logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
+        if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
+            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
+            drafter.follow(chunks)
+        return logits, time.perf_counter() - start
+
     def _check_owner(self) -> None:
         if self.runtime.owner is not self:
             raise CacheOwned(f"{self.runtime.directory}: a newer engine took this engine's runtime, and "
                              "its KV cache with it; use that engine")
-
-    def _sample(self, plan: StepPlan, logits: Tensor) -> list[list[int]]:
-        """The tokens of each segment that returned logits: one from a segment's last token's, or
-        for a row with drafts the accepted drafts and the token after them; none for the others
-        (a cut prompt's chunk draws nothing from its generator)."""
-        sampled: list[list[int]] = [[] for _ in plan]
-        per_segment = self._take_prompt_logprobs(plan, logits.split([s.num_samples for s in plan]))
-        single = [i for i, rows in enumerate(per_segment) if len(rows) == 1]
-        if single:
-            requests = [self._requests[plan[i].request_id] for i in single]
-            rows = torch.cat([per_segment[i] for i in single])
-            if self.structured is not None and any(r.grammar is not None for r in requests):
-                rows = rows.float()  # a fresh tensor: the logprobs still read the raw logits
-                self.structured.mask(rows, [(r.grammar, ()) for r in requests])
-            rows = mask_early_stops(rows, [early_stops(r) for r in requests])
-            tokens = sample(
-                rows, [r.params for r in requests], [r.generator for r in requests],
-                [r.token_ids for r in requests],
-            )
-            for i, token in zip(single, tokens, strict=True):
-                sampled[i] = [token]
-        for i in (i for i, rows in enumerate(per_segment) if len(rows) > 1):
-            request, draft = self._requests[plan[i].request_id], list(plan[i].token_ids[1:])
-            rows = per_segment[i]
-            if self.structured is not None and request.grammar is not None:
-                rows = rows.float().clone()
-                self.structured.mask(rows, [(request.grammar, draft)])
-            rows = mask_early_stops(rows, [early_stops(request, j) for j in range(len(rows))])
-            if request.params.greedy:
-                sampled[i] = accept_greedy(rows, draft)
-            else:
-                probs = target_probs(rows, request.params)
-                sampled[i] = accept_sampled(probs, draft, None, request.generator)
-            self.spec_stats.add(len(draft), len(sampled[i]) - 1)
-        for i, tokens in enumerate(sampled):
-            request = self._requests[plan[i].request_id]
-            if tokens and request.logprobs is not None:
-                request.logprobs += token_logprobs(per_segment[i], tokens, request.params.logprobs)
-            if tokens and request.grammar is not None:
-                StructuredOutputManager.accept(request.grammar, tokens)
-        return sampled
-
-    def _take_prompt_logprobs(self, plan: StepPlan, per_segment: Sequence[Tensor]) -> list[Tensor]:
-        """Each segment's logits to sample from. A prompt chunk of a request that asked for its
-        prompt's logprobs returned every token's: those before the prompt's last token are prompt
-        logprobs (the logits at i score token i + 1), taken into the request here; the prompt's
-        last token's, when the chunk has it, is sampled as any chunk's."""
-        rows = list(per_segment)
-        for i, seg in enumerate(plan):
-            request = self._requests[seg.request_id]
-            if not request.wants_prompt_logits:
-                continue
-            prompt = per_segment[i][: request.prompt_len - 1 - seg.context_len]
-            scored = request.token_ids[seg.context_len + 1 : seg.context_len + 1 + len(prompt)]
-            request.add_prompt_logprobs(
-                seg.context_len, token_logprobs(prompt, scored, request.params.prompt_logprobs or 0)
-            )
-            rows[i] = per_segment[i][len(prompt) :]
-        return rows
-
-
-NO_IDS = torch.empty(0, dtype=torch.int64)
-
-
-def early_stops(request: Request, offset: int = 0) -> Tensor:
-    """The ids ``request`` may not sample ``offset`` rows after its next token: its stop ids while
-    that token is within its ``min_tokens``, else none."""
-    return request.early_stops if request.too_early(offset) else NO_IDS
 
 
 def generate(
