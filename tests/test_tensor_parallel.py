@@ -360,7 +360,7 @@ def test_a_rank_that_loads_late_holds_back_the_first_step_not_past_its_timeout(
 ):
     """The ranks meet once all have loaded: the first step's collectives never wait for a rank
     still loading. Here a collective may wait 4 s, and rank 1 loads 10 s after rank 0."""
-    monkeypatch.setenv(rank_group.TIMEOUT_ENV, "4")  # the follower's too
+    monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=4))  # rank 0's; the follower's stays 60 s
     late = LATE_FOLLOWER.replace("LATE", "10") + FOLLOWER
     with two_ranks(compiled.directories[2], late) as runtime:
         got = greedy(runtime, prompts(), MAX_NEW)
