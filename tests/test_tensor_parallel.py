@@ -385,23 +385,23 @@ def test_a_lost_rank_fails_the_next_step_and_the_same_process_serves_again(
     opens the artifact again, as the next test of a pytest worker does, and generates what it did
     before."""
     monkeypatch.setenv(rank_group.TIMEOUT_ENV, str(HUNG_AFTER))  # the follower inherits it
-    runtime = BucketRuntime.open(compiled.directories[2])
-    want = greedy(runtime, prompts(), MAX_NEW)
-    [worker] = runtime.ranks.workers
-    os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-    started = time.monotonic()
-    with pytest.raises(RankLost, match="a step failed across the 2 ranks") as lost:
-        greedy(runtime, prompts(), MAX_NEW)
-    waited = time.monotonic() - started
+    # closing: however the test ends, no group is left for the next test (a no-op once left)
+    with contextlib.closing(BucketRuntime.open(compiled.directories[2])) as runtime:
+        want = greedy(runtime, prompts(), MAX_NEW)
+        [worker] = runtime.ranks.workers
+        os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RankLost, match="a step failed across the 2 ranks") as lost:
+            greedy(runtime, prompts(), MAX_NEW)
+        waited = time.monotonic() - started
     assert worker.returncode == -signal.SIGKILL  # reaped: a hung rank is killed too
     assert not dist.is_initialized() and runtime.ranks.store is None
     timed_out = "timed out" in str(lost.value).lower()
     assert timed_out == (how == "hung"), lost.value
     if how == "hung":  # the configured timeout, not the default
         assert HUNG_AFTER <= waited < rank_group.TIMEOUT.total_seconds()
-    again = BucketRuntime.open(compiled.directories[2])
-    got = greedy(again, prompts(), MAX_NEW)
-    again.close()
+    with contextlib.closing(BucketRuntime.open(compiled.directories[2])) as again:
+        got = greedy(again, prompts(), MAX_NEW)
     assert not dist.is_initialized()
     assert got == want and sum(map(len, got)) == MAX_NEW * len(prompts()) >= 30
 
