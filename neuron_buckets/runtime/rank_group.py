@@ -82,7 +82,8 @@ def decode(data: bytes) -> StepPlan:
 
 
 def timeout() -> timedelta:
-    """``NB_RANK_TIMEOUT_S`` seconds, else ``TIMEOUT``; refused in one line unless a positive number."""
+    """``NB_RANK_TIMEOUT_S`` seconds, else ``TIMEOUT``; unless a positive number, a ``ValueError``
+    (a user's mistake: the command line shows it as one line)."""
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
         return TIMEOUT
@@ -91,7 +92,7 @@ def timeout() -> timedelta:
     except ValueError:
         seconds = 0.0
     if not 0 < seconds < float("inf"):
-        raise RankLost(f"{TIMEOUT_ENV} is {raw!r}: give the seconds a step's collective may wait (> 0)")
+        raise ValueError(f"{TIMEOUT_ENV} is {raw!r}: give the seconds a step's collective may wait (> 0)")
     return timedelta(seconds=seconds)
 
 
