@@ -191,17 +191,26 @@ class RankGroup:
             try:
                 store.wait([key], POLL)
                 data = store.get(key)
-                return None if data == STOP else decode(data)
+                if data != STOP:
+                    return decode(data)
+                with contextlib.suppress(RuntimeError):  # rank 0 may already be gone
+                    store.add("stopped", 1)  # rank 0 may now drop the store
+                return None
             except dist.DistStoreError as e:
                 if "timeout" not in str(e).lower():  # not just an idle server: rank 0 is gone
                     raise RankLost("rank 0 is gone", e) from None
 
     def close(self) -> None:
-        """Rank 0: end the followers (they exit, each given ``timeout``), then leave the group."""
+        """Rank 0: end the followers (they exit, each given ``timeout``), then leave the group.
+        Followers started elsewhere (torchrun, by hand) count themselves out in the store once
+        they have read the plan that ends them: the store goes with the group, and a follower
+        still reading from it would take that for rank 0 lost."""
         if not self.leads or self.store is None:
             return
-        with contextlib.suppress(RankLost):
+        with contextlib.suppress(RuntimeError):  # RankLost, or the store failing under _meet
             self._put(STOP)
+            if not self.workers:
+                _meet(self.store, "stopped", self.size, [], "stop", self.wait)
         for w in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.wait(self.wait.total_seconds())
@@ -232,17 +241,18 @@ def _end(workers: list[subprocess.Popen], wait: timedelta) -> None:
             w.wait(wait.total_seconds())
 
 
-def _meet(store: dist.Store, key: str, size: int, workers: list[subprocess.Popen], what: str) -> None:
-    """Wait, up to ``START``, for every rank to count itself in at ``key``: gloo's own rendezvous
+def _meet(store: dist.Store, key: str, size: int, workers: list[subprocess.Popen], what: str,
+          within: timedelta = START) -> None:
+    """Wait, up to ``within``, for every rank to count itself in at ``key``: gloo's own rendezvous
     (and a step's collective) would give a rank still importing torch or loading its shard only
     ``timeout``. A rank this one spawned that exits ends the wait."""
     store.add(key, 1)
-    deadline = time.monotonic() + START.total_seconds()
+    deadline = time.monotonic() + within.total_seconds()
     while store.add(key, 0) < size:
         if any(w.poll() is not None for w in workers):
             raise RankLost(f"a rank exited before the ranks could {what}")
         if time.monotonic() > deadline:
-            raise RankLost(f"the {size} ranks did not all {what} within {START.total_seconds():.0f} s")
+            raise RankLost(f"the {size} ranks did not all {what} within {within.total_seconds():.0f} s")
         time.sleep(0.1)
 
 
