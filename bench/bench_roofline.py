@@ -62,6 +62,7 @@ from workloads import TOKEN_LOW, Workload  # noqa: E402
 from neuron_buckets.core.padding import pad_prefill  # noqa: E402
 from neuron_buckets.core.step_plan import Segment  # noqa: E402
 from neuron_buckets.kernels import bf16_linear_cpu  # noqa: E402
+from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice  # noqa: E402
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
 
 TABLE = ResultsTable(
@@ -102,7 +103,7 @@ def gemm_kernels(tokens: int, k: int, n: int, dtype: torch.dtype) -> dict[str, C
     if torch.backends.mkldnn.is_available():
         dnn = torch.ops.mkldnn._reorder_linear_weight(w, tokens)
         out["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], "")
-    if bf16_linear_cpu.applies(w):
+    if bf16_linear_cpu.fits(w) and linear_choice().bf16 == KERNEL_BF16:
         packed = bf16_linear_cpu.pack(w)
         out["nb bf16"] = lambda: bf16_linear_cpu.bf16_linear(x, packed)
     return out

@@ -10,9 +10,9 @@ It needs AVX512-BF16 (and AVX512BW), bfloat16 activations, and a projection of a
 output channels and of 2 input features; elsewhere bfloat16 stays on oneDNN (``model/linear.py``),
 and so it does on a CPU with AMX, whose tiles oneDNN drives: there oneDNN is within a tenth of it
 at one token and far faster from a few tokens up (bench/RESULTS.md).
-Whether a graph calls it is decided as it is traced (``applies``), on the compiling machine; the
-artifact then carries the library, and the runtime packs the weights for it only for an artifact
-that carries it, so a graph and its weights always agree.
+Whether a graph calls it is decided as it is traced, on the compiling machine (``fits`` here, and
+the CPU's choice in ``linear_choice.py``); the artifact then carries the library, and the runtime
+packs the weights for it only for an artifact that carries it, so a graph and its weights agree.
 """
 
 from __future__ import annotations
@@ -45,12 +45,6 @@ def cpu_has_bf16() -> bool:
     return cpu_has(*NEEDS)
 
 
-def chosen_here() -> bool:
-    """Whether graphs traced here call the kernel: a CPU that runs it, without AMX, whose tiles
-    oneDNN drives faster than the kernel streams."""
-    return cpu_has_bf16() and not cpu_has("amx_bf16")
-
-
 def fits(weight: Tensor) -> bool:
     """Whether the kernel computes a projection of this (out, in) weight: bfloat16 on the CPU, a
     multiple of 32 outputs and of 2 inputs."""
@@ -58,11 +52,6 @@ def fits(weight: Tensor) -> bool:
         return False
     out, inp = weight.shape
     return out % GROUP == 0 and inp % 2 == 0
-
-
-def applies(weight: Tensor) -> bool:
-    """Whether a projection of this weight traced here calls the kernel."""
-    return fits(weight) and chosen_here()
 
 
 def pack(weight: Tensor) -> Tensor:

@@ -8,8 +8,9 @@ rate, and keeps pace with oneDNN on a prefill call (CHANGELOG has the figures). 
 the activations per token itself, so a graph calls one op per projection.
 
 It needs AVX512-VNNI (and AVX512BW), and a projection of a multiple of 64 output channels and of
-4 input features; elsewhere W8A8 stays on oneDNN (``model/quantized_linear.py``). Whether a
-graph calls it is decided as it is traced (``applies``), on the compiling machine; the artifact
+4 input features; elsewhere W8A8 takes oneDNN's u8s8 GEMM, or float32 products on a CPU without
+any VNNI (``model/quantized_linear.py``). Whether a graph calls it is decided as it is traced, on
+the compiling machine (``fits`` here, and the CPU's choice in ``linear_choice.py``); the artifact
 then carries the library, and the runtime packs the weights for it only where that library is
 registered, so a graph and its weights always agree.
 """
@@ -42,10 +43,11 @@ def cpu_has_vnni() -> bool:
     return cpu_has(*NEEDS)
 
 
-def applies(weight: Tensor) -> bool:
-    """Whether a W8A8 projection of this (out, in) int8 weight runs in this kernel here."""
+def fits(weight: Tensor) -> bool:
+    """Whether the kernel computes a W8A8 projection of this (out, in) int8 weight: on the CPU, a
+    multiple of 64 outputs and of 4 inputs."""
     out, inp = weight.shape
-    return weight.device.type == "cpu" and out % GROUP == 0 and inp % 4 == 0 and cpu_has_vnni()
+    return weight.device.type == "cpu" and out % GROUP == 0 and inp % 4 == 0
 
 
 def pack(weight: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.kernels import bf16_linear_cpu
+from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice
 from neuron_buckets.model import linear
 
 pytestmark = pytest.mark.skipif(not bf16_linear_cpu.cpu_has_bf16(),
@@ -55,11 +56,9 @@ def test_the_packed_layout_is_the_weight_reordered():
 
 
 def test_a_shape_outside_the_kernel_is_not_taken_and_is_refused_if_called():
-    """A graph traced here calls the kernel for the shapes it fits, and only where it is chosen here
-    (not on a CPU with AMX, whose tiles oneDNN drives)."""
-    fitting = torch.zeros(64, 16, dtype=torch.bfloat16)
-    assert bf16_linear_cpu.fits(fitting)
-    assert bf16_linear_cpu.applies(fitting) == bf16_linear_cpu.chosen_here()
+    """A graph traced here calls the kernel for the shapes it fits (and only on a CPU chosen for it:
+    test_linear_choice.py), and the kernel refuses any other."""
+    assert bf16_linear_cpu.fits(torch.zeros(64, 16, dtype=torch.bfloat16))
     assert not bf16_linear_cpu.fits(torch.zeros(48, 16, dtype=torch.bfloat16))  # not 32-channel groups
     assert not bf16_linear_cpu.fits(torch.zeros(64, 15, dtype=torch.bfloat16))
     assert not bf16_linear_cpu.fits(torch.zeros(64, 16))  # float32 stays on oneDNN
@@ -75,7 +74,7 @@ def test_a_bfloat16_projection_is_traced_as_the_kernel_where_it_is_chosen_here()
     with linear.onednn():
         program = torch.export.export(Projection(), (x, w), strict=False)
     called = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    if not bf16_linear_cpu.chosen_here():
+    if linear_choice().bf16 != KERNEL_BF16:
         assert "nb._linear_pointwise.default" in called and "nb.bf16_linear.default" not in called
         return
     assert "nb.bf16_linear.default" in called

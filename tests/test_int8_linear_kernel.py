@@ -53,9 +53,9 @@ def test_leading_dimensions_pass_through_and_a_zero_token_gives_zeros():
 
 
 def test_a_shape_outside_the_kernel_is_not_taken_and_is_refused_if_called():
-    assert int8_linear_cpu.applies(torch.zeros(128, 64, dtype=torch.int8))
-    assert not int8_linear_cpu.applies(torch.zeros(96, 64, dtype=torch.int8))  # not 64-channel groups
-    assert not int8_linear_cpu.applies(torch.zeros(128, 66, dtype=torch.int8))
+    assert int8_linear_cpu.fits(torch.zeros(128, 64, dtype=torch.int8))
+    assert not int8_linear_cpu.fits(torch.zeros(96, 64, dtype=torch.int8))  # not 64-channel groups
+    assert not int8_linear_cpu.fits(torch.zeros(128, 66, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="multiple of 64"):
         int8_linear_cpu.int8_linear(torch.randn(2, 64), torch.zeros(96, 64, dtype=torch.int8), torch.ones(96))
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from neuron_buckets.kernels import int8_linear_cpu
+from neuron_buckets.kernels.linear_choice import KERNEL_INT8, linear_choice
 from neuron_buckets.model.checkpoint import checkpoint_tensors, load_model, load_weights, read_config
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
 from neuron_buckets.model.compressed_tensors_format import scheme_of
@@ -308,7 +308,7 @@ def test_compiled_quantized_pieces_follow_the_reference_and_transformers(
     qkv = runtime.weights.layers[0].qkv
     assert isinstance(qkv, QuantizedWeight)
     # W8A8 runs nb's INT8 kernel where the CPU has AVX512-VNNI: its library ships, its weights are packed
-    in_kernel = qkv.scheme.activations == "int8_token" and int8_linear_cpu.cpu_has_vnni()
+    in_kernel = qkv.scheme.activations == "int8_token" and linear_choice().int8_w8a8 == KERNEL_INT8
     assert ("int8_linear_cpu" in runtime.manifest.libraries) == qkv.vnni == in_kernel
     check_against_reference(name, artifact, reference)
 

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -51,7 +52,7 @@ from neuron_buckets.model.weights import PROJECTIONS
 from neuron_buckets.runtime import rank_group
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.memory import weights_bytes
-from neuron_buckets.runtime.rank_group import RankGroup, decode, encode
+from neuron_buckets.runtime.rank_group import RankGroup, RankLost, decode, encode
 from tests import test_quantized as quant
 from tests.conftest import free_port, save_tiny_model, write_config
 from tests.test_architectures import ARCH_CONFIG, TOLERANCE
@@ -177,10 +178,38 @@ def test_a_plan_reaches_the_other_ranks_as_it_was():
 
 
 def test_abandoning_the_group_ends_and_reaps_the_ranks_it_spawned():
-    """A spawned rank that sits in a collective is killed and waited for: none is left a zombie."""
+    """A spawned rank that sits in a collective is killed and waited for: none is left a zombie.
+    The group drops its store, and leaving it again (rank 0's exit hook, a second ``close``) does
+    nothing: the process group current by then is a later group's, not this one's to destroy."""
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
-    RankGroup(0, 3, dist.HashStore(), sleepers).abandon()
+    group = RankGroup(0, 3, dist.HashStore(), sleepers)
+    group.abandon()
     assert [w.returncode for w in sleepers] == [-signal.SIGKILL] * 2
+    assert group.store is None
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        group.close()
+        group.abandon()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(RankLost, match="left the group of 3 ranks"):
+        group.send(())
+
+
+def test_a_join_that_fails_reaps_the_ranks_it_spawned(tmp_path: Path):
+    """Rank 0 spawns a follower that cannot open the artifact (there is none): the join fails in
+    one line as soon as the follower exits, which is reaped, and no process group is left."""
+    before = children()
+    with pytest.raises(RankLost, match="a rank exited before the ranks could start"):
+        RankGroup.join(tmp_path / "missing", 2)
+    assert children() == before and not dist.is_initialized()
+
+
+def children() -> set[int]:
+    """This process's child processes, zombies (exited, not reaped) included."""
+    tasks = Path(f"/proc/{os.getpid()}/task").glob("*")
+    return {int(c) for t in tasks for c in (t / "children").read_text().split()}
 
 
 # Compiled: both architectures the split treats differently (Qwen3's q/k norms and head_dim), each in
@@ -331,12 +360,61 @@ def test_a_rank_that_loads_late_holds_back_the_first_step_not_past_its_timeout(
 ):
     """The ranks meet once all have loaded: the first step's collectives never wait for a rank
     still loading. Here a collective may wait 4 s, and rank 1 loads 10 s after rank 0."""
-    monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=4))
+    monkeypatch.setattr(rank_group, "TIMEOUT", timedelta(seconds=4))  # rank 0's; the follower's stays 60 s
     late = LATE_FOLLOWER.replace("LATE", "10") + FOLLOWER
     with two_ranks(compiled.directories[2], late) as runtime:
         got = greedy(runtime, prompts(), MAX_NEW)
     one = BucketRuntime.open(compiled.directories[1])
     assert got == greedy(one, prompts(), MAX_NEW)
+
+
+# How long a step's collective waits for a hung rank in the test below: long enough for a loaded
+# machine's steps, far below the default (rank_group.TIMEOUT).
+HUNG_AFTER = 8
+
+
+@pytest.mark.parametrize("compiled", [FIRST], indirect=True)
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_lost_rank_fails_the_next_step_and_the_same_process_serves_again(
+    compiled: Compiled, how: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Rank 0 spawns rank 1 (one machine) and loses it between steps: killed (its sockets close, so
+    the next step fails at once) or hung (stopped: the next step's collective gives up after the
+    ranks' timeout, ``NB_RANK_TIMEOUT_S``). Either way the step raises ``RankLost``, rank 0 leaves
+    the group (the follower killed and reaped, the process group destroyed), and the same process
+    opens the artifact again, as the next test of a pytest worker does, and generates what it did
+    before."""
+    monkeypatch.setenv(rank_group.TIMEOUT_ENV, str(HUNG_AFTER))  # the follower inherits it
+    # closing: however the test ends, no group is left for the next test (a no-op once left)
+    with contextlib.closing(BucketRuntime.open(compiled.directories[2])) as runtime:
+        want = greedy(runtime, prompts(), MAX_NEW)
+        [worker] = runtime.ranks.workers
+        os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RankLost, match="a step failed across the 2 ranks") as lost:
+            greedy(runtime, prompts(), MAX_NEW)
+        waited = time.monotonic() - started
+    assert worker.returncode == -signal.SIGKILL  # reaped: a hung rank is killed too
+    assert not dist.is_initialized() and runtime.ranks.store is None
+    timed_out = "timed out" in str(lost.value).lower()
+    assert timed_out == (how == "hung"), lost.value
+    if how == "hung":  # the configured timeout, not the default
+        assert HUNG_AFTER <= waited < rank_group.TIMEOUT.total_seconds()
+    with contextlib.closing(BucketRuntime.open(compiled.directories[2])) as again:
+        got = greedy(again, prompts(), MAX_NEW)
+    assert not dist.is_initialized()
+    assert got == want and sum(map(len, got)) == MAX_NEW * len(prompts()) >= 30
+
+
+def test_a_rank_timeout_that_is_not_a_positive_number_is_refused_in_one_line(monkeypatch):
+    for bad in ("soon", "0", "-5", "nan", "inf"):
+        monkeypatch.setenv(rank_group.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"NB_RANK_TIMEOUT_S is '{bad}'"):
+            rank_group.timeout()
+    monkeypatch.setenv(rank_group.TIMEOUT_ENV, "2.5")
+    assert rank_group.timeout() == timedelta(seconds=2.5)
+    monkeypatch.delenv(rank_group.TIMEOUT_ENV)
+    assert rank_group.timeout() == rank_group.TIMEOUT == timedelta(seconds=60)
 
 
 # Quantized: int8 weights and float8 weights (one scale for each whole tensor), each the quantized

@@ -41,8 +41,8 @@ from torch.utils import _pytree as pytree
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
 from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
+from neuron_buckets.kernels.linear_choice import linear_choice
 from neuron_buckets.model import linear
-from neuron_buckets.model.quantized_linear import onednn_int8_exact
 from neuron_buckets.model.weights import LayerWeights
 from neuron_buckets.utils.cache_dir import default_cache_dir
 
@@ -135,18 +135,17 @@ class InductorBackend:
         """What a loaded graph needs of this machine: the same torch, and the vector ISA its C++
         was generated for (inductor follows ATen's CPU capability), so that AVX-512 graphs in a
         cache shared with an AVX2-only machine get other keys there, and a copied artifact is
-        refused with one line instead of dying on an illegal instruction. Also whether the CPU has
-        AVX512-VNNI (or only AVX-VNNI, or neither), which decides the kernel a W8A8 graph calls and
-        the layout the runtime packs its weights in (``model/quantized_linear.py``), and whether
-        it has AVX512-BF16, which does the same for bfloat16 projections (``model/linear.py``):
-        graphs and weights must agree."""
+        refused with one line instead of dying on an illegal instruction. Also the path this CPU's
+        W8A8 and bfloat16 projections take (``kernels/linear_choice.py``), which decides the kernel
+        a graph calls and the layout the runtime packs its weights in: graphs and weights must
+        agree."""
+        choice = linear_choice()
         return {
             "torch": torch.__version__,
             "cuda": torch.version.cuda or "none",
             "cpu_isa": torch.backends.cpu.get_cpu_capability(),
-            "int8_w8a8": "nb avx512_vnni" if int8_linear_cpu.cpu_has_vnni() else
-                          "onednn" if onednn_int8_exact() else "float32",
-            "bf16": "nb avx512_bf16" if bf16_linear_cpu.chosen_here() else "onednn",
+            "int8_w8a8": choice.int8_w8a8,
+            "bf16": choice.bf16,
             "projections": PROJECTIONS,
         }
 

@@ -37,6 +37,7 @@ from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import write_text_files
 from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from neuron_buckets.kernels.cpp_library import CppLibrary
+from neuron_buckets.kernels.linear_choice import KERNEL_BF16, KERNEL_INT8, linear_choice
 from neuron_buckets.model.checkpoint import build_model, save_weights, weights_fingerprint
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.utils.files import atomic_write, intact, link_or_copy, sha256_file
@@ -98,9 +99,10 @@ class ArtifactWriter:
         libraries: dict[str, CppLibrary] = {"package_call_cpu": package_call_cpu.LIBRARY}
         if block_kv_cpu.applies(c.compile.device, c.cache.dtype):
             libraries["block_kv_cpu"] = block_kv_cpu.LIBRARY
-        if scheme and scheme.activations == "int8_token" and int8_linear_cpu.cpu_has_vnni():
+        choice = linear_choice()
+        if scheme and scheme.activations == "int8_token" and choice.int8_w8a8 == KERNEL_INT8:
             libraries["int8_linear_cpu"] = int8_linear_cpu.LIBRARY
-        if c.cache.dtype == "bfloat16" and bf16_linear_cpu.chosen_here():
+        if c.cache.dtype == "bfloat16" and choice.bf16 == KERNEL_BF16:
             libraries["bf16_linear_cpu"] = bf16_linear_cpu.LIBRARY
         return libraries
 

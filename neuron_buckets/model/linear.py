@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from neuron_buckets.kernels import bf16_linear_cpu
+from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice
 from neuron_buckets.model.quantized_linear import QOP, QOP_SHIM, int8_linear, pack_int8
 from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
 from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, Weight
@@ -129,7 +130,8 @@ def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
             out = (linear(qx.to(x.dtype), weight.data.to(x.dtype)) * scale).to(x.dtype)
         return out if bias is None else out + bias
     tracing = _mode["tracing_onednn"]
-    traced_bf16 = tracing and x.dtype == torch.bfloat16 and bf16_linear_cpu.applies(weight)
+    traced_bf16 = (tracing and x.dtype == torch.bfloat16 and bf16_linear_cpu.fits(weight)
+                   and linear_choice().bf16 == KERNEL_BF16)
     if traced_bf16 or bf16_linear_cpu.is_packed(weight):
         out = bf16_linear_cpu.bf16_linear(x, weight)
         return out if bias is None else out + bias

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.kernels import int8_linear_cpu
-from neuron_buckets.kernels.cpp_library import cpu_has
+from neuron_buckets.kernels.linear_choice import FLOAT32, KERNEL_INT8, linear_choice
 from neuron_buckets.model.quantized_weight import QuantizedWeight
 
 torch.library.define(
@@ -83,18 +83,15 @@ def per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return (h / scale).round().clamp(-INT8_MAX, INT8_MAX), scale
 
 
-def onednn_int8_exact() -> bool:
-    """Whether oneDNN's u8s8 GEMM sums its products exactly here: only with VNNI (module docstring)."""
-    return cpu_has("avx512_vnni") or cpu_has("avx_vnni")
-
-
 def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
-    """``x @ dequantized(w).T`` by the scheme's kernel; ``onednn``: trace oneDNN's calls."""
+    """``x @ dequantized(w).T`` by the scheme's kernel; ``onednn``: trace the CPU's chosen calls
+    (``linear_choice``): nb's kernel, oneDNN's, or float32 products."""
     if w.scheme.activations == "int8_token":
-        if w.vnni or (onednn and int8_linear_cpu.applies(w.data)):
+        choice = linear_choice().int8_w8a8
+        if w.vnni or (onednn and choice == KERNEL_INT8 and int8_linear_cpu.fits(w.data)):
             return int8_linear_cpu.int8_linear(x, w.data, w.scale)
         q, x_scale = per_token_int8(x)
-        if (onednn and onednn_int8_exact()) or w.data.is_mkldnn:
+        if (onednn and choice != FLOAT32) or w.data.is_mkldnn:
             u8 = (q + ZERO_POINT).to(torch.uint8)
             y = QOP(u8, torch.ones((), device=x.device), torch.full((), ZERO_POINT, dtype=torch.int32),
                     w.data, w.scale, torch.zeros(w.scale.shape, dtype=torch.int32, device=x.device), None,
@@ -113,8 +110,9 @@ def pack_int8(w: QuantizedWeight, onednn: bool) -> QuantizedWeight:
     its INT8 GEMM is exact (VNNI), else dense for the graph's float32 products."""
     if w.scheme.activations != "int8_token" or not onednn:
         return w
-    if int8_linear_cpu.LIBRARY.registered() and int8_linear_cpu.applies(w.data):
+    choice = linear_choice().int8_w8a8
+    if choice == KERNEL_INT8 and int8_linear_cpu.LIBRARY.registered() and int8_linear_cpu.fits(w.data):
         return replace(w, data=int8_linear_cpu.pack(w.data), vnni=True)
-    if not onednn_int8_exact():
+    if choice == FLOAT32:
         return w  # dense: the graph computes in float32
     return replace(w, data=torch.ops.onednn.qlinear_prepack(w.data, [PACK_TOKENS, w.data.shape[1]]))

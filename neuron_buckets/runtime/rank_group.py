@@ -10,8 +10,11 @@ rank is started by hand or by torchrun with torch.distributed's own rendezvous v
 
 Plans travel through the group's TCP store, not a gloo broadcast: a rank waiting for the next
 step of an idle server would otherwise sit in a collective past gloo's timeout, and that timeout
-is what keeps a hung rank from hanging the others (``TIMEOUT``). A rank that dies closes its
-sockets, so the others' next collective fails at once (``RankLost``) and rank 0's engine stops.
+is what keeps a hung rank from hanging the others (``timeout``: ``NB_RANK_TIMEOUT_S`` seconds,
+60 unless set). A rank that dies closes its sockets, so the others' next collective fails at once
+(``RankLost``) and rank 0's engine stops. Leaving a group (``close``, ``abandon``) leaves nothing
+of it in this process: its followers are reaped, its process group destroyed and its store (and
+the port it holds) released, so the same process can open another tensor-parallel artifact.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.model.tensor_parallel import GROUP
 
 # How long a collective (a step's all-reduce) or a store wait may take before the rank gives up:
-# a step's ranks meet every layer, so only a hung (or badly starved) rank comes near it.
+# a step's ranks meet every layer, so only a hung (or badly starved) rank comes near it. Rank 0
+# passes its environment to the followers it spawns, so they wait as long.
+TIMEOUT_ENV = "NB_RANK_TIMEOUT_S"
 TIMEOUT = timedelta(seconds=60)
 # A follower's wait for the next plan: an idle server sends none, and each wait that runs out logs a
 # line; rank 0 gone ends the wait at once (its store's socket closes).
@@ -76,6 +81,21 @@ def decode(data: bytes) -> StepPlan:
     )
 
 
+def timeout() -> timedelta:
+    """``NB_RANK_TIMEOUT_S`` seconds, else ``TIMEOUT``; unless a positive number, a ``ValueError``
+    (a user's mistake: the command line shows it as one line)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} is {raw!r}: give the seconds a step's collective may wait (> 0)")
+    return timedelta(seconds=seconds)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,8 +105,10 @@ def _free_port() -> int:
 class RankGroup:
     """This process's place among the ranks; rank 0 sends plans, the others receive them."""
 
-    def __init__(self, rank: int, size: int, store: dist.Store, workers: list[subprocess.Popen]) -> None:
-        self.rank, self.size, self.store, self.workers = rank, size, store, workers
+    def __init__(self, rank: int, size: int, store: dist.Store, workers: list[subprocess.Popen],
+                 wait: timedelta = TIMEOUT) -> None:
+        self.rank, self.size, self.workers, self.wait = rank, size, workers, wait
+        self.store: dist.Store | None = store  # None once this process has left the group
         self.step = 0
 
     @property
@@ -96,13 +118,17 @@ class RankGroup:
     @classmethod
     def join(cls, directory: Path, size: int) -> RankGroup:
         """Join the group of ``size`` ranks: as the rank the environment names (set by torchrun,
-        by hand, or by a rank 0 that spawned this one), else as rank 0, spawning the others here."""
+        by hand, or by a rank 0 that spawned this one), else as rank 0, spawning the others here.
+        A join that fails leaves nothing behind: the ranks it spawned are reaped, the process
+        group it made is destroyed."""
+        wait = timeout()
         env = {k: os.environ.get(k) for k in ENV}
         workers: list[subprocess.Popen] = []
         if env["RANK"] is None:
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(size)}
             workers = [_spawn(directory, {**env, "RANK": str(r)}) for r in range(1, size)]
             env["RANK"] = "0"
+        initialized = False
         try:
             rank, world = int(env["RANK"] or 0), int(env["WORLD_SIZE"] or 0)
             if world != size:
@@ -110,28 +136,30 @@ class RankGroup:
             # Under torchrun its agent hosts the store on MASTER_PORT; every rank is its client.
             hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             store = dist.TCPStore(env["MASTER_ADDR"] or "", int(env["MASTER_PORT"] or 0), size, hosts,
-                                  timeout=TIMEOUT, wait_for_workers=False)
+                                  timeout=wait, wait_for_workers=False)
             _meet(store, "arrived", size, workers, "start")
             dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank,
-                                    world_size=size, timeout=TIMEOUT)
+                                    world_size=size, timeout=wait)
+            initialized = True
+            if dist.group.WORLD.group_name != GROUP:
+                raise RankLost(f"the world process group is named {dist.group.WORLD.group_name!r}, not "
+                               f"{GROUP!r}: open a tensor-parallel artifact before creating other groups")
         except (RuntimeError, ValueError) as e:  # RankLost too
-            for w in workers:
-                w.kill()
+            _end(workers, wait)
+            if initialized:
+                dist.destroy_process_group()
             raise e if isinstance(e, RankLost) else RankLost(f"cannot join the {size} ranks", e) from None
-        if dist.group.WORLD.group_name != GROUP:
-            raise RankLost(f"the world process group is named {dist.group.WORLD.group_name!r}, not "
-                           f"{GROUP!r}: open a tensor-parallel artifact before creating other groups")
-        group = cls(rank, size, dist.PrefixStore("nb", store), workers)
+        group = cls(rank, size, dist.PrefixStore("nb", store), workers, wait)
         if group.leads:
             atexit.register(group.close)
         return group
 
     def loaded(self) -> None:
         """Wait for every rank to have loaded its shard and graphs: the first step's collectives
-        would otherwise wait ``TIMEOUT`` for a rank that is still loading (one started later, or
+        would otherwise wait ``timeout`` for a rank that is still loading (one started later, or
         slower on a busy machine), and fail the step."""
         try:
-            _meet(self.store, "loaded", self.size, self.workers, "load the artifact")
+            _meet(self._store(), "loaded", self.size, self.workers, "load the artifact")
         except RuntimeError as e:  # the store itself failed: rank 0, its host, is gone
             raise e if isinstance(e, RankLost) else RankLost("the ranks' store failed", e) from None
 
@@ -139,62 +167,92 @@ class RankGroup:
         """Rank 0: hand the followers the plan it is about to run."""
         self._put(encode(plan))
 
+    def _store(self) -> dist.Store:
+        if self.store is None:
+            raise RankLost(f"this process has left the group of {self.size} ranks")
+        return self.store
+
     def _put(self, data: bytes) -> None:
+        store = self._store()
         self.step += 1
         try:
-            self.store.set(f"plan{self.step}", data)
+            store.set(f"plan{self.step}", data)
             if self.step > 1:  # every follower ran the previous step's collectives: it read it
-                self.store.delete_key(f"plan{self.step - 1}")
+                store.delete_key(f"plan{self.step - 1}")
         except RuntimeError as e:
             raise RankLost("the ranks' store failed", e) from None
 
     def receive(self) -> StepPlan | None:
         """A follower: the next plan, or None when rank 0 ends the group."""
+        store = self._store()
         self.step += 1
         key = f"plan{self.step}"
         while True:
             try:
-                self.store.wait([key], POLL)
-                data = self.store.get(key)
-                return None if data == STOP else decode(data)
+                store.wait([key], POLL)
+                data = store.get(key)
+                if data != STOP:
+                    return decode(data)
+                with contextlib.suppress(RuntimeError):  # rank 0 may already be gone
+                    store.add("stopped", 1)  # rank 0 may now drop the store
+                return None
             except dist.DistStoreError as e:
                 if "timeout" not in str(e).lower():  # not just an idle server: rank 0 is gone
                     raise RankLost("rank 0 is gone", e) from None
 
     def close(self) -> None:
-        """Rank 0: end the followers (they exit), then leave the group."""
-        if not self.leads or not dist.is_initialized():
+        """Rank 0: end the followers (they exit, each given ``timeout``), then leave the group.
+        Followers started elsewhere (torchrun, by hand) count themselves out in the store once
+        they have read the plan that ends them: the store goes with the group, and a follower
+        still reading from it would take that for rank 0 lost."""
+        if not self.leads or self.store is None:
             return
-        with contextlib.suppress(RankLost):
+        with contextlib.suppress(RuntimeError):  # RankLost, or the store failing under _meet
             self._put(STOP)
+            if not self.workers:
+                _meet(self.store, "stopped", self.size, [], "stop", self.wait)
         for w in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                w.wait(TIMEOUT.total_seconds())
-        self.abandon()  # a follower still running after TIMEOUT is killed there
+                w.wait(self.wait.total_seconds())
+        self.abandon()  # a follower still running then is killed there
 
     def abandon(self) -> None:
         """After a failed step, when no step can run again: end the ranks this one spawned at once
-        (they may sit in a collective), and leave the group, so this process holds no dead group
-        (it could open another tensor-parallel artifact) and its exit waits for nothing. Each
-        killed rank is reaped, so none lingers as a zombie for the rest of this process's life."""
-        for w in self.workers:
-            w.kill()
-            w.wait()
+        (they may sit in a collective) and reap them, destroy the process group, and drop the
+        store (rank 0's holds a port): nothing of the group is left in this process, so it can
+        open another tensor-parallel artifact, and its exit waits for nothing. Once only: the
+        process group a later group makes is not this one's to destroy."""
+        if self.store is None:
+            return
+        self.store = None
+        atexit.unregister(self.close)
+        _end(self.workers, self.wait)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _meet(store: dist.Store, key: str, size: int, workers: list[subprocess.Popen], what: str) -> None:
-    """Wait, up to ``START``, for every rank to count itself in at ``key``: gloo's own rendezvous
+def _end(workers: list[subprocess.Popen], wait: timedelta) -> None:
+    """Kill the ranks this process spawned and reap them, each given ``wait`` to die (a process
+    stuck in the kernel may outlive SIGKILL a while; it is then left, not waited for forever)."""
+    for w in workers:
+        w.kill()
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.wait(wait.total_seconds())
+
+
+def _meet(store: dist.Store, key: str, size: int, workers: list[subprocess.Popen], what: str,
+          within: timedelta = START) -> None:
+    """Wait, up to ``within``, for every rank to count itself in at ``key``: gloo's own rendezvous
     (and a step's collective) would give a rank still importing torch or loading its shard only
-    ``TIMEOUT``. A rank this one spawned that exits ends the wait."""
+    ``timeout``. A rank this one spawned that exits ends the wait."""
     store.add(key, 1)
-    deadline = time.monotonic() + START.total_seconds()
+    deadline = time.monotonic() + within.total_seconds()
     while store.add(key, 0) < size:
         if any(w.poll() is not None for w in workers):
             raise RankLost(f"a rank exited before the ranks could {what}")
         if time.monotonic() > deadline:
-            raise RankLost(f"the {size} ranks did not all {what} within {START.total_seconds():.0f} s")
+            raise RankLost(f"the {size} ranks did not all {what} within {within.total_seconds():.0f} s")
         time.sleep(0.1)
 
 
