@@ -95,7 +95,7 @@ def compile_(
     jobs: Annotated[
         int | None, typer.Option("--jobs", "-j", min=1, help="Parallel compile processes (local executor)")
     ] = None,
-    backend: Annotated[str | None, typer.Option(help="inductor, eager, neuron or xla")] = None,
+    backend: Annotated[str | None, typer.Option(help="inductor, eager, neuron, xla or stablehlo")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (inductor), neuron")] = None,
     cache_dir: CacheDirOpt = None,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed bucket")] = False,
@@ -238,10 +238,17 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
 def verify(
     directory: Annotated[Path, typer.Argument(help="Artifact directory")],
     trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
+    stablehlo: Annotated[bool, typer.Option(
+        "--stablehlo", help="The pieces are StableHLO (backend stablehlo): IREE runs them on this CPU, "
+        "over caches NaN-poisoned outside each step's blocks")] = False,
 ) -> None:
     """Check every file's sha256 and the schema, then run each bucket against the eager model."""
+    from neuron_buckets.artifact.manifest import read_manifest
     from neuron_buckets.runtime.verify import file_problems, verify_graphs
 
+    if stablehlo and (backend := read_manifest(directory).backend.name) != "stablehlo":
+        raise ValueError(f"{directory}: --stablehlo needs an artifact of backend stablehlo, "
+                         f"this one's is {backend} (nb compile --backend stablehlo)")
     problems = file_problems(directory)
     for p in problems:
         err.print(Text.assemble(("problem:", "red"), f" {p}"))
@@ -250,7 +257,7 @@ def verify(
     table = Table(title=f"{directory}: buckets against the eager model")
     for col in ("bucket", "result", "max |diff|"):
         table.add_column(col)
-    checks = verify_graphs(directory, trials=trials)
+    checks = verify_graphs(directory, trials=trials, poisoned=stablehlo)
     for c in checks:
         diff = "-" if c.max_diff is None else f"{c.max_diff:.2e}"
         result = Text("ok", "green") if c.ok else Text.assemble(("FAIL", "red"), f" {c.detail}")
