@@ -1,11 +1,12 @@
 """A piece lowered to StableHLO as Neuron's torch-mlir route lowers it, and run by IREE on the CPU.
 
 Neuron SDK 2.33 made Dynamo FX -> torch-mlir -> StableHLO -> neuronx-cc its default compile route
-(the torch-xla route is deprecated). ``lower`` follows it as far as a machine without the SDK can:
-the piece is exported by ``torch.export`` with the goldens of ``kernels/block_kv_torch`` in place
-of the NKI kernels, then imported by torch-mlir's FX importer with its default decompositions and
-lowered to the StableHLO dialect. Every input stays a function argument (the pieces hold no
-parameters, so nothing can freeze into a constant), and the layer piece is made functional: its
+(the torch-xla route is deprecated). ``lower`` follows it as far as a machine without the SDK
+can: the piece is exported by ``torch.export`` with the goldens of ``kernels/block_kv_torch`` in
+place of the NKI kernels (and int8 projections as plain products, ``linear.portable``), then
+imported by torch-mlir's FX importer with its default decompositions and lowered to the StableHLO
+dialect. Every input stays a function argument (the pieces hold no parameters, so nothing can
+freeze into a constant), and the layer piece is made functional: its
 KV cache slices come in and their updated copies go out as results 1 and 2.
 
 IREE's ``llvm-cpu`` target then compiles the same bytecode and runs it, which is how the CPU
@@ -119,9 +120,10 @@ def lower(piece: nn.Module, example: tuple) -> Lowering:
     """``piece`` exported with the golden kernels at ``example``'s static shapes, lowered to StableHLO."""
     fx = _require("torch_mlir.fx", "torch-mlir")
     from neuron_buckets.kernels import dispatch
+    from neuron_buckets.model import linear
 
     flat = tuple(tree_leaves(example))
-    with torch.no_grad(), dispatch.use(dispatch.GOLDEN):
+    with torch.no_grad(), dispatch.use(dispatch.GOLDEN), linear.portable():
         program = torch.export.export(exportable(piece).eval(), flat)
         module = fx.export_and_import(program, output_type="stablehlo")
     main = module.body.operations[0]
