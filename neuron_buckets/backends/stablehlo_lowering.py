@@ -16,6 +16,7 @@ is written by hand here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import re
@@ -58,11 +59,14 @@ def _require(module: str, package: str) -> Any:
 
 
 def decompositions() -> str:
-    """A digest of torch-mlir's default decomposition table (the ops it rewrites before import):
-    part of the toolchain, so a torch-mlir whose table differs lowers every piece again."""
+    """A digest of what torch-mlir adds to and drops from torch's core ATen decompositions before
+    import (with torch's version, in the key, that fixes the table): part of the toolchain, so a
+    torch-mlir whose lists differ lowers every piece again. The table itself is not hashed: its
+    contents depend on which torch modules the process imported before."""
     fx_decomp = _require("torch_mlir.extras.fx_decomp_util", "torch-mlir")
-    names = sorted(str(op) for op in fx_decomp.get_decomposition_table())
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    lists = (fx_decomp.DEFAULT_DECOMPOSITIONS, fx_decomp._EXPANDED_DECOMP_EXCLUDE)
+    text = "\n--\n".join("\n".join(sorted(map(str, ops))) for ops in lists)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def toolchain() -> dict[str, str]:
@@ -167,15 +171,21 @@ def to_torch(a: np.ndarray) -> Tensor:
     return torch.from_numpy(np.array(a))
 
 
+@functools.lru_cache(maxsize=64)
+def iree_vmfb(bytecode: bytes) -> bytes:
+    """The StableHLO compiled by IREE for this CPU; kept per process, since artifacts of one model
+    share pieces (a prefill bucket's, with and without speculation) and IREE takes seconds each."""
+    compiler = _require("iree.compiler", "iree-base-compiler")
+    return compiler.compile_str(bytecode, target_backends=[IREE_TARGET], input_type="stablehlo",
+                                extra_args=list(IREE_ARGS))
+
+
 class IreeModule:
     """A piece's StableHLO compiled by IREE for this CPU, called with torch tensors."""
 
     def __init__(self, bytecode: bytes) -> None:
-        compiler = _require("iree.compiler", "iree-base-compiler")
         runtime = _require("iree.runtime", "iree-base-runtime")
-        vmfb = compiler.compile_str(bytecode, target_backends=[IREE_TARGET], input_type="stablehlo",
-                                    extra_args=list(IREE_ARGS))
-        self.main = runtime.load_vm_flatbuffer(vmfb, driver="local-task").main
+        self.main = runtime.load_vm_flatbuffer(iree_vmfb(bytecode), driver="local-task").main
 
     def __call__(self, *args: Any) -> tuple[Tensor, ...]:
         out = self.main(*(to_numpy(t) for t in tree_leaves(args)))
