@@ -196,3 +196,49 @@ def test_greedy_generation_through_iree_pieces_equals_transformers(artifacts, hf
         want.append(out[0, len(p):].tolist())
     got = greedy(runtime, prompts, 8)
     assert sum(map(len, got)) == 16 and got == want
+
+
+MLIR_TYPES = {torch.int8: "i8", torch.float8_e4m3fn: "f8E4M3FN", torch.float32: "f32"}
+
+
+@pytest.mark.parametrize("name", ["w8a16-int8-channel", "w8a16-fp8-tensor", "w8a16-fp8-channel"])
+def test_a_quantized_layer_takes_its_stored_weights_and_scales_as_arguments_and_runs_as_eager(name):
+    """The W8A16 layer piece lowered with random int8 or float8 weights as the checkpoint stores
+    them: each projection's weight an argument of its stored type and its scales float32
+    arguments; run by IREE over a NaN-poisoned cache, it writes and returns what the eager layer
+    (torch's CPU int8 kernel, float8 widened) does, within float32's ``nb verify`` tolerance."""
+    from dataclasses import replace
+
+    from neuron_buckets.backends.stablehlo_lowering import FunctionalLayer, IreeModule, lower
+    from neuron_buckets.kernels import dispatch
+    from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
+    from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
+    from neuron_buckets.model.quant_scheme import QuantScheme
+    from neuron_buckets.runtime.verify import TOLERANCE, relative_diff
+    from tests.conftest import random_layer
+
+    stored, strategy = name.split("-")[1:]
+    scheme = QuantScheme("int8" if stored == "int8" else "float8_e4m3fn", strategy, "none")
+    config, gen = replace(DEFAULT_CONFIG, quantization=scheme), torch.Generator().manual_seed(3)
+    shape = PieceShape("layer", 16, rows=1, ctx=128, packed=True)
+    example = example_inputs(shape, config, 8, 64, torch.float32)
+    *step, k_cache, v_cache, _ = example
+    weights = random_layer(config, gen).tensors()
+    h, cos, sin = (torch.randn(t.shape, generator=gen) for t in step[:3])
+    table = torch.full_like(step[4], -1)
+    table[0, :2] = torch.tensor([5, 9])  # 16 fresh tokens into blocks 5 and 9
+    slots = torch.cat([torch.arange(40, 48), torch.arange(72, 80)])
+    poisoned = torch.full_like(k_cache, float("nan"))
+    args = (h, cos, sin, slots, table, torch.tensor([0]), step[6], poisoned, poisoned.clone(), *weights)
+
+    lowering = lower(build_piece("layer", config), (*step, k_cache, v_cache, weights))
+    got_types = [a.rsplit("x", 1)[-1].rstrip(">") for a in lowering.summary["arguments"][-len(weights):]]
+    assert got_types == [MLIR_TYPES[w.dtype] for w in weights]
+    assert MLIR_TYPES[weights[1].dtype] == ("i8" if stored == "int8" else "f8E4M3FN")  # qkv as stored
+    got = IreeModule(lowering.bytecode)(*args)
+    with torch.no_grad(), dispatch.use(dispatch.GOLDEN):
+        want = FunctionalLayer(build_piece("layer", config))(*args)
+    assert len(got) == len(want) == 3 and not got[0].isnan().any()
+    assert (~want[1].isnan()).sum() == 16 * config.num_kv_heads * config.head_dim  # 16 tokens written
+    for mine, theirs in zip(got, want, strict=True):
+        assert relative_diff(mine, theirs) <= TOLERANCE["float32"]
