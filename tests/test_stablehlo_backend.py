@@ -242,3 +242,32 @@ def test_a_quantized_layer_takes_its_stored_weights_and_scales_as_arguments_and_
     assert (~want[1].isnan()).sum() == 16 * config.num_kv_heads * config.head_dim  # 16 tokens written
     for mine, theirs in zip(got, want, strict=True):
         assert relative_diff(mine, theirs) <= TOLERANCE["float32"]
+
+
+def test_nb_compile_for_neuron_without_the_sdk_writes_the_stablehlo_then_says_neffs_need_it(
+    artifacts, hf_model_dir, graph_cache_dir, tmp_path
+):
+    """No Neuron SDK here: ``nb compile --backend neuron`` lowers every piece to StableHLO under the
+    same keys as ``--backend stablehlo`` (so all of them come from the graph cache), records the
+    neuronx-cc command lines, then ends with one error line: the NEFFs need the SDK."""
+    from typer.testing import CliRunner
+
+    from neuron_buckets.artifact.manifest import read_manifest
+    from neuron_buckets.backends import get_backend
+    from neuron_buckets.cli import app
+
+    if get_backend("neuron").available()[0]:
+        pytest.skip("the Neuron SDK is installed here; this checks the route without it")
+    first, _, _ = artifacts("float32", "full", SPECULATIVE)
+    grid_config(tmp_path, hf_model_dir, "float32", "full", SPECULATIVE)  # writes nb.toml there
+    args = ["compile", str(tmp_path / "nb.toml"), "--backend", "neuron", "--out", str(tmp_path / "art"),
+            "--cache-dir", str(graph_cache_dir)]
+    with FileLock(str(graph_cache_dir) + ".lock"):
+        result = CliRunner().invoke(app, args)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "compiled 0, reused 12, failed 0" in said
+    assert said.endswith(f"nb verify --stablehlo {tmp_path / 'art'} runs them on this CPU)")
+    assert "error: NEFFs need the Neuron SDK (neuronx-cc), absent here" in said
+    assert read_manifest(tmp_path / "art").backend.name == "stablehlo"
+    assert graph_records(tmp_path / "art") == graph_records(first)

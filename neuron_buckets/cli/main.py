@@ -12,7 +12,7 @@ from rich.text import Text
 from neuron_buckets._version import __version__
 from neuron_buckets.artifact.manifest import MANIFEST, EmbeddingInfo, read_manifest
 from neuron_buckets.cli.cache import register as register_cache
-from neuron_buckets.cli.console import ErrorHandlingGroup, err
+from neuron_buckets.cli.console import ErrorHandlingGroup, err, fail
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
@@ -112,6 +112,7 @@ def compile_(
     """Compile each bucket's pieces into an artifact directory; pieces already built are reused."""
     from dataclasses import replace
 
+    from neuron_buckets.cli.neuron_route import neff_line, without_sdk
     from neuron_buckets.cli.progress import CompileProgress
     from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.utils.cache_dir import default_cache_dir
@@ -120,6 +121,9 @@ def compile_(
     options = (("jobs", jobs), ("backend", backend), ("device", device), ("executor", executor))
     overrides = {k: v for k, v in options if v is not None}
     cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
+    if stablehlo := without_sdk(cfg):
+        err.print("no Neuron SDK here: every piece is lowered to StableHLO (backend stablehlo) instead")
+        cfg = stablehlo
     cache = cache_dir or default_cache_dir()
     compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
     plan = compiler.plan
@@ -145,6 +149,8 @@ def compile_(
     )
     if report.failed or len(report.all_outcomes) < plan.num_pieces:
         raise typer.Exit(1)
+    if stablehlo:
+        raise fail(neff_line(out))
 
 
 def embedding_line(e: EmbeddingInfo) -> str:
