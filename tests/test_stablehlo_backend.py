@@ -271,3 +271,21 @@ def test_nb_compile_for_neuron_without_the_sdk_writes_the_stablehlo_then_says_ne
     assert "error: NEFFs need the Neuron SDK (neuronx-cc), absent here" in said
     assert read_manifest(tmp_path / "art").backend.name == "stablehlo"
     assert graph_records(tmp_path / "art") == graph_records(first)
+
+
+def test_a_tensor_parallel_layer_is_refused_in_one_line_naming_the_collectives(hf_model_dir):
+    """What the TP=2 layer meets on this route: torch-mlir has no StableHLO lowering of torch's
+    functional collectives, and the lowering says so in one line instead of torch-mlir's dump."""
+    from neuron_buckets.backends.stablehlo_lowering import lower
+    from neuron_buckets.model.checkpoint import read_config
+    from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
+    from neuron_buckets.model.tensor_parallel import TensorParallel
+
+    config, tp = read_config(hf_model_dir), TensorParallel(2)
+    example = example_inputs(PieceShape("layer", 16, rows=2, ctx=128, packed=True), tp.local(config), 8, 64,
+                             torch.float32)
+    with tp.tracing(), pytest.raises(ValueError) as refused:
+        lower(build_piece("layer", config, tp), example)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("LayerPiece at tensor_parallel_size 2: torch-mlir ")
+    assert "no StableHLO lowering of torch's functional collectives" in message

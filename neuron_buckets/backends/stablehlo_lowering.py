@@ -34,13 +34,15 @@ from neuron_buckets.backends.base import BackendUnavailable
 
 INSTALL_HINT = "pip install 'neuron-buckets[stablehlo]' (torch-mlir, iree-base-compiler, iree-base-runtime)"
 IREE_TARGET = "llvm-cpu"
+# The namespace of the collectives a tensor-parallel piece calls (``model/tensor_parallel.py``).
+COLLECTIVES = "_c10d_functional"
 # The host's CPU: the vmfb is built at load time on the machine that runs it, never stored.
 IREE_ARGS = ("--iree-llvmcpu-target-cpu=host",)
 # How torch dtypes cross into numpy for IREE: those numpy lacks go through ml_dtypes, bit for bit.
 _VIA_BITS = {
-    torch.bfloat16: ("bfloat16", torch.int16),
-    torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8),
-    torch.float8_e5m2: ("float8_e5m2", torch.uint8),
+    torch.bfloat16: ("bfloat16", torch.int16, np.int16),
+    torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8, np.uint8),
+    torch.float8_e5m2: ("float8_e5m2", torch.uint8, np.uint8),
 }
 
 
@@ -120,6 +122,12 @@ def op_counts(text: str) -> dict[str, int]:
     return dict(sorted(Counter(re.findall(r"\bstablehlo\.([a-z_]+)\b", text)).items()))
 
 
+def calls_collectives(program: torch.export.ExportedProgram) -> bool:
+    """Whether the exported graph calls torch's functional collectives (a tensor-parallel piece)."""
+    return any(node.op == "call_function" and getattr(node.target, "namespace", "") == COLLECTIVES
+               for node in program.graph.nodes)
+
+
 def lower(piece: nn.Module, example: tuple) -> Lowering:
     """``piece`` exported with the golden kernels at ``example``'s static shapes, lowered to StableHLO."""
     fx = _require("torch_mlir.fx", "torch-mlir")
@@ -129,7 +137,16 @@ def lower(piece: nn.Module, example: tuple) -> Lowering:
     flat = tuple(tree_leaves(example))
     with torch.no_grad(), dispatch.use(dispatch.GOLDEN), linear.portable():
         program = torch.export.export(exportable(piece).eval(), flat)
-        module = fx.export_and_import(program, output_type="stablehlo")
+        try:
+            module = fx.export_and_import(program, output_type="stablehlo")
+        except Exception:  # torch-mlir's compiler error; its diagnostics went to stderr
+            if not calls_collectives(program):
+                raise
+            raise ValueError(
+                f"{type(piece).__name__} at tensor_parallel_size {piece.tp.size}: torch-mlir "
+                f"{package_version('torch-mlir')} has no StableHLO lowering of torch's functional "
+                f"collectives ({COLLECTIVES}.all_reduce, all_gather_into_tensor)"
+            ) from None
     main = module.body.operations[0]
     signature = main.type
     buffer = io.BytesIO()
@@ -145,29 +162,18 @@ def lower(piece: nn.Module, example: tuple) -> Lowering:
     return Lowering(buffer.getvalue(), summary)
 
 
-def module_text(bytecode: bytes) -> str:
-    """The StableHLO module printed from its bytecode by MLIR's own parser and printer."""
-    _require("torch_mlir.fx", "torch-mlir")
-    from torch_mlir import ir
-    from torch_mlir.dialects import stablehlo  # noqa: F401  (registers the dialect)
-
-    with ir.Context() as context:
-        context.allow_unregistered_dialects = True
-        return str(ir.Module.parse(bytecode))
-
-
 def to_numpy(t: Tensor) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if t.dtype in _VIA_BITS:
-        name, bits = _VIA_BITS[t.dtype]
+        name, bits, _ = _VIA_BITS[t.dtype]
         return t.view(bits).numpy().view(getattr(_require("ml_dtypes", "ml-dtypes"), name))
     return t.numpy()
 
 
 def to_torch(a: np.ndarray) -> Tensor:
-    for dtype, (name, bits) in _VIA_BITS.items():
+    for dtype, (name, _, bits) in _VIA_BITS.items():
         if a.dtype.name == name:
-            return torch.from_numpy(a.view(torch.empty(0, dtype=bits).numpy().dtype).copy()).view(dtype)
+            return torch.from_numpy(a.view(bits).copy()).view(dtype)
     return torch.from_numpy(np.array(a))
 
 
