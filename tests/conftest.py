@@ -343,3 +343,29 @@ def decode_plan(rows: Iterable[tuple]) -> StepPlan:
     """A step plan of decode rows, ``(token_ids, start, block_ids)`` each, every token sampled (the
     last generated token and its drafts): what a scheduler writes for requests that decode."""
     return tuple(Segment(i, ids, start, blocks, len(ids)) for i, (ids, start, blocks) in enumerate(rows))
+
+
+def random_layer(config, gen: torch.Generator):
+    """A layer of ``config`` with random weights; quantized projections as the checkpoint stores
+    them (random int8 or float8 values) with random positive scales."""
+    from dataclasses import fields
+
+    from neuron_buckets.model.quantized_weight import QuantizedWeight
+    from neuron_buckets.model.weights import example_layer
+
+    def rand(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen) * 0.1 + (1.0 if t.dim() == 1 else 0.0)
+
+    def filled(w):
+        if w is None:
+            return None
+        if not isinstance(w, QuantizedWeight):
+            return rand(w)
+        values = torch.randn(w.data.shape, generator=gen) * 60
+        data = values.round().clamp(-127, 127).to(torch.int8) if w.scheme.weights == "int8" else \
+            values.to(torch.float8_e4m3fn)
+        inputs = None if w.input_scale is None else torch.tensor([0.01])  # |x| up to 4.48 unclamped
+        return QuantizedWeight(data, torch.rand(w.scale.shape, generator=gen) * 1e-3 + 1e-4, w.scheme, inputs)
+
+    layer = example_layer(config, torch.float32)
+    return type(layer)(**{f.name: filled(getattr(layer, f.name)) for f in fields(layer)})

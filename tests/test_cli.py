@@ -200,19 +200,6 @@ def test_doctor_reports_each_backend_and_why_neuron_is_unusable():
         assert "pip install" in said(result) and "torch-neuronx" in said(result)
 
 
-def test_compile_with_the_neuron_backend_fails_at_once_with_an_install_hint(tmp_path):
-    try:
-        import torch_neuronx  # noqa: F401
-
-        pytest.skip("the Neuron SDK is installed here; this checks the refusal without it")
-    except ImportError:
-        pass
-    result = nb("compile", "--backend", "neuron", "--out", tmp_path / "out", "--cache-dir", tmp_path / "c")
-    assert result.exit_code == 2
-    assert "pip install" in said(result) and "neuron" in said(result)
-    assert not (tmp_path / "out" / "manifest.json").exists()
-
-
 def test_buckets_share_piece_files_and_the_one_weights_copy(eager_dir):
     """The dynamic embed and head are one file each that every bucket references; pieces hold
     no weights: every layer call gets its views of the runtime's one weights dict."""

@@ -21,7 +21,7 @@ from torch import Tensor
 from neuron_buckets.config import DTYPES, Config, load_config
 from neuron_buckets.core.padding import pad_decode, pad_prefill
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import TINY_CONFIG, segment, write_config
+from tests.conftest import TINY_CONFIG, random_layer, segment, write_config
 
 pytestmark = pytest.mark.xla
 torch_xla = pytest.importorskip("torch_xla", reason="needs torch-xla 2.9: make test-xla runs these")
@@ -263,32 +263,6 @@ def test_a_tensor_parallel_layer_lowers_to_one_graph_with_its_two_all_reduces(hf
     reduces = [i for i in entry_computation(graph["hlo"])["instructions"] if i["opcode"] == "all-reduce"]
     assert all(not i.get("replicaGroups") for i in reduces)  # every rank takes part
     assert f"f32[16,{config.hidden_size}]" in s["outputs"]  # the whole hidden state, summed
-
-
-def random_layer(config, gen: torch.Generator):
-    """A layer of ``config`` with random weights; quantized projections as the checkpoint stores
-    them (random int8 or float8 values) with random positive scales."""
-    from dataclasses import fields
-
-    from neuron_buckets.model.quantized_weight import QuantizedWeight
-    from neuron_buckets.model.weights import example_layer
-
-    def rand(t: Tensor) -> Tensor:
-        return torch.randn(t.shape, generator=gen) * 0.1 + (1.0 if t.dim() == 1 else 0.0)
-
-    def filled(w):
-        if w is None:
-            return None
-        if not isinstance(w, QuantizedWeight):
-            return rand(w)
-        values = torch.randn(w.data.shape, generator=gen) * 60
-        data = values.round().clamp(-127, 127).to(torch.int8) if w.scheme.weights == "int8" else \
-            values.to(torch.float8_e4m3fn)
-        inputs = None if w.input_scale is None else torch.tensor([0.01])  # |x| up to 4.48 unclamped
-        return QuantizedWeight(data, torch.rand(w.scale.shape, generator=gen) * 1e-3 + 1e-4, w.scheme, inputs)
-
-    layer = example_layer(config, torch.float32)
-    return type(layer)(**{f.name: filled(getattr(layer, f.name)) for f in fields(layer)})
 
 
 QUANTIZED = ["w8a16-int8-channel", "w8a8-int8-channel", "w8a16-fp8-tensor", "w8a16-fp8-channel",

@@ -14,6 +14,7 @@ _BACKENDS = {
     "eager": ("neuron_buckets.backends.eager", "EagerBackend"),
     "neuron": ("neuron_buckets.backends.neuron", "NeuronBackend"),
     "xla": ("neuron_buckets.backends.xla", "XlaBackend"),
+    "stablehlo": ("neuron_buckets.backends.stablehlo", "StableHloBackend"),
 }
 BACKEND_NAMES = tuple(_BACKENDS)
 

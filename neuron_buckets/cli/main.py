@@ -12,7 +12,7 @@ from rich.text import Text
 from neuron_buckets._version import __version__
 from neuron_buckets.artifact.manifest import MANIFEST, EmbeddingInfo, read_manifest
 from neuron_buckets.cli.cache import register as register_cache
-from neuron_buckets.cli.console import ErrorHandlingGroup, err
+from neuron_buckets.cli.console import ErrorHandlingGroup, err, fail
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.generate import register as register_generate
 from neuron_buckets.cli.serve import register as register_serve
@@ -95,7 +95,7 @@ def compile_(
     jobs: Annotated[
         int | None, typer.Option("--jobs", "-j", min=1, help="Parallel compile processes (local executor)")
     ] = None,
-    backend: Annotated[str | None, typer.Option(help="inductor, eager, neuron or xla")] = None,
+    backend: Annotated[str | None, typer.Option(help="inductor, eager, neuron, xla or stablehlo")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (inductor), neuron")] = None,
     cache_dir: CacheDirOpt = None,
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failed bucket")] = False,
@@ -112,6 +112,7 @@ def compile_(
     """Compile each bucket's pieces into an artifact directory; pieces already built are reused."""
     from dataclasses import replace
 
+    from neuron_buckets.cli.neuron_route import neff_line, without_sdk
     from neuron_buckets.cli.progress import CompileProgress
     from neuron_buckets.compile.compiler import Compiler
     from neuron_buckets.utils.cache_dir import default_cache_dir
@@ -120,6 +121,9 @@ def compile_(
     options = (("jobs", jobs), ("backend", backend), ("device", device), ("executor", executor))
     overrides = {k: v for k, v in options if v is not None}
     cfg = replace(cfg, compile=replace(cfg.compile, **overrides))
+    if stablehlo := without_sdk(cfg):
+        err.print("no Neuron SDK here: every piece is lowered to StableHLO (backend stablehlo) instead")
+        cfg = stablehlo
     cache = cache_dir or default_cache_dir()
     compiler = Compiler(cfg, out, cache, fail_fast=fail_fast, ray_address=ray_address)
     plan = compiler.plan
@@ -145,6 +149,8 @@ def compile_(
     )
     if report.failed or len(report.all_outcomes) < plan.num_pieces:
         raise typer.Exit(1)
+    if stablehlo:
+        raise fail(neff_line(out))
 
 
 def embedding_line(e: EmbeddingInfo) -> str:
@@ -238,10 +244,17 @@ def ls_(directory: Annotated[Path, typer.Argument(help="Artifact directory")]) -
 def verify(
     directory: Annotated[Path, typer.Argument(help="Artifact directory")],
     trials: Annotated[int, typer.Option(min=1, help="Random padded steps per bucket")] = 2,
+    stablehlo: Annotated[bool, typer.Option(
+        "--stablehlo", help="The pieces are StableHLO (backend stablehlo): IREE runs them on this CPU, "
+        "over caches NaN-poisoned outside each step's blocks")] = False,
 ) -> None:
     """Check every file's sha256 and the schema, then run each bucket against the eager model."""
+    from neuron_buckets.artifact.manifest import read_manifest
     from neuron_buckets.runtime.verify import file_problems, verify_graphs
 
+    if stablehlo and (backend := read_manifest(directory).backend.name) != "stablehlo":
+        raise ValueError(f"{directory}: --stablehlo needs an artifact of backend stablehlo, "
+                         f"this one's is {backend} (nb compile --backend stablehlo)")
     problems = file_problems(directory)
     for p in problems:
         err.print(Text.assemble(("problem:", "red"), f" {p}"))
@@ -250,7 +263,7 @@ def verify(
     table = Table(title=f"{directory}: buckets against the eager model")
     for col in ("bucket", "result", "max |diff|"):
         table.add_column(col)
-    checks = verify_graphs(directory, trials=trials)
+    checks = verify_graphs(directory, trials=trials, poisoned=stablehlo)
     for c in checks:
         diff = "-" if c.max_diff is None else f"{c.max_diff:.2e}"
         result = Text("ok", "green") if c.ok else Text.assemble(("FAIL", "red"), f" {c.detail}")

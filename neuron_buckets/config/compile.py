@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.setting import check_choice, check_positive, check_types, setting
 
-BACKENDS = ("inductor", "eager", "neuron", "xla")
+BACKENDS = ("inductor", "eager", "neuron", "xla", "stablehlo")
 EXECUTORS = ("local", "ray")
 
 

@@ -83,7 +83,7 @@ def _linear_pointwise_fake(x: Tensor, weight: Tensor, bias: Tensor | None, attr:
 
 # Set around a block by the context managers below: a trace for inductor's CPU compiles, and a
 # runtime loading an artifact whose graphs call nb's bfloat16 kernel.
-_mode = {"tracing_onednn": False, "bf16_kernel_weights": False}
+_mode = {"tracing_onednn": False, "bf16_kernel_weights": False, "portable": False}
 
 
 @contextmanager
@@ -110,6 +110,13 @@ def onednn() -> AbstractContextManager[None]:
     return _setting("tracing_onednn", True)
 
 
+def portable() -> AbstractContextManager[None]:
+    """Trace int8 projections as the plain products any compiler lowers (widen, matmul, scale)
+    instead of torch's CPU-only int8 kernel: a graph for another compiler (StableHLO) traced on
+    the CPU, as an XLA device trace gets them by its device."""
+    return _setting("portable", True)
+
+
 def bf16_kernel_weights(on: bool) -> AbstractContextManager[None]:
     """Inside the block, if ``on``, pack bfloat16 projections for nb's kernel: for an artifact whose
     graphs call it (its manifest carries the kernel's library), and for no other."""
@@ -121,7 +128,8 @@ def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
     runs the runtime's packed weights too); a quantized weight by its scheme's kernel."""
     if isinstance(weight, QuantizedWeight):
         if weight.scheme.weights == "int8":
-            out = int8_linear(x, weight, _mode["tracing_onednn"] and available(torch.float32, x.device))
+            onednn = _mode["tracing_onednn"] and available(torch.float32, x.device)
+            out = int8_linear(x, weight, onednn, _mode["portable"])
         elif weight.input_scale is None:  # float8, widened at load (a no-op here then)
             out = (linear(x, weight.data.to(x.dtype)) * weight.scale).to(x.dtype)
         else:  # and static float8 activations: x rounded to float8 by the stored scale, widened back

@@ -22,9 +22,10 @@ Chosen by measuring the candidates at the Llama-3.2-1B projections' shapes on th
   the graph. There oneDNN's u8s8 GEMM did not compute the reference's products (likely its int16
   pair sums saturating for activations shifted to u8; ``tests/test_quantized.py`` holds it).
 
-Off the CPU (the XLA device the Neuron pieces lower on) neither kernel exists: the graph widens the
-int8 weight and multiplies by the scales around a plain matmul (W8A8: over its int8-valued
-activations), which XLA lowers as convert, dot and multiply with the weights and scales as inputs.
+Off the CPU (the XLA device the Neuron pieces lower on), and in a StableHLO trace (``portable``),
+neither kernel exists: the graph widens the int8 weight and multiplies by the scales around a plain
+matmul (W8A8: over its int8-valued activations), which XLA and StableHLO lower as convert, dot and
+multiply with the weights and scales as inputs.
 
 float8 weights are ``model/linear.py``'s: a dense GEMM over weights widened at load.
 """
@@ -83,9 +84,10 @@ def per_token_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return (h / scale).round().clamp(-INT8_MAX, INT8_MAX), scale
 
 
-def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
+def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool, portable: bool = False) -> Tensor:
     """``x @ dequantized(w).T`` by the scheme's kernel; ``onednn``: trace the CPU's chosen calls
-    (``linear_choice``): nb's kernel, oneDNN's, or float32 products."""
+    (``linear_choice``): nb's kernel, oneDNN's, or float32 products; ``portable``: the plain
+    products, as off the CPU (``linear.portable``)."""
     if w.scheme.activations == "int8_token":
         choice = linear_choice().int8_w8a8
         if w.vnni or (onednn and choice == KERNEL_INT8 and int8_linear_cpu.fits(w.data)):
@@ -99,7 +101,7 @@ def int8_linear(x: Tensor, w: QuantizedWeight, onednn: bool) -> Tensor:
         else:  # the same products, where oneDNN is not (a dense weight, another device)
             y = (q @ w.data.float().t()) * w.scale
         return (y * x_scale).to(x.dtype)
-    if x.device.type != "cpu":  # torch's kernel is a CPU op; XLA (Neuron) lowers the same products
+    if portable or x.device.type != "cpu":  # torch's kernel is a CPU op; XLA and StableHLO get products
         return torch.nn.functional.linear(x, w.data.to(x.dtype)) * w.scale.to(x.dtype)
     return torch.ops.aten._weight_int8pack_mm(x, w.data, w.scale.to(x.dtype))
 

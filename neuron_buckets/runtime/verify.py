@@ -36,8 +36,24 @@ class BucketCheck:
 
 
 def relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| over max(1, max |want|)."""
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1))
+    """max |got - want| over max(1, max |want|); NaN where both hold NaN counts as equal, NaN in
+    only one of them as infinitely far (a poisoned cache entry read or written where it must not)."""
+    got, want = got.float(), want.float()
+    nan = want.isnan()
+    if not torch.equal(got.isnan(), nan):
+        return float("inf")
+    got, want = got.masked_fill(nan, 0), want.masked_fill(nan, 0)
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1))
+
+
+def poison(cache: torch.Tensor, step: PaddedCall) -> None:
+    """NaN in every block of the stacked ``cache`` (layers, blocks, ...) that no real row of
+    ``step`` names: a graph that reads one (or writes one that the eager model does not) turns
+    its result or the cache NaN where the eager one is not, which no tolerance passes."""
+    used = step.block_table[: step.num_rows].flatten()
+    keep = torch.zeros(cache.shape[1], dtype=torch.bool)
+    keep[used[used >= 0]] = True
+    cache[:, ~keep.to(cache.device)] = float("nan")
 
 
 def file_problems(directory: Path) -> list[str]:
@@ -90,8 +106,11 @@ def random_step(
     return pad_prefill(chunks, bucket, block_size, samples)
 
 
-def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[BucketCheck]:
-    """Run every bucket graph against the eager model; one result per bucket."""
+def verify_graphs(
+    directory: Path, trials: int = 2, seed: int = 0, poisoned: bool = False
+) -> list[BucketCheck]:
+    """Run every bucket graph against the eager model; one result per bucket. ``poisoned``: the
+    blocks a step does not name hold NaN (``poison``) instead of random values."""
     if (size := read_manifest(Path(directory)).parallel.tensor_parallel_size) > 1:
         raise ManifestError(f"{directory}: nb verify runs one process's graphs against the eager model; "
                             f"the {size} ranks of a tensor-parallel artifact run together: compare its "
@@ -117,6 +136,9 @@ def verify_graphs(directory: Path, trials: int = 2, seed: int = 0) -> list[Bucke
                 start = torch.randn(runtime.k_cache.shape, generator=gen).to(runtime.k_cache)
                 runtime.k_cache.copy_(start)
                 runtime.v_cache.copy_(start.flip(0))
+                if poisoned:
+                    for cache in (runtime.k_cache, runtime.v_cache):
+                        poison(cache, step)
                 ref_k, ref_v = runtime.k_cache.clone(), runtime.v_cache.clone()
                 got = runtime.run(bucket, step)
                 if runtime.embeds:  # hidden states of every real token: the sampled ones' compared
