@@ -4,6 +4,7 @@ values), and the broken files a user can hand nb, each refused in one line."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -152,3 +153,21 @@ def test_a_missing_tensor_is_refused_by_name(tmp_path: Path) -> None:
     shapes = {k: v for k, v in tensor_shapes("qwen3").items() if k != "blk.1.attn_k_norm.weight"}
     assert "lacks tensor(s) ['blk.1.attn_k_norm.weight']" in compile_error(
         tmp_path, write_gguf(tmp_path / "m.gguf", "qwen3", shapes=shapes))
+
+
+def test_the_weights_are_keyed_by_the_files_content(tmp_path: Path) -> None:
+    """Two files alike in name, size and modification time but not in bytes key different weights;
+    a copy of the same bytes keys the same ones."""
+    from neuron_buckets.model.model_source import weights_fingerprint
+
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    a, b = write_gguf(tmp_path / "a" / "m.gguf", seed=1), write_gguf(tmp_path / "b" / "m.gguf", seed=2)
+    copy = tmp_path / "c" / "m.gguf"
+    copy.write_bytes(a.read_bytes())
+    for path in (a, b, copy):
+        os.utime(path, ns=(0, 0))
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    keys = [weights_fingerprint(p, torch.float32) for p in (a, b, copy)]
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+    assert weights_fingerprint(a, torch.bfloat16) != keys[0]
