@@ -138,7 +138,7 @@ def compile_(
         + (f", sharing {shared.location}" if shared else "")
     )
     if is_gguf(cfg.model.path) and (line := dequantization_line(cfg.model.path, cfg.cache.dtype)):
-        err.print(line, highlight=False)
+        err.print(line, highlight=False, soft_wrap=True)  # one line, however narrow the terminal
     with CompileProgress(plan.num_pieces, err) as progress:
         report = compiler.run(c.jobs, progress)
     reused = len(report.all_outcomes) - len(report.compiled) - len(report.failed)
