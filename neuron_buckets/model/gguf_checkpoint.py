@@ -17,6 +17,7 @@ import hashlib
 from collections import Counter
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from torch import Tensor
 
 from neuron_buckets.model.checkpoint import checkpoint_shapes
 from neuron_buckets.model.model_config import LlamaConfig
+
+if TYPE_CHECKING:  # gguf is imported when a GGUF file is read, so that nb runs without it otherwise
+    from gguf import GGUFReader, ReaderTensor
 
 SUFFIX = ".gguf"
 # GGUF architecture -> nb's model_type: the decoders whose tensors and metadata map one to one.
@@ -45,7 +49,7 @@ def is_gguf(source: Path | None) -> bool:
 
 
 @cache
-def _reader(path: Path, mtime_ns: int, size: int):  # noqa: ANN202 - gguf is imported lazily
+def _reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
     """The file's reader, once per version of the file (it maps the file; reading is lazy)."""
     try:
         import gguf
@@ -58,7 +62,7 @@ def _reader(path: Path, mtime_ns: int, size: int):  # noqa: ANN202 - gguf is imp
         raise GGUFError(f"{path}: not a complete GGUF file ({type(e).__name__}: {e})") from None
 
 
-def reader(path: Path):  # noqa: ANN201
+def reader(path: Path) -> GGUFReader:
     """The file's ``gguf.GGUFReader``; a missing, truncated or malformed file is a GGUFError."""
     path = Path(path)
     if not path.is_file():
@@ -134,7 +138,7 @@ def _name_map(path: Path, config: LlamaConfig) -> dict[str, str]:
     return names
 
 
-def _tensors(path: Path, config: LlamaConfig) -> dict[str, object]:
+def _tensors(path: Path, config: LlamaConfig) -> dict[str, ReaderTensor]:
     """The file's tensor records by HF name, each checked: present, of a readable type, of the
     shape the metadata implies; an extra tensor (other than an unused tied ``output``) is refused."""
     by_name = {t.name: t for t in reader(path).tensors}
@@ -180,7 +184,7 @@ def _unpermute(w: Tensor, heads: int) -> Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _as_tensor(t) -> Tensor:  # noqa: ANN001 - a gguf ReaderTensor
+def _as_tensor(t: ReaderTensor) -> Tensor:
     """One tensor: F32/F16 as numpy maps them, BF16 as its raw bits, any other type dequantized."""
     from gguf import dequantize
 
