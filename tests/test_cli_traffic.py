@@ -16,7 +16,7 @@ from neuron_buckets import __version__
 from neuron_buckets.artifact.manifest import validate
 from neuron_buckets.cli import app
 from neuron_buckets.config import parse_config
-from neuron_buckets.model.checkpoint import model_config_of
+from neuron_buckets.model.model_source import model_config_of
 from tests.conftest import error_line
 
 runner = CliRunner()

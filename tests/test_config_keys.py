@@ -35,7 +35,7 @@ from neuron_buckets.engine import llm_engine
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.llm_engine import LLMEngine
-from neuron_buckets.model.checkpoint import model_config_of
+from neuron_buckets.model.model_source import model_config_of
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.utils.package_data import read_package_data
 from tests.conftest import save_tiny_llama

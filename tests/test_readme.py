@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
@@ -156,3 +160,29 @@ def test_every_relative_link_of_the_readme_changelog_and_docs_leads_somewhere() 
                 assert anchor in slugs, f"{page.name}: {target} names no heading of {path.name}"
             checked += 1
     assert checked >= 30  # the README's and the docs' links, not a page the pattern missed
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("real-model")
+def test_the_real_model_commands_work_as_written(
+    real_gguf: Path, graph_cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make real-model``'s recipe, then the two nb commands as the README spells them, in a fresh
+    folder (the graph cache is the suite's, so the pieces test_real_model.py built are reused)."""
+    lines = block("A real model in three commands", "sh").splitlines()
+    commands = [line.split("  #")[0].strip() for line in lines]
+    assert len(commands) == 3 and commands[0] == "make real-model"
+    recipe = re.search(r"^real-model:\n\t\$\(PY\) (.+)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NB_CACHE_DIR", str(graph_cache_dir))
+    fetched = subprocess.run([sys.executable, str(ROOT / recipe[0]), *recipe[1:]], check=True,
+                             capture_output=True, text=True)
+    assert fetched.stdout.strip() == str(real_gguf)
+    graph_cache_dir.mkdir(parents=True, exist_ok=True)
+    for command in commands[1:]:
+        args = shlex.split(command)
+        assert args[0] == "nb"
+        with FileLock(str(graph_cache_dir) + ".lock"):
+            result = CliRunner().invoke(app, args[1:])
+        assert result.exit_code == 0, result.output
+    assert "The capital of France is Paris." in result.stdout

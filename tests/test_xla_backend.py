@@ -64,7 +64,7 @@ def grid_graphs(config: Config, out: Path) -> dict[str, dict]:
     what ``nb compile``'s workers run for each, without a worker's start-up per dtype."""
     from neuron_buckets.backends import get_backend
     from neuron_buckets.config import enumerate_grid
-    from neuron_buckets.model.checkpoint import model_config_of
+    from neuron_buckets.model.model_source import model_config_of
     from neuron_buckets.model.pieces import PIECES, bucket_pieces, example_inputs
 
     backend, model = get_backend("xla"), model_config_of(config.model.path)

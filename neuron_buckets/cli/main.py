@@ -115,6 +115,7 @@ def compile_(
     from neuron_buckets.cli.neuron_route import neff_line, without_sdk
     from neuron_buckets.cli.progress import CompileProgress
     from neuron_buckets.compile.compiler import Compiler
+    from neuron_buckets.model.gguf_checkpoint import dequantization_line, is_gguf
     from neuron_buckets.utils.cache_dir import default_cache_dir
 
     cfg = load_config(config)
@@ -140,6 +141,8 @@ def compile_(
         + f", backend {c.backend} on {c.device}, {runs} -> {out}"
         + (f", sharing {shared.location}" if shared else "")
     )
+    if is_gguf(cfg.model.path) and (line := dequantization_line(cfg.model.path, cfg.cache.dtype)):
+        err.print(line, highlight=False, soft_wrap=True)  # one line, however narrow the terminal
     with CompileProgress(plan.num_pieces, err) as progress:
         report = compiler.run(c.jobs, progress)
     reused = len(report.all_outcomes) - len(report.compiled) - len(report.failed)

@@ -38,7 +38,8 @@ from neuron_buckets.compile.text_files import write_text_files
 from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from neuron_buckets.kernels.cpp_library import CppLibrary
 from neuron_buckets.kernels.linear_choice import KERNEL_BF16, KERNEL_INT8, linear_choice
-from neuron_buckets.model.checkpoint import build_model, save_weights, weights_fingerprint
+from neuron_buckets.model.checkpoint import save_weights
+from neuron_buckets.model.model_source import build_model, weights_fingerprint
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.utils.files import atomic_write, intact, link_or_copy, sha256_file
 
@@ -54,7 +55,7 @@ class ArtifactWriter:
         self.plan, self.out = plan, plan.out
         self.manifest: Manifest = copy.deepcopy(plan.header)
 
-    def write_files(self, previous: Manifest | None, sources: list[Path], eos: list[int]) -> None:
+    def write_files(self, previous: Manifest | None, sources: dict[str, bytes], eos: list[int]) -> None:
         """Everything but the graphs: the weights, the kernel libraries and the text files."""
         self._write_weights(previous)
         self._write_libraries()

@@ -31,7 +31,7 @@ from neuron_buckets.compile.store_sweep import remove_stale_temps
 from neuron_buckets.compile.text_files import eos_token_ids, text_sources
 from neuron_buckets.config import Config, ConfigError
 from neuron_buckets.config.draft import DRAFT, draft_config
-from neuron_buckets.model.checkpoint import model_config_of
+from neuron_buckets.model.model_source import model_config_of
 from neuron_buckets.model.pieces import PieceShape
 from neuron_buckets.runtime.memory import check_compile_memory
 

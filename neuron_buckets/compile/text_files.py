@@ -5,6 +5,7 @@ the tokenizer files it finds (``tokenizer.json``, ``tokenizer_config.json``, a c
 ...) and ``generation_config.json`` into ``tokenizer/``, and records in the manifest each file's
 sha256 and the end-of-sequence ids: ``generation_config.json``'s ``eos_token_id`` (one id or a
 list), else ``config.json``'s. Both are read, and a bad one refused, before anything compiles.
+A GGUF file carries its tokenizer in its metadata: ``gguf_text.py`` writes it out as such files.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 from pathlib import Path
 
 from neuron_buckets.artifact.manifest import TOKENIZER, TextInfo
+from neuron_buckets.compile.gguf_text import gguf_eos_token_ids, gguf_text_files
+from neuron_buckets.model.gguf_checkpoint import is_gguf
 from neuron_buckets.utils.files import atomic_write, intact
 
 TEXT_FILES = (
@@ -37,7 +40,10 @@ class TextFileError(ValueError):
 
 
 def eos_token_ids(source: Path | None, vocab_size: int) -> list[int]:
-    """The model's end-of-sequence ids: the first of ``EOS_SOURCES`` that sets ``eos_token_id``."""
+    """The model's end-of-sequence ids: the first of ``EOS_SOURCES`` that sets ``eos_token_id``
+    (a GGUF file's: its metadata's)."""
+    if is_gguf(source):
+        return gguf_eos_token_ids(source, vocab_size)
     for name in EOS_SOURCES if source is not None else ():
         file = Path(source) / name
         if not file.is_file():
@@ -59,18 +65,22 @@ def eos_token_ids(source: Path | None, vocab_size: int) -> list[int]:
     return []
 
 
-def text_sources(source: Path | None) -> list[Path]:
-    """The text files a model directory has (none for the embedded default model)."""
-    return [] if source is None else [p for name in TEXT_FILES if (p := Path(source) / name).is_file()]
+def text_sources(source: Path | None) -> dict[str, bytes]:
+    """The text files of a model, by file name: a directory's own, those a GGUF file's metadata
+    makes, none for the embedded default model."""
+    if source is None:
+        return {}
+    if is_gguf(source):
+        return gguf_text_files(source)
+    return {name: p.read_bytes() for name in TEXT_FILES if (p := Path(source) / name).is_file()}
 
 
-def write_text_files(sources: list[Path], out: Path, eos: list[int]) -> TextInfo:
-    """Copy ``sources`` into ``out/tokenizer/`` (atomic, skipping a copy already intact)."""
+def write_text_files(sources: dict[str, bytes], out: Path, eos: list[int]) -> TextInfo:
+    """Write ``sources`` into ``out/tokenizer/`` (atomic, skipping a copy already intact)."""
     files = {}
-    for src in sources:
-        data = src.read_bytes()
+    for name, data in sources.items():
         digest = hashlib.sha256(data).hexdigest()
-        rel = f"{TOKENIZER}/{src.name}"
+        rel = f"{TOKENIZER}/{name}"
         dest = out / rel
         if not intact(dest, digest, links=False):
             atomic_write(dest, lambda p, data=data: p.write_bytes(data))

@@ -26,7 +26,7 @@ from neuron_buckets.compile.cache_key import backend_source_digest
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config
-from neuron_buckets.model.checkpoint import model_config_of
+from neuron_buckets.model.model_source import model_config_of
 from neuron_buckets.model.pieces import PieceShape, build_piece, dynamic_shapes, example_inputs
 from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.utils.files import sha256_file

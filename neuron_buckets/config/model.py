@@ -23,8 +23,9 @@ POOLINGS = ("last", "mean")
 class ModelSource:
     SECTION: ClassVar[str] = "model"
 
-    # A Hugging Face style directory; None = the embedded default model. Not a graph setting: the
-    # weights are loaded at run time, and the model's config.json enters every key by its content.
+    # A Hugging Face style directory or a .gguf file; None = the embedded default model. Not a
+    # graph setting: the weights are loaded at run time, and the model's config enters every key
+    # by its content.
     path: Path | None = setting(None, graph=False)
     # Which buckets and pieces exist (each piece's role is in its key), not what one computes.
     task: str = setting("generate", graph=False)
@@ -35,7 +36,7 @@ class ModelSource:
         if isinstance(self.path, str):
             object.__setattr__(self, "path", Path(self.path))
         elif self.path is not None and not isinstance(self.path, Path):
-            raise ConfigError(f"model.path must be a string (a directory), got {self.path!r}")
+            raise ConfigError(f"model.path must be a string (a directory or a .gguf file), got {self.path!r}")
         check_types(self)
         check_choice(self, "task", TASKS)
         check_choice(self, "pooling", POOLINGS)

@@ -56,7 +56,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "draft_model", Path(self.draft_model))
         elif self.draft_model is not None and not isinstance(self.draft_model, Path):
             got = self.draft_model
-            raise ConfigError(f"speculative.draft_model must be a string (a directory), got {got!r}")
+            raise ConfigError(
+                f"speculative.draft_model must be a string (a directory or a .gguf file), got {got!r}"
+            )
         check_types(self)
         check_positive(self, "auto_off_window", "auto_off_probe_interval")
         if self.method not in METHODS:

@@ -13,7 +13,6 @@ artifact keeps them so.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -299,38 +298,3 @@ def default_model(dtype: torch.dtype = torch.float32) -> Llama:
         else:
             tensors[name] = torch.empty(shape).normal_(0.0, DEFAULT_INIT_STD, generator=gen)
     return Llama(DEFAULT_CONFIG, load_weights(DEFAULT_CONFIG, tensors, dtype))
-
-
-def model_config_of(source: Path | None) -> LlamaConfig:
-    """The config of a checkpoint directory or the default, after a look at every shard's header
-    (cheap: no tensors read), so a bad checkpoint fails before anything is written or started."""
-    if source is None:
-        return DEFAULT_CONFIG
-    config = read_config(source)
-    check_shards(source)
-    return config
-
-
-def build_model(source: Path | None, dtype: torch.dtype) -> Llama:
-    """The model of a checkpoint directory, or the embedded default for ``None``."""
-    return default_model(dtype) if source is None else load_model(source, dtype)
-
-
-def weights_fingerprint(source: Path | None, dtype: torch.dtype) -> str:
-    """A cheap identity of the weights a source yields, to skip rewriting unchanged weights.
-
-    Checkpoint directories: the names, sizes and modification times of their files; the default:
-    this module's source and the weights layout's (seed, init, draw order) and the torch version
-    (its random generator).
-    """
-    h = hashlib.sha256(str(dtype).encode())
-    if source is None:
-        for module in (Path(__file__), Path(__file__).with_name("weights.py")):
-            h.update(module.read_bytes())
-        h.update(torch.__version__.encode())
-    else:
-        for f in sorted(Path(source).glob("*")):
-            if f.suffix in (".safetensors", ".json"):
-                st = f.stat()
-                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()
