@@ -23,6 +23,7 @@ from filelock import FileLock
 from typer.testing import CliRunner
 
 from neuron_buckets.core.step_plan import Segment, StepPlan
+from tests.steps_compared import recording
 
 TINY_LLAMA = dict(
     vocab_size=256,
@@ -37,6 +38,12 @@ TINY_LLAMA = dict(
     initializer_range=0.2,
     tie_word_embeddings=False,
 )
+
+# A random model's top two logits lie within a tenth of its largest |logit| at almost every step,
+# so checks within a half-precision tolerance (or W8A8's) would decide almost no greedy step. Tied
+# embeddings at a small scale make each step's token stand out (mostly it repeats the last one, the
+# layers' part small): the models of those checks, so that they decide at least 90% of their steps.
+PEAKED = dict(tie_word_embeddings=True, initializer_range=0.02)
 
 # prefill 16/32 tokens (packing up to 2 requests), decode batches 1/2 at ctx 128: four buckets run by
 # six pieces (the shared dynamic embed and head, a layer each), enough to mix buckets, pack, chunk
@@ -133,6 +140,13 @@ def tiny_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     hf.chat_template = CHAT_TEMPLATE
     return hf
+
+
+@pytest.fixture(autouse=True)
+def steps_compared(record_property) -> Iterator[None]:
+    """Each equality check's count of compared steps, as a property of the test that ran it."""
+    with recording(record_property):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ transformers' forward of the same checkpoint in the same dtype within ``TOLERANC
 the largest |logit|. Greedy tokens equal transformers' ``generate`` up to the first step where its
 top two logits lie within twice that of each other, where either token is within tolerance and
 the paths may part; in float32 no step of these prompts comes that close, so every token must be
-equal.
+equal. A random model in half precision comes that close at almost every step; its checkpoints are
+peaked ones (``PEAKED``), whose greedy tokens are decided at 90% of the steps or more.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 from filelock import FileLock
 
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import TINY_CONFIG, decode_plan, prefill_plan, save_tiny_model, write_config
+from tests.conftest import PEAKED, TINY_CONFIG, decode_plan, prefill_plan, save_tiny_model, write_config
+from tests.steps_compared import FLOOR, assert_follows
 from tests.test_engine import greedy
 
 pytestmark = pytest.mark.slow  # every test runs compiled graphs
@@ -97,7 +99,8 @@ def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir:
 
     arch, dtype = request.param
     root = tmp_path_factory.mktemp(f"{arch}-{dtype}")
-    model_dir = save_tiny_model(root / "model", arch, dtype=getattr(torch, dtype))
+    peaked = PEAKED if dtype != "float32" else {}  # half precision decides few steps of a random model
+    model_dir = save_tiny_model(root / "model", arch, dtype=getattr(torch, dtype), **peaked)
     text = ARCH_CONFIG.replace("DTYPE", dtype)
     if (arch, dtype) != ("mistral", "float32"):
         text = text.replace("fresh_layers = true", "fresh_layers = false")
@@ -162,7 +165,8 @@ def hf_greedy(compiled: Compiled, prompt: list[int]) -> tuple[list[int], torch.T
 
 def test_greedy_tokens_equal_transformers_generate(compiled: Compiled):
     """nb's own greedy generation equals transformers' up to the first near-tie (top two logits
-    within twice the tolerance: either token is right within it), which float32 never meets here.
+    within twice the tolerance: either token is right within it), which float32 never meets here
+    and half precision before at least 90% of the steps.
     Along transformers' whole path (its tokens fed back), nb's logits of every step are within the
     tolerance, so every decided step would have picked transformers' token too."""
     batch = prompts(PROMPT_LENS, seed=1)
@@ -180,17 +184,9 @@ def test_greedy_tokens_equal_transformers_generate(compiled: Compiled):
         steps.append(runtime.run_plan(decode_plan(rows)))
     along = torch.stack(steps, dim=1)  # (prompts, steps, vocab)
 
-    decided_steps = 0
-    for tokens, (want, logits), ours in zip(got, wants, along, strict=True):
-        compiled.assert_close(ours, logits)
-        top = logits.topk(2, dim=-1).values
-        decisive = top[:, 0] - top[:, 1] > 2 * compiled.atol(logits)
-        assert torch.equal(ours.argmax(-1)[decisive], logits.argmax(-1)[decisive])
-        decided = int(decisive.cumprod(0).sum())  # steps before the first near-tie
-        assert tokens[:decided] == want[:decided]
-        decided_steps += decided
-    if compiled.dtype == "float32":
-        assert decided_steps == MAX_NEW * len(batch)
+    want, logits = zip(*wants, strict=True)
+    atols = [compiled.atol(x) for x in logits]
+    assert_follows(want, logits, atols, got, along=along, floor=1.0 if compiled.dtype == "float32" else FLOOR)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the eager model's

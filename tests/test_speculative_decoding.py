@@ -22,6 +22,7 @@ from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.step_check import StepLimits
 from tests.conftest import error_line, first_new, write_config
+from tests.steps_compared import assert_same_tokens
 from tests.test_engine import EAGER_SPECULATIVE, make_prompts
 from tests.test_engine import hf_greedy as hf_greedy  # the transformers oracle fixture
 
@@ -69,7 +70,8 @@ def test_greedy_tokens_are_identical_with_speculation_and_drafts_are_accepted(ru
     engine = LLMEngine(runtime, speculative=SPEC)
     plans = recording(engine)
     spec = run(engine, PROMPTS, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain] == hf_greedy(PROMPTS, 40)
+    got = [o.token_ids for o in spec]
+    assert_same_tokens(got, [o.token_ids for o in plain], hf_greedy(PROMPTS, 40), total=3 * 40)
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert stats.num_accepted_tokens <= stats.num_draft_tokens <= 3 * stats.num_drafts
@@ -92,7 +94,8 @@ def test_requests_end_mid_draft_exactly_where_they_would_without(runtime):
     for lengths in ((1, 2, 3), (5, 6, 7)):
         engine = LLMEngine(runtime, speculative=SPEC)
         got = run(engine, PROMPTS, greedy_params(*lengths))
-        assert [o.token_ids for o in got] == [p[:n] for p, n in zip(plain, lengths, strict=True)]
+        want = [p[:n] for p, n in zip(plain, lengths, strict=True)]
+        assert_same_tokens([o.token_ids for o in got], want, total=sum(lengths))
         assert all(o.finish_reason == "length" for o in got)
     stops = [p[12] for p in plain]  # a token late enough that drafts were accepted before it
     engine = LLMEngine(runtime, speculative=SPEC)
@@ -127,7 +130,7 @@ def test_a_request_filling_max_model_len_drafts_no_further(runtime):
     plain = run(LLMEngine(runtime), [prompt], params)[0]
     engine = LLMEngine(runtime, speculative=SPEC)
     plans = recording(engine)
-    assert run(engine, [prompt], params)[0].token_ids == plain.token_ids
+    assert_same_tokens([run(engine, [prompt], params)[0].token_ids], [plain.token_ids], total=12)
     assert max(s.end for p in plans for s in p) == runtime.max_model_len - 1
     assert engine.spec_stats.num_drafts > 0
 
@@ -151,7 +154,7 @@ def test_rejected_drafts_leave_nothing_behind_and_a_poisoned_cache_changes_nothi
             for cache in (runtime.k_cache, runtime.v_cache):
                 cache[:, blocks, slots % bs] = float("nan")
             poisoned += len(slots)
-    assert [final[i] for i in ids] == plain
+    assert_same_tokens([final[i] for i in ids], plain, total=3 * 30)
     assert poisoned and engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens > 0
 
 
@@ -168,7 +171,8 @@ def test_sampled_requests_speculate_and_a_request_may_opt_out(runtime):
     penalised = [SamplingParams(max_tokens=20, repetition_penalty=1.3, ignore_eos=True)] * 3
     plain = run(LLMEngine(runtime), PROMPTS, penalised)
     engine = LLMEngine(runtime, speculative=SPEC)  # the runtime's engine from here on
-    assert [o.token_ids for o in run(engine, PROMPTS, penalised)] == [o.token_ids for o in plain]
+    got = [o.token_ids for o in run(engine, PROMPTS, penalised)]
+    assert_same_tokens(got, [o.token_ids for o in plain], total=3 * 20)
     run(engine, PROMPTS, off)
     assert engine.spec_stats.num_drafts == 0
 
@@ -263,7 +267,7 @@ def test_drafts_that_never_pay_turn_speculation_off_and_it_probes_again(runtime)
     runs = {i: p + t for i, (p, t) in enumerate(zip(PROMPTS, plain, strict=True))}
     engine.gate.drafter = RejectedDrafter(runs, runtime.limits.vocab_size)
     plans = recording(engine)
-    assert [o.token_ids for o in run(engine, PROMPTS, params)] == plain
+    assert_same_tokens([o.token_ids for o in run(engine, PROMPTS, params)], plain, total=3 * 40)
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == 0
     def has_room(s) -> bool:  # a decode row that may draft: two or more tokens still to come

@@ -54,7 +54,8 @@ from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.memory import weights_bytes
 from neuron_buckets.runtime.rank_group import RankGroup, RankLost, decode, encode
 from tests import test_quantized as quant
-from tests.conftest import free_port, save_tiny_model, write_config
+from tests.conftest import PEAKED, free_port, save_tiny_model, write_config
+from tests.steps_compared import FLOOR, assert_follows
 from tests.test_architectures import ARCH_CONFIG, TOLERANCE
 from tests.test_architectures import prompts as arch_prompts
 from tests.test_engine import greedy
@@ -247,7 +248,8 @@ def compiled(request, tmp_path_factory: pytest.TempPathFactory, graph_cache_dir:
 
     arch, dtype = request.param
     root = tmp_path_factory.mktemp(f"tp-{arch}-{dtype}")
-    model_dir = save_tiny_model(root / "model", arch, dtype=getattr(torch, dtype))
+    peaked = PEAKED if dtype != "float32" else {}  # bfloat16 decides few steps of a random model
+    model_dir = save_tiny_model(root / "model", arch, dtype=getattr(torch, dtype), **peaked)
     text = ARCH_CONFIG.replace("DTYPE", dtype).replace("fresh_layers = true", "fresh_layers = false")
     directories = {}
     for size in (1, 2):
@@ -320,8 +322,9 @@ def hf_tokens(compiled: Compiled, prompt: list[int]) -> tuple[list[int], torch.T
 
 def test_two_ranks_generate_what_one_rank_and_transformers_do(compiled: Compiled):
     """Packed prefill of several segments, a chunked prompt, mixed steps, speculative rows and
-    prefix hits: TP=2's greedy tokens are TP=1's and transformers' up to the first near-tie (its
-    top two logits within twice the dtype's tolerance), which float32 never meets here."""
+    prefix hits: TP=2's greedy tokens of both rounds are TP=1's and transformers' up to the first
+    near-tie (its top two logits within twice the dtype's tolerance), which float32 never meets
+    here; bfloat16 (a peaked model) decides at least 90% of the steps."""
     manifests = [read_manifest(compiled.directories[n]) for n in (1, 2)]
     names = [sorted(p.name for p in m.pieces.values()) for m in manifests]
     assert names[0] == names[1]  # the same graphs, once for both ranks
@@ -332,14 +335,10 @@ def test_two_ranks_generate_what_one_rank_and_transformers_do(compiled: Compiled
     with two_ranks(compiled.directories[2]) as runtime:
         got, computed = rounds(runtime)
     assert computed == want_computed < sum(len(p) + 2 for p in prompts())  # prefix hits
-    tolerance = TOLERANCE[compiled.dtype]
-    for tokens, one_tokens, prompt in zip(got, want, prompts(), strict=False):
-        hf, logits = hf_tokens(compiled, prompt)
-        top = logits.topk(2, dim=-1).values
-        decided = int((top[:, 0] - top[:, 1] > 2 * tolerance * logits.abs().max()).cumprod(0).sum())
-        assert tokens[:decided] == hf[:decided] == one_tokens[:decided]
-        if compiled.dtype == "float32":
-            assert decided == MAX_NEW
+    hf, logits = zip(*(hf_tokens(compiled, p) for p in [*prompts(), *(p + [7, 8] for p in prompts())]),
+                     strict=True)
+    atols = [TOLERANCE[compiled.dtype] * float(x.abs().max()) for x in logits]
+    assert_follows(hf, logits, atols, got, want, floor=1.0 if compiled.dtype == "float32" else FLOOR)
     if compiled.dtype == "float32":
         assert got == want
 
@@ -417,11 +416,12 @@ def test_a_rank_timeout_that_is_not_a_positive_number_is_refused_in_one_line(mon
     assert rank_group.timeout() == rank_group.TIMEOUT == timedelta(seconds=60)
 
 
-# Quantized: int8 weights and float8 weights (one scale for each whole tensor), each the quantized
-# tests' checkpoint and grid, so TP=1's graphs are theirs. W8A8 is not here: it quantizes o's and
-# down's input per token over each rank's features (as vLLM), which rounds otherwise than one rank;
-# on this random model that moves the logits by some 6% of the largest, too much to decide tokens.
-QUANTIZED = ["w8a16-int8-channel", "w8a16-fp8-tensor"]
+# Quantized: int8 weights, float8 weights (one scale for each whole tensor) and W8A8, each the
+# quantized tests' (peaked) checkpoint and grid, so TP=1's graphs are theirs. W8A8 quantizes o's and
+# down's input per token over each rank's features (as vLLM), which rounds otherwise than one rank:
+# on a random model that moves the logits by some 6% of the largest, hence its tolerance.
+QUANTIZED = ["w8a16-int8-channel", "w8a16-fp8-tensor", "w8a8-int8-channel"]
+TP_TOLERANCE = {"w8a8-int8-channel": 0.1}  # of the largest |logit|; the others: quant.TOLERANCE
 
 
 @pytest.mark.slow
@@ -431,8 +431,8 @@ def test_two_ranks_of_a_quantized_checkpoint_generate_what_one_rank_does(
     name: str, float_model: Path, tmp_path: Path, graph_cache_dir: Path  # noqa: F811
 ):
     """Each rank's share of the quantized projections through the schemes' kernels: TP=2's greedy
-    tokens over NaN-poisoned caches are TP=1's up to the first near-tie of TP=1's logits, and its
-    logits along TP=1's path lie within the tolerance."""
+    tokens over NaN-poisoned caches are TP=1's up to the first near-tie of TP=1's logits (at least
+    90% of the steps), and its logits along TP=1's path lie within the tolerance."""
     checkpoint = quantize_checkpoint(float_model, tmp_path / "q", SCHEMES[name])
     one, two = (quant.compile_artifact(checkpoint, tmp_path / f"tp{n}", "inductor", graph_cache_dir, n)
                 for n in (1, 2))
@@ -442,5 +442,5 @@ def test_two_ranks_of_a_quantized_checkpoint_generate_what_one_rank_does(
     with two_ranks(two) as runtime:
         got = greedy(runtime, batch, quant.MAX_NEW)
         ours = quant.along(runtime, batch, want)
-    decided = quant.assert_follows(got, ours, want, logits, quant.TOLERANCE)
-    assert decided >= quant.MAX_NEW * len(batch) // 2  # most steps decisive: the check is not vacuous
+    atol = TP_TOLERANCE.get(name, quant.TOLERANCE) * float(logits.abs().max())
+    assert_follows(want, logits, atol, got, along=ours)
