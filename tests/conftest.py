@@ -369,6 +369,24 @@ def decode_plan(rows: Iterable[tuple]) -> StepPlan:
     return tuple(Segment(i, ids, start, blocks, len(ids)) for i, (ids, start, blocks) in enumerate(rows))
 
 
+def transformers_greedy(model_dir: Path, lengths: tuple[int, ...] = (5, 13), max_new: int = 8):
+    """Seeded random prompts of ``lengths`` and transformers' greedy continuation of each (no
+    end-of-sequence id): the reference the backends' whole-generation tests hold their pieces to."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new, pad_token_id=0, eos_token_id=None)
+        want.append(out[0, len(p):].tolist())
+    return prompts, want
+
+
 def random_layer(config, gen: torch.Generator):
     """A layer of ``config`` with random weights; quantized projections as the checkpoint stores
     them (random int8 or float8 values) with random positive scales."""

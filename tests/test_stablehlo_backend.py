@@ -19,7 +19,8 @@ import torch
 from filelock import FileLock
 
 from neuron_buckets.config import Config, load_config
-from tests.conftest import TINY_CONFIG, write_config
+from tests.conftest import TINY_CONFIG, transformers_greedy, write_config
+from tests.steps_compared import assert_same_tokens
 
 INSTALL = "pip install 'neuron-buckets[stablehlo]'"
 pytest.importorskip("torch_mlir", reason=f"needs torch-mlir ({INSTALL})")
@@ -175,8 +176,6 @@ def test_nb_verify_stablehlo_checks_the_artifact_and_refuses_another_backend(
 
 
 def test_greedy_generation_through_iree_pieces_equals_transformers(artifacts, hf_model_dir):
-    import transformers
-
     from neuron_buckets.runtime.bucket_runtime import BucketRuntime
     from tests.test_engine import greedy
 
@@ -184,18 +183,8 @@ def test_greedy_generation_through_iree_pieces_equals_transformers(artifacts, hf
     runtime = BucketRuntime.open(directory)
     runtime.k_cache.fill_(float("nan"))
     runtime.v_cache.fill_(float("nan"))
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_model_dir).eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 13)]
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                                 pad_token_id=0, eos_token_id=None)
-        want.append(out[0, len(p):].tolist())
-    got = greedy(runtime, prompts, 8)
-    assert sum(map(len, got)) == 16 and got == want
+    prompts, want = transformers_greedy(hf_model_dir)
+    assert_same_tokens(greedy(runtime, prompts, 8), want, total=2 * 8)
 
 
 MLIR_TYPES = {torch.int8: "i8", torch.float8_e4m3fn: "f8E4M3FN", torch.float32: "f32"}

@@ -21,7 +21,7 @@ from torch import Tensor
 from neuron_buckets.config import DTYPES, Config, load_config
 from neuron_buckets.core.padding import pad_decode, pad_prefill
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
-from tests.conftest import TINY_CONFIG, random_layer, segment, write_config
+from tests.conftest import TINY_CONFIG, random_layer, segment, transformers_greedy, write_config
 from tests.steps_compared import assert_same_tokens
 
 pytestmark = pytest.mark.xla
@@ -191,20 +191,9 @@ def test_every_bucket_on_xla_cpu_agrees_with_eager_over_a_nan_cache(runtimes):
 
 
 def test_greedy_generation_through_xla_pieces_equals_transformers(runtimes, hf_model_dir):
-    import transformers
-
     from tests.test_engine import greedy
 
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_model_dir).eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 13)]
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                                 pad_token_id=0, eos_token_id=None)
-        want.append(out[0, len(p):].tolist())
+    prompts, want = transformers_greedy(hf_model_dir)
     assert_same_tokens(greedy(poisoned(runtimes[0]), prompts, 8), want, total=2 * 8)
 
 

@@ -79,3 +79,14 @@ class Backend(Protocol):
         """Load one piece's graph. It is called with the piece's inputs, weights included, as
         positional arguments (the weights tuple flattened last), and returns its outputs."""
         ...
+
+
+class DenseWeights:
+    """For a backend whose graphs take the checkpoint's dense tensors as they load: nothing to
+    pack (eager, the lowered Neuron, XLA and StableHLO graphs)."""
+
+    def pack(self, layer: LayerWeights) -> LayerWeights:
+        return layer
+
+    def pack_head(self, weight: Tensor) -> Tensor:
+        return weight

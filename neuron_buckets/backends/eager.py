@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from neuron_buckets.backends.base import GraphFn
-from neuron_buckets.model.weights import LayerWeights
+from neuron_buckets.backends.base import DenseWeights, GraphFn
 
 
-class EagerBackend:
+class EagerBackend(DenseWeights):
     name = "eager"
     graph_ext = "json"
     dynamic_shapes = True
@@ -44,12 +43,6 @@ class EagerBackend:
         shapes = None if dynamic else [list(t.shape) for t in tree_leaves(example)]
         record = {"piece": type(piece).__name__, "input_shapes": shapes, **piece_parallel(piece)}
         out_file.write_text(json.dumps(record))
-
-    def pack(self, layer: LayerWeights) -> LayerWeights:
-        return layer  # the eager model reads the checkpoint's dense tensors
-
-    def pack_head(self, weight: Tensor) -> Tensor:
-        return weight
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         spec = json.loads(path.read_text())

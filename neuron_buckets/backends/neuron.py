@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from neuron_buckets.backends.base import BackendUnavailable, GraphFn
+from neuron_buckets.backends.base import BackendUnavailable, DenseWeights, GraphFn
 from neuron_buckets.model.weights import LayerWeights
 
 INSTALL_HINT = (
@@ -226,7 +226,7 @@ class NeuronLayer:
         return out
 
 
-class NeuronBackend:
+class NeuronBackend(DenseWeights):
     name = "neuron"
     graph_ext = "pt"  # a TorchScript archive around the NEFF, as torch.jit.save writes it
     dynamic_shapes = False  # a NEFF has static shapes
@@ -273,12 +273,6 @@ class NeuronBackend:
             traced = sdk.trace(spec.module, spec.inputs, input_output_aliases=spec.aliases, **trace)
         sdk.async_load(traced)  # must precede jit.save: loading overlaps across piece graphs
         torch.jit.save(traced, str(out_file))
-
-    def pack(self, layer: LayerWeights) -> LayerWeights:
-        return layer  # the traced graph takes the dense tensors
-
-    def pack_head(self, weight: Tensor) -> Tensor:
-        return weight
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         sdk = _sdk()

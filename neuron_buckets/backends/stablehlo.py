@@ -24,11 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from neuron_buckets.backends.base import BackendUnavailable, GraphFn
+from neuron_buckets.backends.base import BackendUnavailable, DenseWeights, GraphFn
 from neuron_buckets.backends.eager import EagerGraph, piece_parallel
 from neuron_buckets.backends.neuron import NeuronFlags
 from neuron_buckets.backends.stablehlo_lowering import IreeModule, lower, package_version, toolchain
-from neuron_buckets.model.weights import LayerWeights
 
 
 def neuronx_cc_command(piece_file: str, flags: dict[str, Any]) -> list[str]:
@@ -64,7 +63,7 @@ class IreePiece:
         return out[0] if len(out) == 1 else out
 
 
-class StableHloBackend:
+class StableHloBackend(DenseWeights):
     name = "stablehlo"
     graph_ext = "json"  # the bytecode (base64), its summary and the neuronx-cc command line
     dynamic_shapes = False  # the Neuron backend's static pieces
@@ -107,12 +106,6 @@ class StableHloBackend:
             **piece_parallel(piece),
         }
         out_file.write_text(json.dumps(record))
-
-    def pack(self, layer: LayerWeights) -> LayerWeights:
-        return layer  # the lowered graph takes the dense tensors
-
-    def pack_head(self, weight: Tensor) -> Tensor:
-        return weight
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         record = json.loads(path.read_text())

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from neuron_buckets.backends.base import BackendUnavailable, GraphFn
+from neuron_buckets.backends.base import BackendUnavailable, DenseWeights, GraphFn
 from neuron_buckets.backends.eager import EagerGraph, piece_of, piece_parallel
 from neuron_buckets.backends.neuron import StackedLayer, layer_input, stacked_of, trace_spec
 from neuron_buckets.backends.xla_lowering import (
@@ -32,7 +32,6 @@ from neuron_buckets.backends.xla_lowering import (
     torch_xla,
     torch_xla_version,
 )
-from neuron_buckets.model.weights import LayerWeights
 
 
 class XlaGraph:
@@ -73,7 +72,7 @@ class XlaLayer:
         return out
 
 
-class XlaBackend:
+class XlaBackend(DenseWeights):
     name = "xla"
     graph_ext = "json"  # the HLO module and its summary; load traces the same module again
     dynamic_shapes = False  # the Neuron backend's static pieces
@@ -111,12 +110,6 @@ class XlaBackend:
         record = {"piece": type(piece).__name__, "input_shapes": shapes, "summary": lowering.summary,
                   "hlo": lowering.hlo, **piece_parallel(piece)}
         out_file.write_text(json.dumps(record))
-
-    def pack(self, layer: LayerWeights) -> LayerWeights:
-        return layer  # the traced graph takes the dense tensors
-
-    def pack_head(self, weight: Tensor) -> Tensor:
-        return weight
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         from neuron_buckets.model.pieces import LayerPiece
