@@ -79,7 +79,7 @@ class LeastComputed(Scheduler):
     """Preempts the running request with the fewest tokens cached: the least to compute again."""
 
     def victim(self) -> Request:
-        return min(reversed(self.running), key=lambda r: r.cached)
+        return min(reversed(self.running), key=self.kv.num_cached)
 
 
 class Oldest(Scheduler):

@@ -128,7 +128,7 @@ def run(work: list[list[int]], output_len: int, buckets: BucketSet, cache: Cache
         for req in transit:  # they arrived while this step ran
             sched.add(req)
         for seg in plan:
-            if seg.context_len < requests[seg.request_id].prefill_len:
+            if seg.context_len < kv.prefill_len(requests[seg.request_id]):
                 arrivals[seg.request_id].own.append(s)
         touched = sched.commit(plan, [[0] * min(seg.num_samples, 1) for seg in plan])
         transit = []

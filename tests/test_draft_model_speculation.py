@@ -150,13 +150,13 @@ def poisoned_run(
     for cache in caches:
         cache.fill_(float("nan"))
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
-    final, bs = {}, runtime.block_size
+    final, bs, kv = {}, runtime.block_size, engine.kv_cache
     while len(final) < len(ids):
         final.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
         for req in engine.scheduler.running:
-            for valid, pair in ((req.cached, caches[:2]), (min(req.draft_cached, req.cached), caches[2:])):
-                slots = torch.arange(valid, len(req.blocks) * bs)
-                blocks = torch.tensor(req.blocks, dtype=torch.int64)[slots // bs]
+            for valid, pair in ((kv.num_cached(req), caches[:2]), (kv.draft_context(req), caches[2:])):
+                slots = torch.arange(valid, len(kv.blocks(req)) * bs)
+                blocks = torch.tensor(kv.blocks(req), dtype=torch.int64)[slots // bs]
                 for cache in pair:
                     cache[:, blocks, slots % bs] = float("nan")
     return [final[i] for i in ids], engine
@@ -366,7 +366,7 @@ def test_sampled_tokens_with_a_draft_model_follow_the_targets_distribution():
     draft = MarkovRuntime(torch.randn(vocab, vocab, generator=gen).softmax(-1), 0)
     pool = BlockPool(target.num_blocks, target.block_size)
     engine = LLMEngine(target, pool=pool, speculative=SpeculativeConfig(num_speculative_tokens=K))
-    engine.drafter = engine.scheduler.drafter = DraftModelDrafter(draft)  # type: ignore[arg-type]
+    engine.drafter = engine.scheduler.drafter = DraftModelDrafter(draft, engine.kv_cache)  # type: ignore[arg-type]
     params = [SamplingParams(max_tokens=new, temperature=1.0, seed=i) for i in range(2000)]
     tokens = torch.tensor([o.token_ids for o in generate(engine, [[0, 1, 2, 3]] * 2000, params)])
     marginal = torch.eye(vocab)[3]

@@ -251,3 +251,53 @@ def test_sampling_is_a_stage_and_the_grammar_reaches_the_engine_twice_at_most():
     assert called.count("sample") == 1 and "compile" not in called and "mask" not in called
     sampler = (PACKAGE / "engine" / "step_sampler.py").read_text()
     assert "self.grammar.compile(" in sampler and "self.grammar.mask(" in sampler
+
+
+KV_STATE = {"blocks", "cached", "draft_cached", "block_hashes", "prefill_hashes", "recomputed"}
+
+
+def _kv_writers(path: Path) -> set[str]:
+    """The KV-state attributes a file assigns, augments or deletes (``x.blocks = ...``,
+    ``del x.block_hashes[n:]``), by name."""
+    written = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        todo = [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        todo += node.targets if isinstance(node, ast.Assign | ast.Delete) else []
+        while todo:
+            target = todo.pop()
+            if isinstance(target, ast.Tuple | ast.List):
+                todo += target.elts
+            elif isinstance(target, ast.Subscript | ast.Starred):
+                todo.append(target.value)
+            elif isinstance(target, ast.Attribute) and target.attr in KV_STATE:
+                written.add(target.attr)
+    return written
+
+
+def test_the_kv_cache_manager_owns_every_requests_kv_state():
+    """vLLM's ``req_to_blocks``: a request's blocks, cached tokens and block names live in the KV
+    cache manager, one record per request id from ``add`` to ``release``, and only the manager
+    writes them. ``Request`` holds none of them, so nothing can read them off a request."""
+    from dataclasses import fields
+
+    from neuron_buckets.engine.block_pool import BlockPool
+    from neuron_buckets.engine.kv_cache_manager import KVCacheManager, RequestKV
+    from neuron_buckets.engine.request import Request
+    from neuron_buckets.engine.sampling_params import SamplingParams
+
+    assert {f.name for f in fields(RequestKV)} == KV_STATE
+    request_fields = {f.name for f in fields(Request)}
+    assert {"request_id", "token_ids", "prompt_len"} <= request_fields and not request_fields & KV_STATE
+    assert not {"prefill_len", "prefilled"} & set(vars(Request))
+    manager = "neuron_buckets.engine.kv_cache_manager"
+    writers = {name: found for name, path in _modules().items() if (found := _kv_writers(path))}
+    assert set(writers) == {manager}
+    assert {"blocks", "cached", "draft_cached", "recomputed"} <= writers[manager]
+
+    kv = KVCacheManager(BlockPool(4, 2))
+    req = Request(7, [1, 2, 3], 3, SamplingParams())
+    kv.add(req)
+    assert kv.admit(req, [], alone=True) and kv.grow(req, 3)
+    assert list(kv.req_to_kv) == [7] and len(kv.blocks(req)) == 2 and kv.num_cached(req) == 0
+    kv.release(req)
+    assert kv.req_to_kv == {} and kv.pool.num_free == 3

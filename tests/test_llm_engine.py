@@ -67,7 +67,7 @@ def test_a_stop_token_ends_a_request_and_frees_its_blocks_at_once(artifact, alon
         (a, alone[0][: k + 1], "stop", stop)
     ]
     assert engine.num_running == 1  # the other request goes on, holding only its own blocks
-    assert engine.pool.num_free == usable - len(engine.scheduler.running[0].blocks)
+    assert engine.pool.num_free == usable - len(engine.kv_cache.blocks(engine.scheduler.running[0]))
     rest = [o for _ in range(20) for o in engine.step() if o.finished]
     assert [o.token_ids for o in rest] == [alone[2]] and engine.pool.num_free == usable
 
@@ -97,7 +97,7 @@ def test_abort_frees_the_blocks_at_once_and_is_reported_next_step(artifact, alon
     engine.step()  # a and b prefill (two rows a step)
     engine.step()  # their decode rows fill the step's two rows: the third prompt and this one wait
     assert engine.num_waiting == 2
-    held = next(len(r.blocks) for r in engine.scheduler.running if r.request_id == a)
+    held = next(len(engine.kv_cache.blocks(r)) for r in engine.scheduler.running if r.request_id == a)
     free = engine.pool.num_free
     assert held > 0
 

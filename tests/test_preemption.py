@@ -42,15 +42,15 @@ def caches(engine: LLMEngine) -> list[tuple[torch.Tensor, bool]]:
 
 def poison(engine: LLMEngine) -> None:
     """NaN in every slot the engine does not count as valid (the module docstring)."""
-    pool, bs = engine.pool, engine.runtime.block_size
-    held = {b for r in engine.scheduler.running for b in r.blocks}
+    pool, bs, kv = engine.pool, engine.runtime.block_size, engine.kv_cache
+    held = {b for r in engine.scheduler.running for b in kv.blocks(r)}
     stale = [b for b in range(1, pool.num_blocks) if b not in held and b not in pool._hash_of]
     for cache, draft in caches(engine):
         cache[:, stale] = float("nan")
         for req in engine.scheduler.running:
-            valid = min(req.draft_cached, req.cached) if draft else req.cached
-            slots = torch.arange(valid, len(req.blocks) * bs)
-            cache[:, torch.tensor(req.blocks, dtype=torch.int64)[slots // bs], slots % bs] = float("nan")
+            valid = kv.draft_context(req) if draft else kv.num_cached(req)
+            slots = torch.arange(valid, len(kv.blocks(req)) * bs)
+            cache[:, torch.tensor(kv.blocks(req), dtype=torch.int64)[slots // bs], slots % bs] = float("nan")
 
 
 def run(

@@ -158,7 +158,7 @@ def test_the_scheduler_with_prefix_caching_plans_valid_steps_and_never_runs_shor
     pending = [] if publish_early else reqs[1:]
     computed, discarded = 0, []  # tokens computed; cached tokens each preemption gave up
     preempt = sched.preempt
-    sched.preempt = lambda r: discarded.append(r.cached) or preempt(r)  # type: ignore[method-assign]
+    sched.preempt = lambda r: discarded.append(sched.kv.num_cached(r)) or preempt(r)  # type: ignore[method-assign]
     for _ in range(500):
         if not sched.busy:
             if not pending:
@@ -270,11 +270,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         finished = [r for r in self.requests.values() if r.done]
         places = [r.request_id for r in [*waiting, *running, *finished]]
         assert sorted(places) == sorted(self.requests)  # none lost, none twice
-        assert all(not r.blocks and r.cached == 0 for r in waiting)
+        kv = self.sched.kv
+        assert all(not kv.blocks(r) and kv.num_cached(r) == 0 for r in waiting)
+        assert sorted(kv.req_to_kv) == sorted(r.request_id for r in [*waiting, *running])  # no record left
 
     @invariant()
     def no_block_leaks_and_the_null_block_is_never_handed_out(self) -> None:
-        held = [b for r in self.sched.running for b in r.blocks]
+        held = [b for r in self.sched.running for b in self.sched.kv.blocks(r)]
         assert NULL_BLOCK_ID not in held
         for b in set(held):
             assert self.pool.refcount(b) == held.count(b)

@@ -153,9 +153,9 @@ def test_the_newest_request_is_preempted_to_the_front_and_recomputed_over_its_ou
         steps += 1
     assert steps == 6  # both prompts in 3 blocks each, 4 tokens each fill the other 2, then a 5th
     assert sched.running == [old] and list(sched.waiting) == [new]  # the newest gave way
-    assert sched.kv.num_preemptions == 1 and new.cached == 0 and not new.blocks
+    assert sched.kv.num_preemptions == 1 and sched.kv.num_cached(new) == 0 and not sched.kv.blocks(new)
     generated = new.token_ids[new.prompt_len :]
-    assert new.prefill_len == len(new.token_ids) and len(generated) > 1  # its output is kept
+    assert sched.kv.prefill_len(new) == len(new.token_ids) and len(generated) > 1  # its output is kept
     out = new.output()
     assert out.token_ids == generated and not out.finished
     while new not in sched.running:

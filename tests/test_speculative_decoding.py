@@ -149,8 +149,8 @@ def test_rejected_drafts_leave_nothing_behind_and_a_poisoned_cache_changes_nothi
     while len(final) < len(ids):
         final.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
         for req in engine.scheduler.running:
-            slots = torch.arange(req.cached, len(req.blocks) * bs)
-            blocks = torch.tensor(req.blocks)[slots // bs]
+            slots = torch.arange(engine.kv_cache.num_cached(req), len(engine.kv_cache.blocks(req)) * bs)
+            blocks = torch.tensor(engine.kv_cache.blocks(req))[slots // bs]
             for cache in (runtime.k_cache, runtime.v_cache):
                 cache[:, blocks, slots % bs] = float("nan")
             poisoned += len(slots)

@@ -9,8 +9,9 @@ calls of the draft: the first catches the draft up on the tokens it has not comp
 token, and after a fully accepted row the last draft as well: then a short continuing chunk),
 each further one a 1-token decode row of the previous draft.
 
-``Request.draft_cached`` is what the draft has computed and kept. It may pass what the target
-confirmed, so each step starts from ``min(draft_cached, cached)``: the accepted drafts' K/V are
+The KV cache manager keeps what the draft has computed and kept of each request
+(``draft_computed``). It may pass what the target confirmed, so each step starts from
+``min(draft_cached, cached)`` (``draft_context``): the accepted drafts' K/V are
 kept, and the slots of rejected ones are overwritten by the next catch-up before anything attends
 to them (attention reads only the positions before a token). The drafts are argmaxes, a
 deterministic proposal, so rejection sampling keeps a sampled request's distribution exact.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from neuron_buckets.artifact.manifest import MANIFEST
 from neuron_buckets.config.draft import DRAFT
 from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 
@@ -31,9 +33,10 @@ from neuron_buckets.runtime.bucket_runtime import ArtifactError, BucketRuntime
 @dataclass(frozen=True)
 class DraftModelDrafter:
     runtime: BucketRuntime  # the draft's, over the target artifact's draft/ sub-artifact
+    kv: KVCacheManager  # the target's: the draft reads its block tables and keeps its count there
 
     @classmethod
-    def open(cls, target: BucketRuntime) -> DraftModelDrafter:
+    def open(cls, target: BucketRuntime, kv: KVCacheManager) -> DraftModelDrafter:
         """The draft of ``target``'s artifact, checked against it: the same vocabulary and cache
         geometry (so the target's block ids mean the same slots), decode rows of one token."""
         path = target.directory / DRAFT
@@ -58,7 +61,7 @@ class DraftModelDrafter:
         if draft.buckets.decode_seq != 1:
             seq = draft.buckets.decode_seq
             raise ArtifactError(f"{path}: the draft's decode rows carry {seq} tokens, not 1")
-        return cls(draft)
+        return cls(draft, kv)
 
     def follow(self, chunks: Sequence[tuple[Request, Segment]]) -> None:
         """Prefill the target step's prompt chunks into the draft's cache, in the same calls."""
@@ -68,17 +71,18 @@ class DraftModelDrafter:
             Segment(s.request_id, s.token_ids, s.context_len, s.block_ids, 0) for _, s in chunks
         ))
         for req, seg in chunks:
-            req.draft_cached = seg.end
+            self.kv.draft_computed(req, seg.end)
 
     def draft(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[list[int]]:
         """``rooms[i]`` greedy draft tokens for each request, in ``max(rooms)`` batched calls."""
-        ctx = [min(r.draft_cached, r.cached) for r in requests]
+        ctx = [self.kv.draft_context(r) for r in requests]
         feed = [r.token_ids[c:] for r, c in zip(requests, ctx, strict=True)]
         drafts: list[list[int]] = [[] for _ in requests]
         for j in range(max(rooms, default=0)):
             active = [i for i, room in enumerate(rooms) if room > j]
             plan = tuple(
-                Segment(requests[i].request_id, feed[i], ctx[i], tuple(requests[i].blocks), 1) for i in active
+                Segment(requests[i].request_id, feed[i], ctx[i], self.kv.blocks(requests[i]), 1)
+                for i in active
             )
             best = self.runtime.run_plan(plan).argmax(dim=-1).tolist()
             for i, token in zip(active, best, strict=True):
@@ -86,5 +90,5 @@ class DraftModelDrafter:
                 ctx[i] += len(feed[i])
                 feed[i] = [token]
         for req, c in zip(requests, ctx, strict=True):
-            req.draft_cached = c
+            self.kv.draft_computed(req, c)
         return drafts

@@ -12,6 +12,13 @@ prefix) fit beside a watermark of free blocks, and grows a block at a time. The 
 a newly admitted request from being preempted at its first decode steps, when the running ones
 grow too; with nothing running it is waived, so every prompt that fits the pool is admitted.
 
+The manager owns every request's KV state, in one record per request id (vLLM's
+``req_to_blocks``): its blocks, the tokens the cache holds of it (and a draft model's cache),
+its blocks' names, and the output a preemption makes it prefill again. ``Request`` holds none of
+it; the scheduler, the engine and the drafter ask the manager (``blocks``, ``num_cached``,
+``prefill_len``, ...), and only the manager writes it: a record starts at ``add`` and ends at
+``release``.
+
 A preempted request gives its blocks back. Full ones keep their names (``commit`` published them
 as they were written), so its recompute finds them in the prefix cache unless they were evicted
 meanwhile. With a draft model (``follows_draft``) a block is named only once the draft has
@@ -21,11 +28,24 @@ written its slots too: a later hit then skips both models' computation of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.request import Request
 
 WATERMARK = 0.01  # vLLM's default share of the pool an admission leaves free
+
+
+@dataclass
+class RequestKV:
+    """What the manager keeps of one request's KV cache."""
+
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V the cache holds
+    draft_cached: int = 0  # tokens a draft model computed into its own cache (may pass the valid ones)
+    block_hashes: list[bytes] = field(default_factory=list)  # names of its published full blocks
+    prefill_hashes: list[bytes] = field(default_factory=list)  # names of the full blocks it prefills
+    recomputed: int = 0  # generated tokens it prefills again, after a preemption took its blocks
 
 
 class KVCacheManager:
@@ -37,6 +57,37 @@ class KVCacheManager:
         self.follows_draft = follows_draft
         self.num_preemptions = 0
         self.peak_usage = 0.0  # the most ``usage`` reached after a grow
+        self.req_to_kv: dict[int, RequestKV] = {}  # by request id, from ``add`` to ``release``
+
+    def add(self, req: Request) -> None:
+        """Start ``req``'s record: no blocks, nothing cached."""
+        self.req_to_kv[req.request_id] = RequestKV()
+
+    def blocks(self, req: Request) -> tuple[int, ...]:
+        """The blocks ``req`` holds, in order: its block table."""
+        return tuple(self.req_to_kv[req.request_id].blocks)
+
+    def num_cached(self, req: Request) -> int:
+        """How many of ``req``'s leading tokens the cache holds."""
+        return self.req_to_kv[req.request_id].cached
+
+    def draft_context(self, req: Request) -> int:
+        """How many of ``req``'s leading tokens a draft model's cache holds that the target
+        confirmed: where its next catch-up starts."""
+        kv = self.req_to_kv[req.request_id]
+        return min(kv.draft_cached, kv.cached)
+
+    def draft_computed(self, req: Request, num_tokens: int) -> None:
+        """A draft model's cache now holds ``req``'s first ``num_tokens`` tokens."""
+        self.req_to_kv[req.request_id].draft_cached = num_tokens
+
+    def prefill_len(self, req: Request) -> int:
+        """Tokens ``req`` prefills before its decode rows: its prompt, and after a preemption its
+        output so far as well (the chunk that ends there samples its next token)."""
+        return req.prompt_len + self.req_to_kv[req.request_id].recomputed
+
+    def prefilled(self, req: Request) -> bool:
+        return self.num_cached(req) >= self.prefill_len(req)
 
     @property
     def usage(self) -> float:
@@ -54,7 +105,8 @@ class KVCacheManager:
         computes every position. Counts nothing: ``admit`` counts the one that enters."""
         if req.wants_prompt_logits:
             return []
-        return self.pool.cached_prefix(req.token_ids[: req.prefill_len], count=False, hashes=self._names(req))
+        tokens = req.token_ids[: self.prefill_len(req)]
+        return self.pool.cached_prefix(tokens, count=False, hashes=self._names(req))
 
     def in_flight(self, req: Request, running: Sequence[Request]) -> int:
         """How many of ``req``'s leading blocks (those a lookup may find) a running request still
@@ -62,9 +114,9 @@ class KVCacheManager:
         prefix caching, which names no block, nor for a request whose lookup finds none)."""
         if req.wants_prompt_logits:
             return 0
-        mine = self._names(req)[: (req.prefill_len - 1) // self.pool.block_size]
+        mine = self._names(req)[: (self.prefill_len(req) - 1) // self.pool.block_size]
         longest = 0
-        for other in (r for r in running if not r.prefilled):
+        for other in (r for r in running if not self.prefilled(r)):
             shared = 0
             for a, b in zip(mine, self._names(other), strict=False):
                 if a != b:
@@ -77,19 +129,20 @@ class KVCacheManager:
         """Take ``req`` in with ``prefix`` (its ``lookup``) shared, if the blocks its prefill still
         lacks fit beside the watermark (waived when it is ``alone``); counts the lookup. Sharing a
         cached block nobody holds takes it off the free count, so those count as lacking too."""
-        need = self.pool.blocks_for(req.prefill_len) - len(prefix)
+        need = self.pool.blocks_for(self.prefill_len(req)) - len(prefix)
         need += sum(self.pool.refcount(b) == 0 for b in prefix)
         if need > self.pool.num_free - (0 if alone else self.watermark_blocks):
             return False
-        self.pool.count(req.prefill_len, len(prefix))
-        req.blocks = self.pool.share(prefix)
-        req.cached = len(prefix) * self.pool.block_size
-        del req.block_hashes[len(prefix) :]  # a recompute names its blocks from its prefix on
+        self.pool.count(self.prefill_len(req), len(prefix))
+        kv = self.req_to_kv[req.request_id]
+        kv.blocks = self.pool.share(prefix)
+        kv.cached = len(prefix) * self.pool.block_size
+        del kv.block_hashes[len(prefix) :]  # a recompute names its blocks from its prefix on
         return True
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Make ``req``'s blocks cover ``num_tokens`` tokens; all or nothing."""
-        if self.pool.blocks_for(num_tokens) - len(req.blocks) > self.pool.num_free:
+        if self.pool.blocks_for(num_tokens) - len(self.req_to_kv[req.request_id].blocks) > self.pool.num_free:
             return False
         self._grow(req, num_tokens)
         return True
@@ -97,38 +150,44 @@ class KVCacheManager:
     def grow_up_to(self, req: Request, num_tokens: int) -> int:
         """Grow ``req``'s blocks towards ``num_tokens`` tokens as far as the pool allows; the
         tokens they cover then (at most ``num_tokens``)."""
-        covered = (len(req.blocks) + self.pool.num_free) * self.pool.block_size
+        blocks = self.req_to_kv[req.request_id].blocks
+        covered = (len(blocks) + self.pool.num_free) * self.pool.block_size
         self._grow(req, min(num_tokens, covered))
-        return min(num_tokens, len(req.blocks) * self.pool.block_size)
+        return min(num_tokens, len(blocks) * self.pool.block_size)
 
-    def commit(self, req: Request) -> None:
-        """Name ``req``'s full blocks whose K/V is written (with a draft model, by both models), so
-        later requests, and its own recompute, may share them."""
-        valid = min(req.cached, len(req.token_ids))
+    def commit(self, req: Request, num_cached: int) -> None:
+        """A step left ``req``'s first ``num_cached`` tokens in the cache: name its full blocks
+        whose K/V is written (with a draft model, by both models), so later requests, and its own
+        recompute, may share them."""
+        kv = self.req_to_kv[req.request_id]
+        kv.cached = num_cached
+        valid = min(num_cached, len(req.token_ids))
         if self.follows_draft:
-            valid = min(valid, req.draft_cached)
-        self.pool.publish(req.blocks, req.token_ids, valid, req.block_hashes)
+            valid = min(valid, kv.draft_cached)
+        self.pool.publish(kv.blocks, req.token_ids, valid, kv.block_hashes)
 
     def release(self, req: Request) -> None:
-        """``req`` ended: its blocks go back (named ones stay cached until evicted)."""
-        self.pool.free(req.blocks)
+        """``req`` ended: its blocks go back (named ones stay cached until evicted) and its record
+        ends."""
+        self.pool.free(self.req_to_kv.pop(req.request_id).blocks)
 
     def preempt(self, req: Request) -> None:
         """Take ``req``'s blocks back to make room: it computes everything again when readmitted,
         its prompt and output so far as one prefill (cached blocks found by ``lookup``)."""
-        self.pool.free(req.blocks)
-        req.cached = req.draft_cached = 0
-        req.recomputed = req.num_generated
+        kv = self.req_to_kv[req.request_id]
+        self.pool.free(kv.blocks)
+        kv.cached = kv.draft_cached = 0
+        kv.recomputed = req.num_generated
         self.num_preemptions += 1
 
     def _grow(self, req: Request, num_tokens: int) -> None:
-        self.pool.grow(req.blocks, num_tokens)
+        self.pool.grow(self.req_to_kv[req.request_id].blocks, num_tokens)
         self.peak_usage = max(self.peak_usage, self.usage)
 
     def shortfall(self, req: Request) -> str:
         """Why ``req`` cannot be admitted into a pool that nobody it knows holds."""
         return (
-            f"request {req.request_id} needs {self.pool.blocks_for(req.prefill_len)} blocks, "
+            f"request {req.request_id} needs {self.pool.blocks_for(self.prefill_len(req))} blocks, "
             f"only {self.pool.num_free} of the pool are free"
         )
 
@@ -137,6 +196,5 @@ class KVCacheManager:
         place when a preemption adds its output (empty without prefix caching)."""
         if not self.pool.enable_prefix_caching:
             return []
-        if req.prefill_hashes is None:
-            req.prefill_hashes = []
-        return self.pool.chain(req.token_ids, req.prefill_len // self.pool.block_size, req.prefill_hashes)
+        hashes = self.req_to_kv[req.request_id].prefill_hashes
+        return self.pool.chain(req.token_ids, self.prefill_len(req) // self.pool.block_size, hashes)

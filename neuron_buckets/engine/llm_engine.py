@@ -115,9 +115,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(default if eos_token_ids is None else eos_token_ids)
         spec = speculative or SpeculativeConfig()
         spec.check_fits(runtime.buckets.decode_seq - 1)
+        draft_model = spec.enabled and spec.uses_draft_model
+        self.kv_cache = KVCacheManager(self.pool, follows_draft=draft_model)  # the drafter reads it
         self.drafter: Drafter | None = None
-        if spec.enabled and spec.uses_draft_model:
-            self.drafter = DraftModelDrafter.open(runtime)
+        if draft_model:
+            self.drafter = DraftModelDrafter.open(runtime, self.kv_cache)
         elif spec.enabled:
             self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.spec_stats = SpecDecodeStats()
@@ -126,7 +128,6 @@ class LLMEngine:
             self.gate = SpeculationGate(
                 self.drafter, self.spec_stats, spec.auto_off_window, spec.auto_off_probe_interval
             )
-        self.kv_cache = KVCacheManager(self.pool, follows_draft=isinstance(self.drafter, DraftModelDrafter))
         self.scheduler = Scheduler(
             self.kv_cache, runtime.buckets.token_budget, runtime.buckets.max_rows,
             self.gate or self.drafter, spec.num_speculative_tokens,
@@ -242,7 +243,8 @@ class LLMEngine:
         # empty only when the requests it had ended as it was planned (the pool could not hold them)
         logits = self.runtime.run_plan(plan) if plan else torch.empty(0)
         if (drafter := self.scheduler.drafter) is not None:  # the gate, when there is one
-            chunks = [(r, s) for s in plan if s.context_len < (r := self._requests[s.request_id]).prefill_len]
+            chunks = [(r, s) for s in plan
+                      if s.context_len < self.kv_cache.prefill_len(r := self._requests[s.request_id])]
             drafter.follow(chunks)
         return logits, time.perf_counter() - start
 

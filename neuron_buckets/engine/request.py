@@ -1,15 +1,16 @@
-"""One request, the one record the engine keeps of it: its tokens and blocks, how it samples and
-stops, and what of it was already reported.
+"""One request, the engine's record of it: its tokens, how it samples and stops, and what of it
+was already reported. Its KV state (blocks, cached tokens, block names) is not here: the KV cache
+manager keeps it, by request id.
 
-The scheduler reads its lengths and blocks (the KV cache manager keeps them), ``append`` applies
-its stop rule to each new token, ``output`` says what is new since the last report. ``nb
-inspect``'s replay makes the same records from lengths alone (dummy tokens, ``ignore_eos``).
+The scheduler reads its tokens and lengths, ``append`` applies its stop rule to each new token,
+``output`` says what is new since the last report. ``nb inspect``'s replay makes the same records
+from lengths alone (dummy tokens, ``ignore_eos``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +31,6 @@ class Request:
     generator: torch.Generator | None = None  # None for greedy requests, which draw nothing
     detokenizer: Detokenizer | None = None  # None without a tokenizer: no text, no stop strings
     eos_token_ids: Collection[int] = frozenset()
-    blocks: list[int] = field(default_factory=list)
-    cached: int = 0  # tokens whose K/V the cache holds
-    draft_cached: int = 0  # tokens a draft model computed into its own cache (may pass the valid ones)
-    block_hashes: list[bytes] = field(default_factory=list)  # names of its published full blocks
-    prefill_hashes: list[bytes] | None = None  # names of the full blocks it prefills, once looked at
-    recomputed: int = 0  # generated tokens it prefills again, after a preemption took its blocks
     finish_reason: str | None = None  # "stop", "length" or "abort" once it needs no more steps
     stop_reason: int | str | None = None  # the eos or stop token id, or the stop string
     sent_tokens: int = 0  # generated tokens already reported
@@ -79,12 +74,6 @@ class Request:
         self.early_stops = torch.tensor(early, dtype=torch.int64)
 
     @property
-    def prefill_len(self) -> int:
-        """Tokens it prefills before its decode rows: its prompt, and after a preemption its output
-        so far as well (the chunk that ends there samples its next token)."""
-        return self.prompt_len + self.recomputed
-
-    @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
@@ -93,10 +82,6 @@ class Request:
         """Whether drafts may be verified for it: not when it opted out, nor with a repetition
         penalty, whose history would change at every draft position."""
         return self.params.speculative and self.params.repetition_penalty == 1
-
-    @property
-    def prefilled(self) -> bool:
-        return self.cached >= self.prefill_len
 
     @property
     def wants_prompt_logits(self) -> bool:

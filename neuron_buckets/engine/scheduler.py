@@ -46,7 +46,7 @@ sampled, so the target's logits at every draft position come back in one step. D
 capped so the request never passes its ``max_tokens`` (and so its ``max_model_len``), and to the
 blocks the pool has free: a draft never preempts. Its blocks grow to cover the drafts' room before
 the drafter runs: a draft model writes its own cache at those positions. The rejected drafts' K/V
-are written too, but ``commit`` advances ``cached`` only over the valid ones (the context, the
+are written too, but ``commit`` counts only the valid ones cached (the context, the
 last token, the accepted drafts): the next step writes its own tokens over those slots, so a
 rejected draft leaves nothing that any later token attends to.
 """
@@ -91,15 +91,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        self.kv.add(req)
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
         """End ``req`` now, wherever it is, and return its blocks to the pool at once."""
-        if req in self.waiting:
-            self.waiting.remove(req)
-        elif req in self.running:
-            self.running.remove(req)
-            self.kv.release(req)
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+                self.kv.release(req)
         req.finish_reason = "abort"
 
     def preempt(self, req: Request) -> None:
@@ -118,7 +118,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """This step's plan: prefill chunks (the continuing prompt first), then decode rows."""
         preempted = self._make_room()
-        decoding = [r for r in self.running if r.prefilled]
+        decoding = [r for r in self.running if self.kv.prefilled(r)]
         rows = [(req, req.token_ids[-1:] + d) for req, d in zip(decoding, self.drafts(decoding), strict=True)]
         # decode rows' tokens and rows come first: room for them to ride in the prefill call
         decode_tokens = sum(len(tokens) for _, tokens in rows)
@@ -130,21 +130,18 @@ class Scheduler:
                 chunks[-1] = (chunks[-1][0], chunks[-1][1] - cut)
         # Only a chunk that ends its prefill samples; one of a request that asked for its
         # prompt's logprobs returns the logits of every token it computes.
-        prefill = tuple(
-            Segment(
-                req.request_id,
-                req.token_ids[req.cached : req.cached + n],
-                req.cached,
-                tuple(req.blocks),
-                n if req.wants_prompt_logits else int(req.cached + n == req.prefill_len),
-            )
-            for req, n in chunks
-        )
+        prefill = tuple(self._chunk(req, n) for req, n in chunks)
         decode = tuple(
-            Segment(r.request_id, tokens, len(r.token_ids) - 1, tuple(r.blocks), len(tokens))
+            Segment(r.request_id, tokens, len(r.token_ids) - 1, self.kv.blocks(r), len(tokens))
             for r, tokens in rows
         )
         return prefill + decode
+
+    def _chunk(self, req: Request, n: int) -> Segment:
+        """The prefill chunk of ``req``'s next ``n`` tokens."""
+        start = self.kv.num_cached(req)
+        samples = n if req.wants_prompt_logits else int(start + n == self.kv.prefill_len(req))
+        return Segment(req.request_id, req.token_ids[start : start + n], start, self.kv.blocks(req), samples)
 
     def drafts(self, decoding: Sequence[Request]) -> list[list[int]]:
         """The tokens drafted for each request's next row: none unless it speculates, and never so
@@ -184,13 +181,13 @@ class Scheduler:
             if (req := running.get(seg.request_id)) is None:  # aborted since it was planned
                 continue
             # a decode row's rejected drafts are not cached; a prefill chunk is, whatever it returned
-            rejected = 0 if seg.context_len < req.prefill_len else max(0, seg.num_samples - len(tokens))
-            req.cached = seg.end - rejected
+            chunk = seg.context_len < self.kv.prefill_len(req)
+            rejected = 0 if chunk else max(0, seg.num_samples - len(tokens))
             for token in tokens:
                 req.append(token)
                 if req.done:
                     break
-            self.kv.commit(req)
+            self.kv.commit(req, seg.end - rejected)
             if tokens:
                 touched.append(req)
         for req in [r for r in self.running if r.done]:
@@ -204,10 +201,10 @@ class Scheduler:
         short; whether any was preempted."""
         preempted = False
         for req in list(self.running):
-            while req in self.running and not self.kv.grow(req, req.cached + 1):
+            while req in self.running and not self.kv.grow(req, (need := self.kv.num_cached(req) + 1)):
                 preempted = True
                 # the victim gives way; one that could not grow even alone ends (``preempt``)
-                self.preempt(req if not self.kv.fits_alone(req.cached + 1) else self.victim())
+                self.preempt(req if not self.kv.fits_alone(need) else self.victim())
         return preempted
 
     def victim(self) -> Request:
@@ -220,11 +217,12 @@ class Scheduler:
         admitting waiting requests if ``admit`` and the continuing prompt got all it asked."""
         step: list[tuple[Request, int]] = []
         for req in self.running:
-            if not req.prefilled and budget > 0 and max_rows > 0:  # at most one is ever cut
-                want = req.cached + min(req.prefill_len - req.cached, budget)
+            if not self.kv.prefilled(req) and budget > 0 and max_rows > 0:  # at most one is ever cut
+                cached = self.kv.num_cached(req)
+                want = cached + min(self.kv.prefill_len(req) - cached, budget)
                 got = self.kv.grow_up_to(req, want)  # at least one token: ``_make_room`` grew it
                 admit = admit and got == want
-                step.append((req, got - req.cached))
+                step.append((req, got - cached))
                 budget -= step[-1][1]
         passed = 0  # waiting requests passed over this step: their prefix is being computed
         while admit and passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
@@ -237,8 +235,9 @@ class Scheduler:
                 break
             del self.waiting[passed]
             self.running.append(req)
-            step.append((req, min(req.prefill_len - req.cached, budget)))
-            self.kv.grow(req, req.cached + step[-1][1])  # ``admit`` found room for its whole prefill
+            cached = self.kv.num_cached(req)
+            step.append((req, min(self.kv.prefill_len(req) - cached, budget)))
+            self.kv.grow(req, cached + step[-1][1])  # ``admit`` found room for its whole prefill
             budget -= step[-1][1]
         if not step and not self.running and self.waiting and not self._ended:  # a caller's pool in use
             raise RuntimeError(self.kv.shortfall(self.waiting[0]))
