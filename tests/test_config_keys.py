@@ -144,7 +144,7 @@ def engine_probe(spec: SpeculativeConfig, monkeypatch) -> tuple:
         owner=None, claim=lambda engine: None, check_generates=lambda: None,
     )
     stand_in = object.__new__(DraftModelDrafter)
-    monkeypatch.setattr(llm_engine.DraftModelDrafter, "open", lambda runtime: stand_in)
+    monkeypatch.setattr(llm_engine.DraftModelDrafter, "open", lambda runtime, kv_cache: stand_in)
     engine = LLMEngine(runtime, pool=BlockPool(64, 4), speculative=spec)
     gate = engine.gate and (engine.gate.window, engine.gate.probe_interval)
     drafter = "the draft model" if isinstance(engine.drafter, DraftModelDrafter) else engine.drafter
