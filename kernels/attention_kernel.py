@@ -10,7 +10,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from neuron_buckets.kernels.attention_step import AttentionStep
+from .attention_step import AttentionStep
 
 
 class AttentionKernel(Protocol):

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuron_buckets.kernels.cpp_library import CppLibrary
+from .cpp_library import CppLibrary
 
 OP = "nb::block_kv_attention"
 LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's CPU attention kernel")

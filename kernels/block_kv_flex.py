@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from neuron_buckets.kernels import block_kv_paged, block_kv_sdpa
-from neuron_buckets.kernels.attention_step import AttentionStep
-from neuron_buckets.kernels.block_kv_torch import gather_context
-from neuron_buckets.kernels.tile_mask import tile_mask
+from . import block_kv_paged, block_kv_sdpa
+from .attention_step import AttentionStep
+from .block_kv_torch import gather_context
+from .tile_mask import tile_mask
 
 # Query and key tile of the block mask: a tile pair is skipped when no pair in it may meet, so the
 # smaller tile skips more of a packed call's cross-segment pairs (the fastest tried, CHANGELOG).

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.core.masks import gen_segment_masks
-from neuron_buckets.kernels.block_kv_torch import context_rows
+
+from .block_kv_torch import context_rows
 
 
 def block_kv_attention(q, k_active, v_active, k_cache, v_cache, step, scale, window=None) -> Tensor:

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.core.masks import gen_segment_masks
-from neuron_buckets.kernels.attention_step import AttentionStep
+
+from .attention_step import AttentionStep
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

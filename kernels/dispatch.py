@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from neuron_buckets.kernels import block_kv_cpu, block_kv_flex, block_kv_torch
-from neuron_buckets.kernels.attention_kernel import AttentionKernel
+from . import block_kv_cpu, block_kv_flex, block_kv_torch
+from .attention_kernel import AttentionKernel
 
 
 @dataclass(frozen=True)

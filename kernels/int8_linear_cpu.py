@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuron_buckets.kernels.cpp_library import CppLibrary, cpu_has
+from .cpp_library import CppLibrary, cpu_has
 
 OP = "nb::int8_linear"
 LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's INT8 linear kernel",

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neuron_buckets.kernels import bf16_linear_cpu, int8_linear_cpu
-from neuron_buckets.kernels.cpp_library import cpu_has
+from . import bf16_linear_cpu, int8_linear_cpu
+from .cpp_library import cpu_has
 
 KERNEL_BF16 = "nb avx512_bf16"
 KERNEL_INT8 = "nb avx512_vnni"

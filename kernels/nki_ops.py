@@ -12,11 +12,12 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.core.masks import gen_segment_masks
-from neuron_buckets.kernels import block_kv_torch
-from neuron_buckets.kernels.attention_step import AttentionStep
-from neuron_buckets.kernels.block_kv_nki import MAX_CTX, PMAX, jitted
-from neuron_buckets.kernels.block_kv_torch import context_rows
-from neuron_buckets.kernels.dispatch import KernelSet
+
+from . import block_kv_torch
+from .attention_step import AttentionStep
+from .block_kv_nki import MAX_CTX, PMAX, jitted
+from .block_kv_torch import context_rows
+from .dispatch import KernelSet
 
 
 def attention_kernel_fits(q_shape: tuple[int, ...], kv_heads: int, ctx: int) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, _mask_mod_signature
 
-from neuron_buckets.kernels.attention_step import AttentionStep
+from .attention_step import AttentionStep
 
 
 def tile_mask(step: AttentionStep, batch: int, seq: int, row_len: int, ctx_len: int, tile: int,
