@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from neuron_buckets.backends.base import BackendUnavailable, GraphFn
-from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
+from neuron_buckets.kernels import package_call_cpu
+from neuron_buckets.kernels.libraries import LIBRARIES
 from neuron_buckets.kernels.linear_choice import linear_choice
 from neuron_buckets.model import linear
 from neuron_buckets.model.weights import LayerWeights
@@ -186,7 +187,7 @@ class InductorBackend:
         if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
             torch.set_num_threads(MAX_THREADS)
         index = torch.device(device).index
-        for library in (block_kv_cpu.LIBRARY, int8_linear_cpu.LIBRARY, bf16_linear_cpu.LIBRARY):
+        for library in (lib.library for lib in LIBRARIES.values() if lib.in_graphs):
             if not library.registered() and _calls_op(path, library.op):
                 raise BackendUnavailable(f"graph {path.name} calls {library.op}, whose kernel library the "
                                          "artifact does not carry; recompile it with nb compile")

@@ -35,9 +35,7 @@ from neuron_buckets.compile.outcome import Outcome
 from neuron_buckets.compile.output_dir import LOGS, prune
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import write_text_files
-from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
-from neuron_buckets.kernels.cpp_library import CppLibrary
-from neuron_buckets.kernels.linear_choice import KERNEL_BF16, KERNEL_INT8, linear_choice
+from neuron_buckets.kernels.libraries import KernelLibrary, carried
 from neuron_buckets.model.checkpoint import save_weights
 from neuron_buckets.model.model_source import build_model, weights_fingerprint
 from neuron_buckets.model.pieces import PieceShape
@@ -79,33 +77,22 @@ class ArtifactWriter:
         """Build the C++ kernels the CPU graphs call and copy them into ``kernels/``, so that a
         serving host needs no compiler; a copy whose bytes already match is kept."""
         libraries = {}
-        for name, library in self._libraries().items():
-            built = library.build()
-            rel = f"{KERNELS}/{library.file_name}"
+        for name, lib in self._libraries().items():
+            built = lib.library.build()
+            rel = f"{KERNELS}/{lib.library.file_name}"
             path, digest = self.out / rel, sha256_file(built)
             if not intact(path, digest):
                 atomic_write(path, lambda p, built=built: shutil.copyfile(built, p))
             libraries[name] = LibraryInfo(rel, digest)
         self.manifest.libraries = libraries
 
-    def _libraries(self) -> dict[str, CppLibrary]:
-        """The kernel libraries this artifact's graphs call, by their manifest name: the attention
-        on a CPU, the INT8 projections of a W8A8 model where this CPU has AVX512-VNNI (the graphs
-        were traced for that kernel then: ``model/quantized_linear.py``), and the bfloat16 ones of
-        a bfloat16 model where it has AVX512-BF16 and no AMX (``model/linear.py``); and the call
-        that runs a graph without holding Python's GIL (``kernels/package_call_cpu.py``)."""
+    def _libraries(self) -> dict[str, KernelLibrary]:
+        """The kernel libraries this artifact's graphs call, by manifest name (``kernels/libraries.py``
+        chooses them), where the backend's CPU graphs call nb's kernels at all."""
         c, scheme = self.plan.config, self.plan.model_config.quantization
-        if not self.plan.backend.cpu_kernels or torch.device(c.compile.device).type != "cpu":
+        if not self.plan.backend.cpu_kernels:
             return {}
-        libraries: dict[str, CppLibrary] = {"package_call_cpu": package_call_cpu.LIBRARY}
-        if block_kv_cpu.applies(c.compile.device, c.cache.dtype):
-            libraries["block_kv_cpu"] = block_kv_cpu.LIBRARY
-        choice = linear_choice()
-        if scheme and scheme.activations == "int8_token" and choice.int8_w8a8 == KERNEL_INT8:
-            libraries["int8_linear_cpu"] = int8_linear_cpu.LIBRARY
-        if c.cache.dtype == "bfloat16" and choice.bf16 == KERNEL_BF16:
-            libraries["bf16_linear_cpu"] = bf16_linear_cpu.LIBRARY
-        return libraries
+        return carried(c.compile.device, c.cache.dtype, bool(scheme and scheme.activations == "int8_token"))
 
     def place(self, o: Outcome, hit: Hit) -> Outcome:
         """Link a verified cache graph into the directory; its sha256 is the one just checked."""

@@ -29,7 +29,7 @@ from neuron_buckets.compile.cache_key import backend_source_digest, graph_key
 from neuron_buckets.compile.worker import Toolchain
 from neuron_buckets.config import Config, ConfigError, enumerate_grid
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.kernels import block_kv_cpu
+from neuron_buckets.kernels.libraries import cpu_attention
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
 from neuron_buckets.model.tensor_parallel import TensorParallel
@@ -63,7 +63,7 @@ def fresh_layers(config: Config) -> bool:
     alone, so a table of no columns gains it nothing."""
     if config.compile.fresh_layers is not None:
         return config.compile.fresh_layers
-    return not block_kv_cpu.applies(config.compile.device, config.cache.dtype)
+    return not cpu_attention(config.compile.device, config.cache.dtype)
 
 
 def manifest_header(config: Config, model: LlamaConfig, backend: BackendInfo) -> Manifest:

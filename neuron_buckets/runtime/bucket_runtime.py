@@ -31,7 +31,7 @@ from neuron_buckets.backends import GraphFn, get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
 from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.kernels import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
+from neuron_buckets.kernels.libraries import BF16_LINEAR, LIBRARIES, cpu_attention
 from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.sharding import read_shard
@@ -46,11 +46,6 @@ from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
 from neuron_buckets.utils.passing_thread import on_passing_thread
-
-# The native kernel libraries an artifact may carry, by their manifest name: how each is registered.
-LIBRARIES = {"block_kv_cpu": block_kv_cpu.LIBRARY.register, "int8_linear_cpu": int8_linear_cpu.register,
-             "bf16_linear_cpu": bf16_linear_cpu.register,
-             "package_call_cpu": package_call_cpu.LIBRARY.register}
 
 
 class ArtifactError(UserError, RuntimeError):
@@ -99,7 +94,7 @@ class BucketRuntime:
         self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
         self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
-        with linear.bf16_kernel_weights("bf16_linear_cpu" in manifest.libraries):
+        with linear.bf16_kernel_weights(BF16_LINEAR.name in manifest.libraries):
             weights = self._load_weights(rank)
             norm, out = weights.head
             head = out if self.embeds else self.backend.pack_head(out)  # no head there
@@ -117,7 +112,7 @@ class BucketRuntime:
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
         try:
-            self.buckets = BucketSet.of(self.records, mix_decode=block_kv_cpu.applies(device, geo.dtype),
+            self.buckets = BucketSet.of(self.records, mix_decode=cpu_attention(device, geo.dtype),
                                         prefill_only=self.embeds)
         except ValueError as e:
             raise ArtifactError(f"{directory}: {e}") from None
@@ -185,7 +180,7 @@ class BucketRuntime:
             if name not in LIBRARIES:
                 raise ArtifactError(f"{self.directory}: unknown kernel library {name!r}; recompile")
             with _checked_copy(path, lib.sha256, f"kernel library {name}", f"kernel library {path}") as copy:
-                LIBRARIES[name](copy)
+                LIBRARIES[name].register(copy)
 
     def _load_weights(self, rank: int) -> ModelWeights:
         """The artifact's weights (``rank``'s shard), fused once as the layer pieces take them, in
