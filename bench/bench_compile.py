@@ -9,7 +9,7 @@ with the depth; CHANGELOG has the figures).
 Then a warm no-op ``nb compile`` of the 30-layer directory is timed beside ``python -c "import
 torch"``: with nothing to build it should cost at most 1 s more. Its row goes into
 ``bench/RESULTS.md`` (``--results`` names another file).
-Run: python bench/bench_compile.py [--models DIR]
+Run: python -m bench.bench_compile [--models DIR]
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from real_models import build_smollm  # noqa: E402
-from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
+from .real_models import build_smollm
+from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 
 GRID = """
 [model]

@@ -16,7 +16,7 @@ without it). ``--trace`` is an Azure LLM inference trace CSV (``AzureLLMInferenc
 Prints its figures and ratios and writes them into ``bench/RESULTS.md`` (``--results`` names another
 file); nothing is asserted. Timings vary by machine and load, so run it on an idle machine.
 
-    python bench/bench_generate.py --trace TRACE.csv [--vllm-python VENV/bin/python]
+    python -m bench.bench_generate --trace TRACE.csv [--vllm-python VENV/bin/python]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,15 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_peers import run_vllm  # noqa: E402
-from real_models import build_smollm  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms  # noqa: E402
+from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate
+from neuron_buckets.traffic.planner import PlanOptions, plan
+from neuron_buckets.traffic.traces import Trace
 
-from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate  # noqa: E402
-from neuron_buckets.traffic.planner import PlanOptions, plan  # noqa: E402
-from neuron_buckets.traffic.traces import Trace  # noqa: E402
+from .bench_peers import run_vllm
+from .real_models import build_smollm
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
 
 PLANNED_BUDGET = 1024  # step budget of the planned grid: tokens of one packed prefill call
 GENERATION = ResultsTable(

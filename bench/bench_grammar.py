@@ -9,26 +9,24 @@ masked row, from the engine's step stats. A model of random weights writes noise
 grammar decides every token: the worst case for the mask. Without ``ARTIFACT_DIR`` it compiles
 ``bench_serve.py``'s model (with its word tokenizer, ``--layers`` deep) at its default grid. The
 figures go into ``bench/RESULTS.md`` (``--results`` names another file); nothing is asserted.
-Run: python bench/bench_grammar.py [ARTIFACT_DIR] [--requests 8] [--max-tokens 128]
+Run: python -m bench.bench_grammar [ARTIFACT_DIR] [--requests 8] [--max-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import GRID, bench_model, serve_artifact  # noqa: E402
-from real_models import add_size_args  # noqa: E402
-from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
+from neuron_buckets import LLMEngine, SamplingParams, generate
+from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams
 
-from neuron_buckets import LLMEngine, SamplingParams, generate  # noqa: E402
-from neuron_buckets.engine.structured_outputs_params import StructuredOutputsParams  # noqa: E402
+from .bench_serve import GRID, bench_model, serve_artifact
+from .real_models import add_size_args
+from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 
 SCHEMA = {
     "type": "object",

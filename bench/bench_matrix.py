@@ -41,16 +41,14 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import compile_config  # noqa: E402
-from bench_serve import load_args, run_client  # noqa: E402
-from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import (  # noqa: E402
+from .bench_generate import compile_config
+from .bench_serve import load_args, run_client
+from .real_models import SHAPES, add_size_args, build_checkpoint
+from .results_table import (
     PEERS,
     PROVENANCE,
     Ratio,
@@ -59,8 +57,8 @@ from results_table import (  # noqa: E402
     commit,
     cpu_description,
 )
-from serve_limits import ServeLimits  # noqa: E402
-from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
+from .serve_limits import ServeLimits
+from .servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command
 
 DTYPES = ("float32", "bfloat16")
 WARMUP_OUTPUT = 16

@@ -4,7 +4,7 @@ Both read the same random-weight SmolLM2-135M-shaped checkpoint and the same tok
 both generate exactly 32 greedy tokens per request, so tokens/s compare directly and the greedy
 tokens can be checked request by request. The peers run one after the other, never at once.
 
-    python3 bench/bench_peers.py --trace TRACES/AzureLLMInferenceTrace_conv.csv \
+    python -m bench.bench_peers --trace TRACES/AzureLLMInferenceTrace_conv.csv \
         --vllm-python VENV/bin/python [--model-dir DIR] [--out-dir DIR]
 
 The model is built in (or reused from) ``--model-dir``, by default the temporary directory's
@@ -26,9 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from real_models import build_smollm
-from results_table import PROVENANCE, ResultsTable, add_results_argument
-from workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
+from .real_models import build_smollm
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "peer_vllm.py"
 TMP = Path(tempfile.gettempdir())

@@ -1,7 +1,7 @@
 """Bucket planning on the Azure LLM inference traces: DP runtime, and the plan's padding against
 the powers-of-two default at the same number of graphs; plus loading a million-row trace.
 
-Run: python bench/bench_plan.py TRACE_DIR, where TRACE_DIR holds ``AzureLLMInferenceTrace_conv.csv``
+Run: python -m bench.bench_plan TRACE_DIR, where TRACE_DIR holds ``AzureLLMInferenceTrace_conv.csv``
 and ``AzureLLMInferenceTrace_code.csv`` (Azure's public LLM inference traces). Prints its figures
 and writes them into ``bench/RESULTS.md`` (``--results`` names another file).
 """
@@ -9,7 +9,6 @@ and writes them into ``bench/RESULTS.md`` (``--results`` names another file).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +18,7 @@ import numpy as np
 from neuron_buckets.traffic.planner import PlanOptions, optimal_sets, plan, powers_of_two_baseline
 from neuron_buckets.traffic.traces import load_trace
 
-sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
+from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 
 PADDING = ResultsTable(
     heading="Bucket planning: padding (bench_plan.py)",

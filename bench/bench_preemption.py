@@ -9,16 +9,14 @@ running batch, the preemptions and the tokens computed (recomputed ones included
 policy choosing the request to preempt, and writes them into ``bench/RESULTS.md`` (``--results`` names
 another file). The figures follow from the scheduler alone, so they change only with the code.
 
-    python bench/bench_preemption.py --num-blocks 40,80 --watermarks 0,0.01,0.05,0.1 [--long]
-    python bench/bench_preemption.py --long --num-blocks 24 --policies newest,least-computed,oldest
+    python -m bench.bench_preemption --num-blocks 40,80 --watermarks 0,0.01,0.05,0.1 [--long]
+    python -m bench.bench_preemption --long --num-blocks 24 --policies newest,least-computed,oldest
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.kv_cache_manager import KVCacheManager
@@ -26,8 +24,7 @@ from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 
-sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
 
 STOP = 2  # the stop token; every other token generated is 1
 TABLE = ResultsTable(

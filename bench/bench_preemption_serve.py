@@ -56,7 +56,7 @@ on a team of two; on a busy machine a team whose threads spin at every barrier w
 its descheduled partner, and nb's steps stretch where vLLM's do not. ``--nb-env
 OMP_WAIT_POLICY=passive`` (named in the row) lets the waiting thread sleep instead.
 
-    python bench/bench_preemption_serve.py --vllm-python VENV/bin/python [--shape llama-3.2-1b
+    python -m bench.bench_preemption_serve --vllm-python VENV/bin/python [--shape llama-3.2-1b
         --dtype bfloat16] [--layers 8 --num-blocks 24] [--nb-env NAME=VALUE ...]
 """
 
@@ -68,18 +68,16 @@ import math
 import os
 import random
 import re
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import compile_config  # noqa: E402
-from bench_matrix import ratio  # noqa: E402
-from bench_serve import load_args, run_client  # noqa: E402
-from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import (  # noqa: E402
+from .bench_generate import compile_config
+from .bench_matrix import ratio
+from .bench_serve import load_args, run_client
+from .real_models import SHAPES, add_size_args, build_checkpoint
+from .results_table import (
     PEERS,
     PROVENANCE,
     Ratio,
@@ -88,8 +86,8 @@ from results_table import (  # noqa: E402
     commit,
     cpu_description,
 )
-from serve_limits import NB_CONFIG, ServeLimits  # noqa: E402
-from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
+from .serve_limits import NB_CONFIG, ServeLimits
+from .servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command
 
 DTYPES = ("float32", "bfloat16")
 LIMITS = ServeLimits(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=32)

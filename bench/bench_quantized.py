@@ -23,7 +23,7 @@ same quantized checkpoint, one after the other, each driven by vLLM's load gener
 not measured, the ``independent`` workload at concurrency 4: nb's output tok/s over vLLM's, printed,
 and the cell's row (``bench_matrix.py``'s columns) into the results file.
 
-    nice -n 15 python bench/bench_quantized.py [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
+    nice -n 15 python -m bench.bench_quantized [--scheme w8a8-int8-channel] [--layers 16] [--tiny]
         [--vllm-python VENV/bin/python]
 """
 
@@ -32,22 +32,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from real_models import SHAPES, add_size_args, build_checkpoint  # noqa: E402
-from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
+from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate
+from neuron_buckets.compile.compiler import Compiler
+from neuron_buckets.config import load_config
+from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
+from neuron_buckets.model.quant_scheme import QuantScheme
 
-from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate  # noqa: E402
-from neuron_buckets.compile.compiler import Compiler  # noqa: E402
-from neuron_buckets.config import load_config  # noqa: E402
-from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint  # noqa: E402
-from neuron_buckets.model.quant_scheme import QuantScheme  # noqa: E402
+from .real_models import SHAPES, add_size_args, build_checkpoint
+from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 
 SCHEMES = {s.name: s for s in (QuantScheme("int8", "channel"), QuantScheme("int8", "channel", "int8_token"),
                                QuantScheme("float8_e4m3fn", "channel"),
@@ -133,7 +130,7 @@ def tok_s(runtime: BucketRuntime, max_new: int) -> float:
 
 def served_table() -> ResultsTable:
     """The served comparison's table: ``bench_matrix.py``'s columns, the scheme for the dtype."""
-    from bench_matrix import TABLE as MATRIX
+    from .bench_matrix import TABLE as MATRIX
 
     return ResultsTable(
         heading="A quantized checkpoint served: nb against vLLM CPU (bench_quantized.py)",
@@ -152,10 +149,10 @@ that are not measured, the `independent` workload. Ratios are nb / vLLM.
 
 def against_vllm(args: argparse.Namespace, quantized: Path, scheme: str, results: Path) -> None:
     """nb serve and vLLM's server on ``quantized``, under vLLM's load generator; the row."""
-    from bench_generate import compile_config
-    from bench_matrix import Cell, row, run_cells
-    from serve_limits import ServeLimits
-    from servers import free_port, nb_serve_command, vllm_env, vllm_serve_command
+    from .bench_generate import compile_config
+    from .bench_matrix import Cell, row, run_cells
+    from .serve_limits import ServeLimits
+    from .servers import free_port, nb_serve_command, vllm_env, vllm_serve_command
 
     args.limits, cell = ServeLimits(), Cell("llama-3.2-1b", "bfloat16", "independent", BATCH)
     text = args.limits.nb_config(quantized, SHAPES[cell.shape], cell.dtype)

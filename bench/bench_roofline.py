@@ -30,7 +30,7 @@ Each shape and dtype's row goes into ``bench/RESULTS.md`` (``--results`` names a
 ``--tiny`` runs 2-layer twins to check the script; its figures mean nothing, and its rows go to
 ``WORK/RESULTS.md``. Run it on an idle machine: every figure is a rate of this machine at this moment.
 
-    python bench/bench_roofline.py [--shapes llama-3.2-1b --dtypes bfloat16] [--work DIR]
+    python -m bench.bench_roofline [--shapes llama-3.2-1b --dtypes bfloat16] [--work DIR]
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import json
 import os
 import statistics
 import struct
-import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -51,19 +50,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import median_ms, prefill_call  # noqa: E402
-from bench_matrix import matrix_artifact  # noqa: E402
-from real_models import SHAPES, Shape, add_size_args  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from serve_limits import DTYPE_BYTES  # noqa: E402
-from workloads import TOKEN_LOW, Workload  # noqa: E402
+from neuron_buckets.core.padding import pad_prefill
+from neuron_buckets.core.step_plan import Segment
+from neuron_buckets.kernels import bf16_linear_cpu
+from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
-from neuron_buckets.core.padding import pad_prefill  # noqa: E402
-from neuron_buckets.core.step_plan import Segment  # noqa: E402
-from neuron_buckets.kernels import bf16_linear_cpu  # noqa: E402
-from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice  # noqa: E402
-from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
+from .bench_generate import median_ms, prefill_call
+from .bench_matrix import matrix_artifact
+from .real_models import SHAPES, Shape, add_size_args
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .serve_limits import DTYPE_BYTES
+from .workloads import TOKEN_LOW, Workload
 
 TABLE = ResultsTable(
     heading="Roofline per shape and dtype (bench_roofline.py)",

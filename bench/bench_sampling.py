@@ -8,15 +8,13 @@ logits for each kind of request, and prints the bytes a device would have to mov
 (scaled x10, as a trained model's usually are) let top-p stop at the 1024 largest candidates;
 flat ones make it sort the whole vocabulary. Prints its figures and writes them into
 ``bench/RESULTS.md`` (``--results`` names another file); nothing is asserted.
-Run: python bench/bench_sampling.py
+Run: python -m bench.bench_sampling
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import timeit
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +22,7 @@ import torch.nn.functional as F
 from neuron_buckets.engine.sampler import sample
 from neuron_buckets.engine.sampling_params import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
 
 SHAPES = {"SmolLM2-135M": (576, 49152), "Qwen2.5-0.5B": (896, 151936), "Llama-3.2-1B": (2048, 128256)}
 CASES = {

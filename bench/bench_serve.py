@@ -24,7 +24,7 @@ most). Every client result is kept in ``WORK/bench_serve.json``, and the rows go
 nothing, and its rows go to ``WORK/RESULTS.md``. Timings vary by machine and load: run it on an idle
 machine.
 
-    python bench/bench_serve.py --vllm-python VENV/bin/python [--tiny]
+    python -m bench.bench_serve --vllm-python VENV/bin/python [--tiny]
 """
 
 from __future__ import annotations
@@ -33,16 +33,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import compile_artifact  # noqa: E402
-from real_models import add_size_args, build_smollm  # noqa: E402
-from results_table import PEERS, PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command  # noqa: E402
+from .bench_generate import compile_artifact
+from .real_models import add_size_args, build_smollm
+from .results_table import PEERS, PROVENANCE, ResultsTable, add_results_argument
+from .servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command
 
 CLIENT = Path(__file__).parent / "vllm_bench_client.py"
 Server = AbstractContextManager[subprocess.Popen]  # a server process, up while the block runs

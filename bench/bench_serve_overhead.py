@@ -27,7 +27,7 @@ machine's load drifts; the last lines are the medians of the ratios, which go in
 ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny`` writes ``WORK/RESULTS.md``). Run it
 on an idle machine.
 
-    python bench/bench_serve_overhead.py [--layers 4] [--rounds 3] [--tiny]
+    python -m bench.bench_serve_overhead [--layers 4] [--rounds 3] [--tiny]
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -45,16 +44,15 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import GRID, SERVED, bench_model, nb_server, serve_artifact  # noqa: E402
-from profile_serve import scrape, thread_cpu  # noqa: E402
-from real_models import add_size_args  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from servers import free_port  # noqa: E402
-from workloads import _random_prompts  # noqa: E402
+from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.engine.sampling_params import SamplingParams
 
-from neuron_buckets.engine.llm_engine import LLMEngine  # noqa: E402
-from neuron_buckets.engine.sampling_params import SamplingParams  # noqa: E402
+from .bench_serve import GRID, SERVED, bench_model, nb_server, serve_artifact
+from .profile_serve import scrape, thread_cpu
+from .real_models import add_size_args
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .servers import free_port
+from .workloads import _random_prompts
 
 TABLE = ResultsTable(
     heading="What nb serve costs the engine (bench_serve_overhead.py)",

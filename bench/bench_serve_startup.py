@@ -10,23 +10,21 @@ runs its usual start-up, which includes its torch.compile step. vLLM runs from i
 (``--vllm-python`` or ``$VLLM_PYTHON``), with the CPU settings ``peer_vllm.py`` uses; without it
 only nb runs. The rows go into ``bench/RESULTS.md`` (``--results`` names another file).
 
-    python bench/bench_serve_startup.py [--vllm-python VENV/bin/python]
+    python -m bench.bench_serve_startup [--vllm-python VENV/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_generate import compile_artifact  # noqa: E402
-from real_models import build_smollm  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from servers import free_port, nb_serve_command, request, serving, vllm_env, vllm_serve_command  # noqa: E402
+from .bench_generate import compile_artifact
+from .real_models import build_smollm
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .servers import free_port, nb_serve_command, request, serving, vllm_env, vllm_serve_command
 
 PROMPT = list(range(100, 116))
 TABLE = ResultsTable(

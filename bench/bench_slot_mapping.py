@@ -3,15 +3,13 @@
 Slot mapping and padding run on the host before every graph call, so they must stay far below a
 decode step's device time. Prints its figures and writes them into ``bench/RESULTS.md`` (``--results``
 names another file); timing varies by machine, so nothing is asserted.
-Run: python bench/bench_slot_mapping.py
+Run: python -m bench.bench_slot_mapping
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import timeit
-from pathlib import Path
 
 import torch
 
@@ -20,8 +18,7 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.core.padding import pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment
 
-sys.path.insert(0, str(Path(__file__).parent))
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
 
 BLOCK_SIZE = 16
 CTX = 4096  # tokens of context per request; 256 blocks per block-table row

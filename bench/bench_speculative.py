@@ -16,7 +16,7 @@ repeats, so acceptance is what it is on this model: the figures say what drafts 
 here, not what a trained model accepts. The rows go into ``bench/RESULTS.md`` (``--results`` names
 another file). Run it on an idle machine; timings vary by machine and load.
 
-    python bench/bench_speculative.py [--layers 30] [--k 3] [--new-tokens 64] [--requests 4]
+    python -m bench.bench_speculative [--layers 30] [--k 3] [--new-tokens 64] [--requests 4]
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from real_models import build_smollm  # noqa: E402
-from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
-from workloads import TOKEN_HIGH, TOKEN_LOW, Workload  # noqa: E402
+from neuron_buckets import BucketRuntime, LLMEngine, SamplingParams, generate
+from neuron_buckets.config.speculative import SpeculativeConfig
 
-from neuron_buckets import BucketRuntime, LLMEngine, SamplingParams, generate  # noqa: E402
-from neuron_buckets.config.speculative import SpeculativeConfig  # noqa: E402
+from .real_models import build_smollm
+from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
+from .workloads import TOKEN_HIGH, TOKEN_LOW, Workload
 
 CONFIG = """
 [model]

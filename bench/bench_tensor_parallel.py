@@ -10,21 +10,19 @@ ratio. On a machine with fewer cores than ranks times useful threads, TP=2 is ex
 number says by how much here, it is not a target. The row goes into ``bench/RESULTS.md``
 (``--results`` names another file).
 
-    python bench/bench_tensor_parallel.py [--shape llama-3.2-1b] [--layers 2]
+    python -m bench.bench_tensor_parallel [--shape llama-3.2-1b] [--layers 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from real_models import SHAPES, build_checkpoint  # noqa: E402
-from results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument  # noqa: E402
+from .real_models import SHAPES, build_checkpoint
+from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 
 GRID = """
 [model]

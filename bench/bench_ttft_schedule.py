@@ -25,34 +25,32 @@ is about prefill tokens x the token time + calls (prefill and decode) x the fixe
 ``profile_ttft.py``'s (random ids, ``independent`` 225-375 tokens, ``shared-prefix``). Rows go to
 ``bench/RESULTS.md`` (``--results`` names another file).
 
-    python bench/bench_ttft_schedule.py [--concurrency 4 --requests 64]
+    python -m bench.bench_ttft_schedule [--concurrency 4 --requests 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from profile_ttft import prompts  # noqa: E402
-from real_models import SHAPES  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from serve_limits import ServeLimits  # noqa: E402
+from neuron_buckets.config.cache import CacheConfig
+from neuron_buckets.config.grid import enumerate_grid
+from neuron_buckets.config.loader import parse_config
+from neuron_buckets.core.step_plan import StepPlan
+from neuron_buckets.engine.block_pool import BlockPool
+from neuron_buckets.engine.kv_cache_manager import KVCacheManager
+from neuron_buckets.engine.request import Request
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.engine.scheduler import Scheduler
+from neuron_buckets.runtime.bucket_set import BucketSet, Call
 
-from neuron_buckets.config.cache import CacheConfig  # noqa: E402
-from neuron_buckets.config.grid import enumerate_grid  # noqa: E402
-from neuron_buckets.config.loader import parse_config  # noqa: E402
-from neuron_buckets.core.step_plan import StepPlan  # noqa: E402
-from neuron_buckets.engine.block_pool import BlockPool  # noqa: E402
-from neuron_buckets.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from neuron_buckets.engine.request import Request  # noqa: E402
-from neuron_buckets.engine.sampling_params import SamplingParams  # noqa: E402
-from neuron_buckets.engine.scheduler import Scheduler  # noqa: E402
-from neuron_buckets.runtime.bucket_set import BucketSet, Call  # noqa: E402
+from .profile_ttft import prompts
+from .real_models import SHAPES
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .serve_limits import ServeLimits
 
 OUTPUT_LEN = {"independent": 100, "shared-prefix": 64}
 COUNTS = ("steps, running", "steps, queued", "steps, own", "decode rows in own steps",

@@ -20,7 +20,7 @@ kind and their real and padded positions, the share of the graph time spent on p
 wall second of each thread, the native ones (OpenMP workers) included. The figures go into
 ``bench/RESULTS.md`` as rows (``--results`` names another file; ``--tiny`` writes ``WORK/RESULTS.md``).
 
-    python bench/profile_serve.py --vllm-python VENV/bin/python [--py-spy PATH] [--tiny]
+    python -m bench.profile_serve --vllm-python VENV/bin/python [--py-spy PATH] [--tiny]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter, defaultdict
@@ -38,8 +37,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import (  # noqa: E402
+from .bench_serve import (
     Load,
     bench_model,
     client_args,
@@ -49,8 +47,8 @@ from bench_serve import (  # noqa: E402
     serve_artifact,
     start_client,
 )
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from servers import free_port  # noqa: E402
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .servers import free_port
 
 # kernels/ sits beside the package in a checkout, inside it once installed: match where it is.
 KERNELS = Path(import_module("neuron_buckets.kernels").__path__[0]).as_posix() + "/"

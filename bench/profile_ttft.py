@@ -29,7 +29,7 @@ finds another's prompts cached), and the TTFT ratio of each round is printed. Ea
 breakdown row goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny``
 writes ``WORK/RESULTS.md``).
 
-    python bench/profile_ttft.py [--shape llama-3.2-1b --dtype bfloat16 --concurrency 4 --requests 16]
+    python -m bench.profile_ttft [--shape llama-3.2-1b --dtype bfloat16 --concurrency 4 --requests 16]
 """
 
 from __future__ import annotations
@@ -37,21 +37,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_matrix import matrix_artifact  # noqa: E402
-from real_models import SHAPES, add_size_args  # noqa: E402
-from results_table import PROVENANCE, ResultsTable, add_results_argument  # noqa: E402
-from serve_limits import DTYPE_BYTES  # noqa: E402
-from workloads import TOKEN_LOW  # noqa: E402
+from neuron_buckets import LLMEngine, SamplingParams
+from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
-from neuron_buckets import LLMEngine, SamplingParams  # noqa: E402
-from neuron_buckets.runtime.bucket_runtime import BucketRuntime  # noqa: E402
+from .bench_matrix import matrix_artifact
+from .real_models import SHAPES, add_size_args
+from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .serve_limits import DTYPE_BYTES
+from .workloads import TOKEN_LOW
 
 PARTS = ("running step, a prompt's call", "running step, decode only", "queued, budget",
          "queued, prefix wait", "own: prefill call, riders in it", "own: prefill call, no riders",

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from bench import bench_preemption, bench_preemption_serve
+from bench.real_models import SHAPES
+from bench.results_table import PROVENANCE, ResultsTable
+from bench.serve_limits import GIB, ServeLimits
+
 ROOT = Path(__file__).parents[1]
 BENCH = ROOT / "bench"
-sys.path.insert(0, str(BENCH))
-import bench_preemption  # noqa: E402
-import bench_preemption_serve  # noqa: E402
-from real_models import SHAPES  # noqa: E402
-from results_table import PROVENANCE, ResultsTable  # noqa: E402
-from serve_limits import GIB, ServeLimits  # noqa: E402
 
 TABLE = ResultsTable("Serving", "What the rows are.", ("shape", "conc", "tok/s", "note"), key=2)
 OTHER = ResultsTable("Roofline", "Per shape.", ("shape", "ms"), key=1)
@@ -70,9 +69,9 @@ def test_llama_1b_bfloat16_bytes_per_token() -> None:
 
 
 def make_bench() -> list[str]:
-    """The scripts the Makefile's ``bench`` target runs, in order."""
+    """The scripts the Makefile's ``bench`` target runs (``python -m bench.NAME``), in order."""
     target = (ROOT / "Makefile").read_text().split("\nbench:\n", 1)[1].split("\n\n", 1)[0]
-    return list(dict.fromkeys(re.findall(r"bench/(\w+\.py)", target)))
+    return list(dict.fromkeys(f"{name}.py" for name in re.findall(r"-m bench\.(\w+)", target)))
 
 
 def tables(script: str) -> dict[str, ast.Call]:

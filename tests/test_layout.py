@@ -106,6 +106,71 @@ def test_kernels_and_manifests_are_reached_without_links():
     assert setuptools["package-dir"] == mapped
 
 
+
+def _strings(path: Path) -> list[str]:
+    """The string constants of a file's code, its docstrings left out."""
+    tree = ast.parse(path.read_text())
+    documented = (n for n in ast.walk(tree) if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef))
+    docs = {id(n.body[0].value) for n in documented if ast.get_docstring(n) is not None}
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_the_kernel_libraries_are_written_once_and_chosen_once():
+    """``kernels/libraries.py`` holds the list of native libraries an artifact may carry and the
+    choice of which it carries: the writer, the runtime, the build plan and the backend read it
+    there, and no other module names a library or lists their builds (``X.LIBRARY``) side by side."""
+    from neuron_buckets.kernels.libraries import LIBRARIES
+
+    registry = "neuron_buckets.kernels.libraries"
+    assert len(LIBRARIES) >= 4
+    modules = _modules()
+    naming = {name for name, path in modules.items() if name != registry
+              and set(LIBRARIES) & set(_strings(path))}
+    assert naming == set()
+    listing = {
+        name for name, path in modules.items() if name != registry
+        for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Tuple | ast.List | ast.Set)
+        and sum(isinstance(e, ast.Attribute) and e.attr == "LIBRARY" for e in node.elts) > 1
+    }
+    assert listing == set()
+    readers = {"neuron_buckets.compile.artifact_writer", "neuron_buckets.compile.build_plan",
+               "neuron_buckets.runtime.bucket_runtime"}
+    for name in readers:
+        kernels = {i for i in _imports(modules[name]) if i.startswith("neuron_buckets.kernels.")}
+        assert registry in kernels and all(i.startswith(registry) for i in kernels), name
+    assert registry in _imports(modules["neuron_buckets.backends.inductor"])
+    choosers = {name for name, path in modules.items() if "block_kv_cpu.applies(" in path.read_text()}
+    assert choosers == {registry, "neuron_buckets.kernels.dispatch"}  # dispatch: the call's own kernel
+
+
+def test_kernels_import_their_siblings_relatively():
+    """Inside ``kernels/`` a sibling is imported as ``from .x import y``, not through the
+    ``neuron_buckets.kernels`` shim, so a reader and import-linter see the kernels' own graph."""
+    from neuron_buckets import kernels
+
+    files = sorted(Path(kernels.__path__[0]).glob("*.py"))
+    through_shim = {path.name for path in files
+                    if any(i.startswith("neuron_buckets.kernels") for i in _imports(path))}
+    relative = {path.name for path in files for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level == 1}
+    assert len(files) > 10 and through_shim == set()
+    assert {"libraries.py", "linear_choice.py", "dispatch.py"} <= relative
+
+
+def test_the_benches_are_a_package_that_never_edits_sys_path():
+    """``bench/`` is a package run as ``python -m bench.NAME``: its modules import each other as
+    package modules, so neither a bench nor a test of one puts a folder on ``sys.path``."""
+    root = PACKAGE.parent
+    benches = sorted((root / "bench").glob("*.py"))
+    assert (root / "bench" / "__init__.py") in benches and len(benches) > 10
+    editing = [path.relative_to(root).as_posix() for path in [*benches, *(root / "tests").glob("*.py")]
+               if re.search(r"sys\.path\.(insert|append)\(", path.read_text()) and path != Path(__file__)]
+    assert editing == []
+    siblings = {path.stem for path in benches}
+    plain = {path.name for path in benches if {i.split(".")[0] for i in _imports(path)} & siblings}
+    assert plain == set()
+
 # Figures a run measured on one day belong in the CHANGELOG and bench results, not in the code.
 MEASUREMENT = re.compile(
     r"\b\d+(\.\d+)? ?(ms|µs)\b(?! per)|\b\d+(\.\d+)?x (faster|slower|the time)|\b20\d\d-\d\d-\d\d\b(?! \d)"

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_bench_results import BENCH, make_bench
-
-sys.path.insert(0, str(BENCH))
-from results_table import (  # noqa: E402
+from bench.results_table import (
     NOT_RECORDED,
     NOTES,
     PEERS,
@@ -26,13 +22,14 @@ from results_table import (  # noqa: E402
     nb_threads,
     vllm_settings,
 )
+from tests.test_bench_results import make_bench
 
 
 def bench_tables() -> list[ResultsTable]:
     """Every table the benches `make bench` runs write, the ones made in a function included."""
     found = []
     for script in make_bench():
-        module = importlib.import_module(script.removesuffix(".py"))
+        module = importlib.import_module(f"bench.{script.removesuffix('.py')}")
         found += [v for v in vars(module).values() if isinstance(v, ResultsTable)]
         found += [module.served_table()] if hasattr(module, "served_table") else []
     return found

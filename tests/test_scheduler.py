@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+from bench.bench_preemption import Workload, run_workload
 from neuron_buckets.core.step_plan import StepPlan
 from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.kv_cache_manager import WATERMARK, KVCacheManager
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler, fit_buckets
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from bench_preemption import Workload, run_workload  # noqa: E402
 
 
 def admitted(pool: BlockPool, lens: tuple[int, ...], max_tokens: int = 4) -> Scheduler:
