@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .cpp_library import CppLibrary, cpu_has
+from .cpp_library import CppLibrary
 
 OP = "nb::bf16_linear"
 LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's bfloat16 linear kernel",
-                     ("-mavx512bf16", "-mavx512bw"))
+                     ("-mavx512bf16", "-mavx512bw"),
+                     needs=("avx512f", "avx512bw", "avx512_bf16"), needs_name="AVX512-BF16")
 GROUP = 32  # output channels the kernel computes together (its packed layout's unit)
-NEEDS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo's names of what it runs on
 
 torch.library.define(OP, "(Tensor x, Tensor weight) -> Tensor")
 _packed: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()  # what ``pack`` made
@@ -42,7 +42,7 @@ def _bf16_linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU runs the kernel (AVX512-BF16 and AVX512BW)."""
-    return cpu_has(*NEEDS)
+    return LIBRARY.runs_here()
 
 
 def fits(weight: Tensor) -> bool:
@@ -69,14 +69,6 @@ def is_packed(weight: Tensor) -> bool:
     """Whether ``weight`` is a tensor ``pack`` returned: an eager call on it (``nb verify``'s model
     over the runtime's weights) must run the kernel, since its shape and dtype are a dense one's."""
     return _packed.get(id(weight)) is weight
-
-
-def register(library: Path) -> None:
-    """Load an artifact's copy of the kernel, refused in one line on a CPU that cannot run it."""
-    if not cpu_has_bf16():
-        raise RuntimeError("this artifact's bfloat16 graphs call nb's bfloat16 kernel, which needs "
-                           "AVX512-BF16, and this CPU lacks it; compile the artifact on this machine")
-    LIBRARY.register(library)
 
 
 def bf16_linear(x: Tensor, packed: Tensor) -> Tensor:

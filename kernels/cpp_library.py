@@ -47,11 +47,18 @@ class CppLibrary:
     what: str  # for errors: "nb's CPU attention kernel"
     flags: tuple[str, ...] = ()  # compiler flags beyond the vector ISA's
     dispatch_key: str = "CPU"  # where the op's kernel is registered
+    needs: tuple[str, ...] = ()  # the CPU flags it runs on (/proc/cpuinfo's names), beyond any x86-64's
+    needs_name: str = ""  # those, as an error names them: "AVX512-BF16"
+
+    @property
+    def name(self) -> str:
+        """The library's name in an artifact's manifest: its source's stem."""
+        return self.source.stem
 
     @property
     def file_name(self) -> str:
         """The library's file name in an artifact directory's ``kernels/``."""
-        return self.source.with_suffix(".so").name
+        return f"{self.name}.so"
 
     def registered(self) -> bool:
         """Whether this process has the op's CPU kernel (from a build, or an artifact's library)."""
@@ -63,9 +70,17 @@ class CppLibrary:
         run, and probing the vector ISA costs seconds."""
         return _build(self)
 
+    def runs_here(self) -> bool:
+        """Whether this CPU has every instruction set the kernel was built for (``needs``)."""
+        return cpu_has(*self.needs)
+
     def register(self, library: Path) -> None:
         """Load an artifact's copy of the built kernel, unless this process already has the op's
-        kernel (a second registration of the same op is an error)."""
+        kernel (a second registration of the same op is an error); refused in one line on a CPU
+        that cannot run it, which would otherwise die of an illegal instruction mid-step."""
+        if not self.runs_here():
+            raise RuntimeError(f"this artifact's graphs call {self.what}, which needs {self.needs_name}, and "
+                               "this CPU lacks it; compile the artifact on this machine")
         if not self.registered():
             torch.ops.load_library(str(library))
 

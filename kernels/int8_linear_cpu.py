@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .cpp_library import CppLibrary, cpu_has
+from .cpp_library import CppLibrary
 
 OP = "nb::int8_linear"
 LIBRARY = CppLibrary(Path(__file__).with_suffix(".cpp"), OP, "nb's INT8 linear kernel",
-                     ("-mavx512vnni", "-mavx512bw"))
+                     ("-mavx512vnni", "-mavx512bw"),
+                     needs=("avx512f", "avx512bw", "avx512_vnni"), needs_name="AVX512-VNNI")
 GROUP = 64  # output channels the kernel computes together (its packed layout's unit)
-NEEDS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names of what it runs on
 
 torch.library.define(OP, "(Tensor x, Tensor weight, Tensor scale) -> Tensor")
 
@@ -40,7 +40,7 @@ def _int8_linear_fake(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
 
 def cpu_has_vnni() -> bool:
     """Whether this CPU runs the kernel (AVX512-VNNI and AVX512BW)."""
-    return cpu_has(*NEEDS)
+    return LIBRARY.runs_here()
 
 
 def fits(weight: Tensor) -> bool:
@@ -57,14 +57,6 @@ def pack(weight: Tensor) -> Tensor:
     out, inp = weight.shape
     blocked = weight.reshape(out // GROUP, GROUP // 16, 16, inp // 4, 4).permute(0, 3, 1, 2, 4)
     return (blocked.contiguous().view(torch.uint8) ^ 0x80).view(torch.int8).reshape(out, inp)
-
-
-def register(library: Path) -> None:
-    """Load an artifact's copy of the kernel, refused in one line on a CPU that cannot run it."""
-    if not cpu_has_vnni():
-        raise RuntimeError("this artifact's INT8 graphs call nb's INT8 kernel, which needs AVX512-VNNI, and "
-                           "this CPU lacks it; compile the artifact on this machine")
-    LIBRARY.register(library)
 
 
 def int8_linear(x: Tensor, packed: Tensor, scale: Tensor) -> Tensor:

@@ -1,18 +1,14 @@
-"""The native kernel libraries an artifact may carry, written once: each by the name its manifest
-gives it, with its build and how a serving process loads an artifact's copy.
+"""The native kernel libraries an artifact may carry, written once, and which of them it carries.
 
 The list and the choice live here so that the places that follow them cannot drift apart: the
 artifact writer builds and copies what ``carried`` names, the runtime registers what a manifest
-lists through ``LIBRARIES``, the inductor backend refuses a graph that calls an op of a library
-that was not carried, and the build plan and the runtime ask ``cpu_attention`` where attention
-runs. Which path a projection takes stays ``linear_choice``'s to decide; this only follows it.
+lists through ``LIBRARIES`` (each library's own ``register`` refuses a CPU that cannot run it), the
+inductor backend refuses a graph that calls the op of a library that was not carried, and the
+build plan and the runtime ask ``cpu_attention`` where attention runs. Which path a projection
+takes stays ``linear_choice``'s to decide; this only follows it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -20,23 +16,11 @@ from . import bf16_linear_cpu, block_kv_cpu, int8_linear_cpu, package_call_cpu
 from .cpp_library import CppLibrary
 from .linear_choice import KERNEL_BF16, KERNEL_INT8, linear_choice
 
-
-@dataclass(frozen=True)
-class KernelLibrary:
-    """One library as an artifact carries it (``kernels/<name>.so``, listed in its manifest)."""
-
-    name: str
-    library: CppLibrary
-    register: Callable[[Path], None]  # load an artifact's copy, refused on a CPU that cannot run it
-    in_graphs: bool = True  # whether graphs call its op (the package call is the runtime's own)
-
-
-BLOCK_KV = KernelLibrary("block_kv_cpu", block_kv_cpu.LIBRARY, block_kv_cpu.LIBRARY.register)
-INT8_LINEAR = KernelLibrary("int8_linear_cpu", int8_linear_cpu.LIBRARY, int8_linear_cpu.register)
-BF16_LINEAR = KernelLibrary("bf16_linear_cpu", bf16_linear_cpu.LIBRARY, bf16_linear_cpu.register)
-PACKAGE_CALL = KernelLibrary("package_call_cpu", package_call_cpu.LIBRARY, package_call_cpu.LIBRARY.register,
-                             in_graphs=False)
-LIBRARIES = {lib.name: lib for lib in (PACKAGE_CALL, BLOCK_KV, INT8_LINEAR, BF16_LINEAR)}
+BLOCK_KV = block_kv_cpu.LIBRARY
+INT8_LINEAR = int8_linear_cpu.LIBRARY
+BF16_LINEAR = bf16_linear_cpu.LIBRARY
+PACKAGE_CALL = package_call_cpu.LIBRARY  # the runtime's own call of a graph, without the GIL
+LIBRARIES = {lib.name: lib for lib in (PACKAGE_CALL, BLOCK_KV, INT8_LINEAR, BF16_LINEAR)}  # by manifest name
 
 
 def cpu_attention(device: torch.device | str, dtype: torch.dtype | str) -> bool:
@@ -46,11 +30,11 @@ def cpu_attention(device: torch.device | str, dtype: torch.dtype | str) -> bool:
     return block_kv_cpu.applies(device, dtype)
 
 
-def carried(device: str, dtype: str, w8a8: bool) -> dict[str, KernelLibrary]:
+def carried(device: str, dtype: str, w8a8: bool) -> dict[str, CppLibrary]:
     """The libraries the graphs of an artifact compiled for ``device`` call, over a cache of
     ``dtype`` (a config's name) and, where ``w8a8``, int8 projections of int8 activations: on a CPU
     the package call, the attention where ``cpu_attention``, and nb's projection kernels where
-    ``linear_choice`` picked them (the graphs were traced for them then); by name."""
+    ``linear_choice`` picked them (the graphs were traced for them then); by manifest name."""
     if torch.device(device).type != "cpu":
         return {}
     choice = linear_choice()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.kernels import bf16_linear_cpu
+from neuron_buckets.kernels import bf16_linear_cpu, cpp_library
 from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice
 from neuron_buckets.model import linear
 
@@ -101,7 +101,7 @@ class Projection(torch.nn.Module):
 
 
 def test_an_artifact_library_is_refused_in_one_line_on_a_cpu_without_avx512_bf16(monkeypatch, tmp_path):
-    monkeypatch.setattr(bf16_linear_cpu, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(cpp_library, "cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx avx2")  # no AVX-512
     with pytest.raises(RuntimeError, match="needs AVX512-BF16") as e:
-        bf16_linear_cpu.register(tmp_path / "bf16_linear_cpu.so")
+        bf16_linear_cpu.LIBRARY.register(tmp_path / "bf16_linear_cpu.so")
     assert "\n" not in str(e.value)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuron_buckets.kernels import int8_linear_cpu
+from neuron_buckets.kernels import cpp_library, int8_linear_cpu
 from neuron_buckets.model.quantized_linear import per_token_int8
 
 pytestmark = pytest.mark.skipif(not int8_linear_cpu.cpu_has_vnni(),
@@ -61,7 +61,7 @@ def test_a_shape_outside_the_kernel_is_not_taken_and_is_refused_if_called():
 
 
 def test_an_artifact_library_is_refused_in_one_line_on_a_cpu_without_vnni(monkeypatch, tmp_path):
-    monkeypatch.setattr(int8_linear_cpu, "cpu_has_vnni", lambda: False)
+    monkeypatch.setattr(cpp_library, "cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx avx2")  # no AVX-512
     with pytest.raises(RuntimeError, match="needs AVX512-VNNI") as e:
-        int8_linear_cpu.register(tmp_path / "int8_linear_cpu.so")
+        int8_linear_cpu.LIBRARY.register(tmp_path / "int8_linear_cpu.so")
     assert "\n" not in str(e.value)

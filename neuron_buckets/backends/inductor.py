@@ -187,7 +187,7 @@ class InductorBackend:
         if torch.get_num_threads() > MAX_THREADS:  # the graphs' per-thread buffers stop there
             torch.set_num_threads(MAX_THREADS)
         index = torch.device(device).index
-        for library in (lib.library for lib in LIBRARIES.values() if lib.in_graphs):
+        for library in LIBRARIES.values():
             if not library.registered() and _calls_op(path, library.op):
                 raise BackendUnavailable(f"graph {path.name} calls {library.op}, whose kernel library the "
                                          "artifact does not carry; recompile it with nb compile")

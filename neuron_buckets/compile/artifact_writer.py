@@ -35,7 +35,8 @@ from neuron_buckets.compile.outcome import Outcome
 from neuron_buckets.compile.output_dir import LOGS, prune
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.compile.text_files import write_text_files
-from neuron_buckets.kernels.libraries import KernelLibrary, carried
+from neuron_buckets.kernels.cpp_library import CppLibrary
+from neuron_buckets.kernels.libraries import carried
 from neuron_buckets.model.checkpoint import save_weights
 from neuron_buckets.model.model_source import build_model, weights_fingerprint
 from neuron_buckets.model.pieces import PieceShape
@@ -77,16 +78,16 @@ class ArtifactWriter:
         """Build the C++ kernels the CPU graphs call and copy them into ``kernels/``, so that a
         serving host needs no compiler; a copy whose bytes already match is kept."""
         libraries = {}
-        for name, lib in self._libraries().items():
-            built = lib.library.build()
-            rel = f"{KERNELS}/{lib.library.file_name}"
+        for name, library in self._libraries().items():
+            built = library.build()
+            rel = f"{KERNELS}/{library.file_name}"
             path, digest = self.out / rel, sha256_file(built)
             if not intact(path, digest):
                 atomic_write(path, lambda p, built=built: shutil.copyfile(built, p))
             libraries[name] = LibraryInfo(rel, digest)
         self.manifest.libraries = libraries
 
-    def _libraries(self) -> dict[str, KernelLibrary]:
+    def _libraries(self) -> dict[str, CppLibrary]:
         """The kernel libraries this artifact's graphs call, by manifest name (``kernels/libraries.py``
         chooses them), where the backend's CPU graphs call nb's kernels at all."""
         c, scheme = self.plan.config, self.plan.model_config.quantization
