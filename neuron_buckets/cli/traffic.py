@@ -198,6 +198,8 @@ def _packed(
     configured cache size. The report, and the replay (its calls)."""
     cache = config.cache
     lens, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
+    if config.model.embeds:  # an embedding request ends with its prefill: it decodes nothing
+        outputs = [1] * len(lens)
     prompts = None
     if trace.hash_ids is not None:
         prompts = trace_prompts(trace.hash_ids[: len(lens)], lens, trace_block_size)
