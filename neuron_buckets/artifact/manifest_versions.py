@@ -21,6 +21,7 @@ from neuron_buckets.artifact.manifest import (
     Manifest,
     ManifestError,
     read_manifest,
+    read_manifest_dict,
     validate,
 )
 from neuron_buckets.utils.files import atomic_write
@@ -41,16 +42,8 @@ def manifest_versions(directory: Path) -> list[int]:
 
 def read_version(directory: Path, version: int) -> Manifest:
     """Manifest ``version`` of ``directory``, typed and validated."""
-    if version == 1:
-        return read_manifest(directory)
-    path = Path(directory) / version_file(version)
-    if not path.is_file():
-        raise ManifestError(f"{directory} has no manifest version {version} ({path.name} is missing)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from None
-    return Manifest.from_dict(validate(data, str(path)), str(path))
+    name = version_file(version)
+    return Manifest.from_dict(read_manifest_dict(directory, name), str(Path(directory) / name))
 
 
 def incomplete(directory: Path, manifest: Manifest, base: Manifest) -> str | None:
