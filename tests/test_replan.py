@@ -78,7 +78,7 @@ def test_the_recorded_trace_holds_lengths_only_and_loads_as_nb_plan_reads_it(tmp
         recorder.add(ServedRequest(1000.0 * i, 20 + i, 8 * (i % 2), 3 + i))
     recorder.write(tmp_path / "trace.jsonl")
     trace = load_trace(tmp_path / "trace.jsonl")
-    assert len(trace) == 3  # the newest three: the window rolls
+    assert len(trace) == 3 and recorder.served == 5  # the newest three: the window rolls
     assert trace.prompt_lens.tolist() == [22, 23, 24]
     assert trace.cached_lens.tolist() == [0, 8, 0]
     assert trace.prefill_lens.tolist() == [22, 15, 24]

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from neuron_buckets.artifact.manifest_versions import newest_complete
 from neuron_buckets.server.engine_loop import EngineLoop
 
-log = logging.getLogger("nb.serve")
+log = logging.getLogger("uvicorn.error")  # the server's own log, which nb serve shows
 SWAP_TIMEOUT_S = 600.0  # a step never takes this long; a dead loop never answers
 
 

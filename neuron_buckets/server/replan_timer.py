@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Info
 from neuron_buckets.server.manifest_reloader import ManifestReloader
 from neuron_buckets.server.trace_recorder import TraceRecorder
 
-log = logging.getLogger("nb.serve")
+log = logging.getLogger("uvicorn.error")  # the server's own log, which nb serve shows
 LOWEST_PRIORITY = 19
 
 
@@ -59,8 +59,12 @@ class ReplanTimer:
         self._thread.join()
 
     def _run(self) -> None:
+        """A re-plan every ``every_s`` seconds, when requests were served since the last one (the
+        same trace would plan the same set again)."""
+        planned_at = 0
         while not self._stop.wait(self.schedule.every_s):
-            if len(self.trace):
+            if self.trace.served > planned_at:
+                planned_at = self.trace.served
                 self.run_once()
 
     def run_once(self) -> dict:

@@ -25,7 +25,7 @@ from neuron_buckets.server.manifest_reloader import ManifestReloader
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.replan_timer import ReplanSchedule, ReplanTimer
 
-log = logging.getLogger("nb.serve")
+log = logging.getLogger("uvicorn.error")  # the server's own log, which nb serve shows
 
 
 @dataclass(frozen=True)

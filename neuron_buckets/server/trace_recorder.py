@@ -40,10 +40,12 @@ class TraceRecorder:
     def __init__(self, capacity: int = TRACE_CAPACITY) -> None:
         self._records: deque[ServedRequest] = deque(maxlen=capacity)
         self._lock = threading.Lock()
+        self.served = 0  # requests recorded since start, the ones rolled out of the window too
 
     def add(self, record: ServedRequest) -> None:
         with self._lock:
             self._records.append(record)
+            self.served += 1
 
     def __len__(self) -> int:
         return len(self._records)
