@@ -34,6 +34,7 @@ from neuron_buckets.server.serving_admin import AdminOptions
 from neuron_buckets.server.trace_recorder import ServedRequest, TraceRecorder
 from neuron_buckets.traffic.traces import load_trace
 from tests import failing_worker
+from tests.conftest import error_line
 from tests.steps_compared import assert_same_tokens
 from tests.test_serve import eventually, metric_samples, post
 
@@ -241,3 +242,12 @@ def test_nb_inspect_compares_two_manifest_versions_on_a_trace(replanned, tmp_pat
     assert old["calls"] == new["calls"] == len(BETWEEN) and old["real_tokens"] == sum(BETWEEN)
     # each prompt of 18 to 22 tokens pads to 32 on the old set, to 24 on the new
     assert (old["computed_tokens"], new["computed_tokens"]) == (32 * len(BETWEEN), 24 * len(BETWEEN))
+
+
+def test_nb_replan_on_a_directory_that_is_no_artifact_says_so_in_one_line_and_creates_nothing(tmp_path):
+    missing = tmp_path / "typo"
+    result = CliRunner().invoke(app, ["replan", str(missing), "--trace", str(served(BETWEEN, tmp_path)),
+                                      "--budget-s", "60"])
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: {missing} is not an artifact directory: manifest.json is missing"
+    assert not missing.exists()

@@ -7,13 +7,12 @@ without it, one line says what happened and why. A compile that failed exits 1, 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from neuron_buckets.cli.console import err, out
+from neuron_buckets.cli.console import out
 from neuron_buckets.cli.traffic import TRACE_HELP
 from neuron_buckets.replan.replanner import DEFAULT_THRESHOLD, ReplanReport, replan
 from neuron_buckets.traffic.traces import load_trace
@@ -46,11 +45,7 @@ def replan_cmd(
     """Re-plan an artifact's token buckets on a served trace, within its fixed geometry: keep a new set
     only if it pads less by more than --threshold, compile only the pieces it lacks (in the
     background, within --budget-s), and write it as a new manifest version beside the old."""
-    started = time.perf_counter()
-    data = load_trace(trace)
-    err.print(f"loaded {len(data):,} requests from {trace} in {time.perf_counter() - started:.2f} s",
-              highlight=False)
-    report = replan(directory, data, budget_s, threshold, graphs=graphs, align=align, jobs=jobs,
+    report = replan(directory, load_trace(trace), budget_s, threshold, graphs=graphs, align=align, jobs=jobs,
                     cache_dir=cache_dir)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))

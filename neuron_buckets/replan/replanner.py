@@ -85,6 +85,7 @@ def replan(
     """Re-plan ``directory``'s token buckets on ``trace`` (see the module's docstring)."""
     start = time.perf_counter()
     directory = Path(directory)
+    newest_complete(directory)  # not an artifact: refused before the lock would create the directory
     with directory_lock(directory):
         version, current = newest_complete(directory)
         if current.parallel.tensor_parallel_size > 1:
