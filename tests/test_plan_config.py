@@ -66,6 +66,19 @@ def test_the_plan_pastes_into_the_default_config_and_compiles(
     assert "pieces to compile" in result.stdout
 
 
+def test_an_embedding_config_gets_a_plan_of_prefill_buckets_only_that_loads(tmp_path: Path) -> None:
+    """An embedding artifact never decodes: its replay runs prefills alone, and the plan leaves out
+    the decode keys such a config refuses; the pasted config parses and lists prefill buckets only."""
+    embed = paste(DEFAULT.read_text(), "[cache]\n[buckets]\nmax_num_batched_tokens = 128\n")
+    embed = embed.replace("[model]\n", '[model]\ntask = "embed"\n')
+    config = tmp_path / "embed.toml"
+    config.write_text(embed)
+    doc = nb_json("plan", "--trace", CONV, config, "--graphs", 3)
+    assert "num_seqs_buckets" not in doc["config"]["buckets"] and doc["replay"]["calls"] > 0
+    cfg = parse_config(tomllib.loads(paste(embed, doc["toml"])))
+    assert cfg.model.embeds and list(cfg.buckets.num_batched_tokens_buckets) == doc["replay"]["buckets"]
+
+
 def test_a_config_the_plan_must_change_says_which_key_and_why(tmp_path: Path) -> None:
     """A pool too small for what the replay holds at once: the plan raises num_blocks, in one
     line naming the key, and the pasted config compiles."""

@@ -273,13 +273,15 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_dict(read_manifest_dict(directory), str(Path(directory) / MANIFEST))
 
 
-def read_manifest_dict(directory: Path) -> dict[str, Any]:
-    """The validated JSON document itself (for tools that edit or print it whole)."""
-    path = Path(directory) / MANIFEST
+def read_manifest_dict(directory: Path, name: str = MANIFEST) -> dict[str, Any]:
+    """The validated JSON document itself (for tools that edit or print it whole); ``name``: another
+    manifest version's file (``manifest_versions.py``)."""
+    path = Path(directory) / name
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ManifestError(f"{directory} is not an artifact directory: {MANIFEST} is missing") from None
+        what = "is not an artifact directory" if name == MANIFEST else "has no such manifest version"
+        raise ManifestError(f"{directory} {what}: {name} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # truncated, or bytes damaged
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:  # a directory, unreadable

@@ -15,6 +15,7 @@ from neuron_buckets.cli.cache import register as register_cache
 from neuron_buckets.cli.console import ErrorHandlingGroup, err, fail
 from neuron_buckets.cli.console import out as console
 from neuron_buckets.cli.generate import register as register_generate
+from neuron_buckets.cli.replan import register as register_replan
 from neuron_buckets.cli.serve import register as register_serve
 from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
@@ -293,3 +294,4 @@ register_generate(app)
 register_traffic(app)
 register_cache(app)
 register_serve(app)
+register_replan(app)

@@ -8,6 +8,7 @@ absence is one line saying what to install.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -17,6 +18,8 @@ from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt,
 from neuron_buckets.config.model import POOLINGS
 from neuron_buckets.utils.errors import UserError
 
+DURATION = re.compile(r"(\d+(?:\.\d+)?)([smh]?)")
+UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 SERVE_EXTRA = {"fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic"}
 API_KEY_ENV = "NB_API_KEY"
 
@@ -43,7 +46,7 @@ def serve(
     api_key: Annotated[
         str | None,
         typer.Option(envvar=API_KEY_ENV, show_default=False,
-                     help="Require 'Authorization: Bearer KEY' on every /v1 route (env NB_API_KEY)"),
+                     help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes (env NB_API_KEY)"),
     ] = None,
     key_metrics: Annotated[bool, typer.Option(help="Require the API key on /metrics too")] = False,
     allowed_host: Annotated[
@@ -64,6 +67,19 @@ def serve(
         str | None,
         typer.Option(help="An embedding artifact's pooling: last (token) or mean (default: as compiled)"),
     ] = None,
+    record_trace: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="Write the trace of what was served (no text) here at every "
+                     "re-plan and at shutdown; /admin/trace returns it any time"),
+    ] = None,
+    replan_every: Annotated[
+        str | None,
+        typer.Option(metavar="DURATION", help="Re-plan the token buckets on the traffic served this often "
+                     "(e.g. 30m, 2h, 90s) and move to a better set once compiled"),
+    ] = None,
+    replan_budget_s: Annotated[
+        float, typer.Option(min=0.0, help="Most seconds a re-plan's new pieces may take to compile")
+    ] = 600.0,
 ) -> None:
     """Serve an artifact directory over the OpenAI API: completions, chat, /health, /metrics; an
     embedding artifact: /v1/embeddings."""
@@ -83,10 +99,23 @@ def serve(
     access = ServerAccess.for_bind(host, api_key, key_metrics, tuple(allowed_host or ()))
     if pooling not in (None, *POOLINGS):
         raise UserError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    from neuron_buckets.server.replan_timer import ReplanSchedule
+    from neuron_buckets.server.serving_admin import AdminOptions
+
+    every = None if replan_every is None else duration_s("--replan-every", replan_every)
+    schedule = None if every is None else ReplanSchedule(every, replan_budget_s)
     run_server(
         directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload,
-        pooling,
+        pooling, AdminOptions(record_trace, schedule),
     )
+
+
+def duration_s(option: str, text: str) -> float:
+    """'90s', '30m', '2h' or a bare number of seconds, in seconds (more than 0)."""
+    match = DURATION.fullmatch(text.strip())
+    if match is None or float(match.group(1)) <= 0:
+        raise UserError(f"{option}: {text!r} is not a duration such as 90s, 30m or 2h")
+    return float(match.group(1)) * UNITS[match.group(2) or "s"]
 
 
 def register(app: typer.Typer) -> None:

@@ -13,6 +13,8 @@ from typing import Annotated
 
 import numpy as np
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from neuron_buckets.cli.console import err, int_list, out
 from neuron_buckets.config import Config, enumerate_grid, load_config
@@ -118,6 +120,11 @@ def inspect(
     arrivals: ArrivalsOpt = False,
     step_seconds: StepSecondsOpt = STEP_S,
     token_seconds: TokenSecondsOpt = TOKEN_S,
+    versions: Annotated[
+        str | None,
+        typer.Option("--versions", metavar="A,B",
+                     help="With --manifest: compare these manifest versions' token buckets (nb replan)"),
+    ] = None,
 ) -> None:
     """Padding, decode batch sizes and compile cost of a bucket set on a trace.
 
@@ -125,7 +132,16 @@ def inspect(
     packing (all requests at once, or --concurrency, --arrivals), and for a trace with hash_ids
     the prefix cache's hits, evictions and prefill tokens saved; and what speculation costs in
     graphs (measured with --manifest, counted in buckets with a config). Requests longer than
-    the config's max_model_len are counted first and left out of every figure."""
+    the config's max_model_len are counted first and left out of every figure. With --manifest
+    and --versions, the prefill padding of each manifest version's token buckets instead."""
+    if versions is not None:
+        if manifest is None:
+            raise ValueError("--versions compares manifest versions of an artifact: pass --manifest DIR")
+        from neuron_buckets.replan.version_compare import compare_versions
+
+        chosen = int_list("--versions", versions)
+        _emit(compare_versions(manifest, chosen, _load(trace)), as_json, print_versions)
+        return
     built = load_manifest_buckets(manifest) if manifest else None
     prefill, num_seqs, limit = _bucket_sets(config, built, prefill_buckets, num_seqs_buckets)
     slots = max_num_seqs or num_seqs[-1]  # the grid rule: the last num_seqs bucket
@@ -151,6 +167,16 @@ def inspect(
         plot_padding(plot, data.prompt_lens, doc["prefill"], refused, _source(config, built, prefill_buckets))
         err.print(f"wrote {plot}", highlight=False)
     _emit(doc, as_json, print_inspect)
+
+
+def print_versions(console: Console, doc: dict) -> None:
+    table = Table(title="prefill padding per manifest version")
+    for col in ("version", "token buckets", "calls", "real tokens", "computed tokens", "padding share"):
+        table.add_column(col)
+    for r in doc["versions"]:
+        table.add_row(str(r["version"]), ",".join(map(str, r["token_buckets"])), f"{r['calls']:,}",
+                      f"{r['real_tokens']:,}", f"{r['computed_tokens']:,}", f"{r['padding_share']:.1%}")
+    console.print(table)
 
 
 def _source(config: Path | None, built: ManifestBuckets | None, prefill: str | None) -> str:
@@ -198,6 +224,8 @@ def _packed(
     configured cache size. The report, and the replay (its calls)."""
     cache = config.cache
     lens, outputs = fit_requests(trace.prompt_lens, trace.output_lens, cache.max_model_len, limit)
+    if config.model.embeds:  # an embedding request ends with its prefill: it decodes nothing
+        outputs = [1] * len(lens)
     prompts = None
     if trace.hash_ids is not None:
         prompts = trace_prompts(trace.hash_ids[: len(lens)], lens, trace_block_size)

@@ -152,11 +152,15 @@ class ArtifactWriter:
             ))
         return records
 
-    def save(self, done: dict[PieceShape, Outcome]) -> None:
-        """Rewrite the manifest with every piece and bucket finished so far (atomic)."""
+    def update(self, done: dict[PieceShape, Outcome]) -> None:
+        """Bring the manifest in memory up to every piece and bucket finished so far."""
         self.manifest.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         self.manifest.pieces = {o.key: self._record(o) for s in self.plan.shapes if (o := done.get(s))}
         self.manifest.buckets = self._bucket_records(done)
+
+    def save(self, done: dict[PieceShape, Outcome]) -> None:
+        """Rewrite the manifest with every piece and bucket finished so far (atomic)."""
+        self.update(done)
         if self.manifest.buckets:
             write_manifest(self.out, self.manifest)
 

@@ -94,14 +94,14 @@ class Compiler:
             writer.write_files(previous, self.text_sources, self.eos_token_ids)
             done: dict[PieceShape, Outcome] = {}
             for s, key in plan.keys.items():
-                if (o := self._found(s, key, kept, writer, notify)) is not None:
+                if (o := self.found(s, key, kept, writer, notify)) is not None:
                     done[s] = o
             todo = [Outcome(s, key) for s, key in plan.keys.items() if s not in done]
             writer.save(done)
             for o in done.values():
                 notify("done", o)
             if todo:
-                finish = partial(self._finish, writer=writer, done=done, notify=notify)
+                finish = partial(self.finish, writer=writer, done=done, notify=notify)
                 self.queue.run(todo, done, finish, notify, jobs)
             writer.prune(previous, done)
             outcomes = [done[s] for s in plan.shapes if s in done]
@@ -110,7 +110,7 @@ class Compiler:
                 report.draft = self.draft.run(jobs, on_event)
             return report
 
-    def _found(self, shape: PieceShape, key: str, kept: dict[str, PieceRecord], writer: ArtifactWriter,
+    def found(self, shape: PieceShape, key: str, kept: dict[str, PieceRecord], writer: ArtifactWriter,
                notify: Notify) -> Outcome | None:
         """The piece, reused: from the artifact directory (shared with the remote store if that
         lacks it) or from the graph cache; None when it must be compiled."""
@@ -123,7 +123,7 @@ class Compiler:
             return writer.place(Outcome(shape, key, compile_seconds=secs, cached=True), hit)
         return None
 
-    def _finish(self, o: Outcome, err: str | None, writer: ArtifactWriter, done: dict[PieceShape, Outcome],
+    def finish(self, o: Outcome, err: str | None, writer: ArtifactWriter, done: dict[PieceShape, Outcome],
                 notify: Notify) -> None:
         """Place a compiled piece from the store it was published to, or record its failure."""
         if err is None:

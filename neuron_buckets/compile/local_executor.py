@@ -21,6 +21,7 @@ from neuron_buckets.compile.worker import compile_piece, watch_parent
 class LocalExecutor:
     on_this_host = True
     run = staticmethod(compile_piece)  # what a worker runs; tests swap in one that stops mid-compile
+    initializer = staticmethod(watch_parent)  # what each worker process runs first
 
     def __init__(self, jobs: int) -> None:
         self.slots = max(jobs, 1)
@@ -29,7 +30,7 @@ class LocalExecutor:
     @contextmanager
     def pool(self) -> Iterator[Submit]:
         context = mp.get_context("spawn")
-        with ProcessPoolExecutor(self.slots, mp_context=context, initializer=watch_parent) as pool:
+        with ProcessPoolExecutor(self.slots, mp_context=context, initializer=self.initializer) as pool:
             yield partial(pool.submit, self.run)
 
     def died(self, error: BaseException) -> bool:

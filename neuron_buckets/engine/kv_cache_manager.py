@@ -137,6 +137,8 @@ class KVCacheManager:
         kv = self.req_to_kv[req.request_id]
         kv.blocks = self.pool.share(prefix)
         kv.cached = len(prefix) * self.pool.block_size
+        if req.num_cached_tokens < 0:  # the first admission's hit: a recompute's is its own blocks
+            req.num_cached_tokens = kv.cached
         del kv.block_hashes[len(prefix) :]  # a recompute names its blocks from its prefix on
         return True
 

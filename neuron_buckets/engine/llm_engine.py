@@ -248,6 +248,13 @@ class LLMEngine:
             drafter.follow(chunks)
         return logits, time.perf_counter() - start
 
+    def use_manifest(self, manifest: Manifest) -> None:
+        """Move to another version of this artifact's buckets between two steps
+        (``BucketRuntime.use_manifest``); the requests, their blocks and the prefix cache carry on,
+        and the scheduler cuts steps at the new token buckets from the next step."""
+        self.runtime.use_manifest(manifest)
+        self.scheduler.token_buckets = tuple(sorted(b.seq for b in self.runtime.buckets.prefill))
+
     def _check_owner(self) -> None:
         if self.runtime.owner is not self:
             raise CacheOwned(f"{self.runtime.directory}: a newer engine took this engine's runtime, and "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from neuron_buckets.artifact.manifest import read_manifest
+from neuron_buckets.artifact.manifest_versions import newest_complete
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.engine.embedder import Embedder
 from neuron_buckets.engine.llm_engine import LLMEngine
@@ -31,8 +31,9 @@ def open_artifact(
 ) -> LLMEngine | Embedder | RankFollower:
     """The engine, embedder or rank follower that serves ``directory``: drafting as
     ``speculative`` says, every graph loaded now with ``preload``, an embedding artifact pooling
-    as ``pooling`` says (else as compiled). A follower has loaded nothing yet: ``run`` it."""
-    manifest = read_manifest(directory)
+    as ``pooling`` says (else as compiled). A follower has loaded nothing yet: ``run`` it. The
+    buckets are those of the newest complete manifest version (``nb replan`` writes them)."""
+    _, manifest = newest_complete(directory)
     if (rank := follower(directory, manifest)) is not None:
         return rank
     if manifest.embedding is not None:

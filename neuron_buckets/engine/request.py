@@ -38,6 +38,8 @@ class Request:
     logprobs: list[TokenLogprob] | None = None  # one per sampled token if asked (may pass a stop)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token so far, if asked
     grammar: Any = None  # the xgrammar matcher of its structured outputs, None without
+    # vLLM's: prompt tokens its first admission found in the prefix cache (-1 until admitted)
+    num_cached_tokens: int = -1
 
     @classmethod
     def create(
@@ -150,6 +152,7 @@ class Request:
             stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs[: len(generated)],
             prompt_logprobs=None if self.wants_prompt_logits else self.prompt_logprobs,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
         )
         self.sent_tokens, self.sent_text = len(generated), len(text)
         return out

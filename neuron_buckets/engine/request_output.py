@@ -21,6 +21,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when its params asked
     # one per prompt token, None for the first (nothing predicts it), once computed, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # vLLM's: prompt tokens its first admission found in the prefix cache
 
     def __getattr__(self, name: str) -> object:
         """Only reached for an attribute that does not exist: name the replacement of a 0.1 one."""

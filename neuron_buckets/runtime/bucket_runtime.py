@@ -209,6 +209,32 @@ class BucketRuntime:
         self._graphs[key] = fn
         return fn
 
+    def use_manifest(self, manifest: Manifest) -> None:
+        """Serve ``manifest``'s buckets from the next call on: another version of this artifact
+        (``nb replan``), of the same model, cache geometry, weights and limits, so the KV cache, the
+        weights and every graph loaded so far stay as they are (graphs are named by their content).
+        Anything else is refused before a thing changes."""
+        old = self.manifest
+        if (manifest.graph_facts(), manifest.weights, manifest.decode, manifest.libraries) != (
+            old.graph_facts(), old.weights, old.decode, old.libraries
+        ):
+            raise ArtifactError(f"{self.directory}: the new manifest is not of this artifact's model, cache "
+                                "geometry, weights and limits; restart the server to serve it")
+        records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
+        try:
+            buckets = BucketSet.of(records, self.buckets.mix_decode, self.buckets.prefill_only)
+        except ValueError as e:
+            raise ArtifactError(f"{self.directory}: {e}") from None
+        if (buckets.token_budget, buckets.max_rows, buckets.decode_seq) != (
+            self.buckets.token_budget, self.buckets.max_rows, self.buckets.decode_seq
+        ):
+            raise ArtifactError(f"{self.directory}: the new buckets change the token budget, rows or decode "
+                                "width the scheduler plans with; restart the server to serve them")
+        self.manifest, self.records, self.buckets = manifest, records, buckets
+        self.stats |= {b.name: BucketStats() for b in records if b.name not in self.stats}
+        used = {key for r in records.values() for key in r.pieces.values()}
+        self._graphs = {k: fn for k, fn in self._graphs.items() if k in used}
+
     @property
     def loaded(self) -> list[str]:
         """Keys of the piece graphs loaded so far."""

@@ -46,6 +46,7 @@ from neuron_buckets.server.embedding_protocol import EmbeddingRequest, Embedding
 from neuron_buckets.server.errors import STATUS, error_response, on_error
 from neuron_buckets.server.openai_protocol import ModelCard, ModelList
 from neuron_buckets.server.serving import OpenAIServing
+from neuron_buckets.server.serving_admin import AdminOptions, ServingAdmin
 from neuron_buckets.server.serving_chat import ChatEndpoint
 from neuron_buckets.server.serving_completion import CompletionEndpoint
 from neuron_buckets.server.serving_embedding import OpenAIServingEmbedding
@@ -65,27 +66,32 @@ class ServerLimits:
 
 
 LOOPBACK_ONLY = ServerAccess()
+NO_ADMIN = AdminOptions()  # the trace kept in memory only, no background re-plans
 
 
 def create_app(
     engine: LLMEngine | Embedder, model_name: str, limits: ServerLimits = ServerLimits(),
-    access: ServerAccess = LOOPBACK_ONLY,
+    access: ServerAccess = LOOPBACK_ONLY, admin: AdminOptions = NO_ADMIN,
 ) -> FastAPI:
-    """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread.
+    """The FastAPI app over one engine; its lifespan starts and stops the engine loop thread and
+    the admin side (``serving_admin.py``: the trace, reloads, re-plans, as ``admin`` says).
     ``access`` defaults to no key and a loopback server's Host check. An embedding artifact's
     ``Embedder`` gets ``create_embedding_app``'s."""
     if isinstance(engine, Embedder):
         return create_embedding_app(engine, model_name, limits, access)
     server = OpenAIServing(engine, model_name, limits.max_open_requests)
+    side = ServingAdmin(server.loop, server.metrics, admin)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         server.loop.start()
+        side.start()
         yield
+        await asyncio.to_thread(side.stop)
         await asyncio.to_thread(server.close)
 
     def routes(app: FastAPI, v1: APIRouter) -> None:
-        app.state.engine_loop = server.loop
+        app.state.engine_loop, app.state.admin = server.loop, side
 
         @app.get("/health")
         async def health() -> Response:
@@ -108,6 +114,8 @@ def create_app(
         @v1.post("/embeddings", response_model=None)
         async def embeddings() -> Response:  # whatever the body: the artifact is what is wrong
             raise UserError(NOT_EMBEDDING)
+
+        side.routes(app, access)
 
     card = ModelCard(id=model_name, created=server.created, max_model_len=server.max_model_len)
     return openai_app(lifespan, card, limits, access, routes)
@@ -206,6 +214,7 @@ def run_server(
     access: ServerAccess | None = None,
     preload: bool = False,
     pooling: str | None = None,
+    admin: AdminOptions = NO_ADMIN,
 ) -> None:
     """Open the artifact (``open_artifact``: drafting as ``speculative`` says; with ``preload``
     every graph loaded before the first request, not by it; an embedding artifact pooling as
@@ -231,15 +240,15 @@ def run_server(
         log.info("opened %s in %.1f s (%s)", directory, time.perf_counter() - start, loaded)
         access = access or ServerAccess.for_bind(host, None, False, ())
         name = model_name or str(directory)
-        serve(served, taken or listen(host, port), host, name, limits, shutdown_timeout, access)
+        serve(served, taken or listen(host, port), host, name, limits, shutdown_timeout, access, admin)
 
 
 def serve(
     engine: LLMEngine | Embedder, sock: socket.socket, host: str, model_name: str, limits: ServerLimits,
-    shutdown_timeout: float, access: ServerAccess,
+    shutdown_timeout: float, access: ServerAccess, admin: AdminOptions = NO_ADMIN,
 ) -> None:
     """Serve ``engine`` on ``sock`` (bound to ``host``) until a signal, or a lost rank, ends it."""
-    app = create_app(engine, model_name, limits, access)
+    app = create_app(engine, model_name, limits, access, admin)
     port = sock.getsockname()[1]  # the port taken, when 0 asked for any
     config = uvicorn.Config(
         app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, http=HeaderTimeoutH11

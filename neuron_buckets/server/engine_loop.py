@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
@@ -40,6 +41,7 @@ from neuron_buckets.runtime.rank_group import RankLost
 from neuron_buckets.server.errors import EngineDead, StepFailed, server_busy
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.request_stream import RequestStream, deliver_step
+from neuron_buckets.server.trace_recorder import ServedRequest, TraceRecorder
 from neuron_buckets.utils.errors import UserError
 
 log = logging.getLogger("nb.serve")
@@ -73,6 +75,7 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="nb-engine-loop", daemon=True)
         self.on_fatal: Callable[[str], None] | None = None  # told why, when a rank is lost
+        self.trace = TraceRecorder()  # what it served, for nb replan (no text)
 
     def start(self) -> None:
         self._thread.start()
@@ -209,6 +212,20 @@ class EngineLoop:
                 self.metrics.finished("abort")
             return []
 
+    def between_steps(self, command: Callable[[], object]) -> Future:
+        """Run ``command`` on the engine thread between two steps (nothing else touches the
+        engine then); its result or exception in the future."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(command())
+            except Exception as e:  # handed to whoever waits on it
+                future.set_exception(e)
+
+        self._commands.put(run)
+        return future
+
     def _drain(self, block: bool) -> None:
         """Run up to ``MAX_COMMANDS`` queued commands; wait for the first one when there is
         nothing else to do."""
@@ -255,5 +272,8 @@ class EngineLoop:
                 self.metrics.intervals(connection.arrival, connection.scheduled, connection.first_token,
                                        connection.last_token)
                 self.metrics.finished(out.finish_reason)
+                arrival_ms = (time.time() - (now - connection.arrival)) * 1e3
+                self.trace.add(ServedRequest(arrival_ms, len(out.prompt_token_ids), out.num_cached_tokens,
+                                             len(out.token_ids)))
             deliveries.append((connection.stream, out))
         return deliveries

@@ -67,7 +67,11 @@ class PlannedConfig:
             ),
             "speculation_length": b.speculation_length,
         }
-        if buckets["num_seqs_buckets"] is None:  # no arrivals to plan from: the derived default
+        if base.model.embeds:  # an embedding config has prefill buckets only, and refuses decode keys
+            del cache["enable_prefix_caching"]
+            for key in ("num_seqs_buckets", "decode_context_length_buckets", "speculation_length"):
+                del buckets[key]
+        elif buckets["num_seqs_buckets"] is None:  # no arrivals to plan from: the derived default
             derived = BucketConfig(max_num_seqs=limits.max_num_seqs).num_seqs_buckets
             buckets["num_seqs_buckets"] = list(derived or ())
         why = {

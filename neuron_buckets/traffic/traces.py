@@ -30,6 +30,7 @@ LENGTH_COLUMNS = (
     ("num_prefill_tokens", "num_decode_tokens", "lengths"),
 )
 TIME_COLUMNS = ("TIMESTAMP", "timestamp")
+CACHED_COLUMN = "cached_tokens"  # a JSONL trace nb serve recorded: prompt tokens found in its prefix cache
 # Far beyond any context length, and small enough that the float64 padding counters stay exact
 # over a million requests: a count near int64's max overflowed them into "0.0% padding".
 MAX_TOKEN_COUNT = 2**32
@@ -57,13 +58,16 @@ class Trace:
     """One request per row: ``prompt_lens`` (>= 1), ``output_lens`` (>= 0), and ``arrivals`` in
     seconds after the first request (None when the file has no time column). ``hash_ids`` (a
     Mooncake trace's) name each request's prompt blocks, so that equal ids mean equal content:
-    the prefix information a prefix-caching replay needs; None for traces without it."""
+    the prefix information a prefix-caching replay needs; None for traces without it.
+    ``cached_lens`` (a trace ``nb serve`` recorded) are the prompt tokens each request found in
+    the server's prefix cache, which its prefill did not compute; None when not recorded."""
 
     prompt_lens: np.ndarray
     output_lens: np.ndarray
     arrivals: np.ndarray | None
     source: str
     hash_ids: tuple[tuple[int, ...], ...] | None = None
+    cached_lens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -89,7 +93,16 @@ class Trace:
     def _take(self, idx: np.ndarray) -> Trace:
         arrivals = self.arrivals[idx] if self.arrivals is not None else None
         hashes = tuple(self.hash_ids[i] for i in idx) if self.hash_ids is not None else None
-        return Trace(self.prompt_lens[idx], self.output_lens[idx], arrivals, self.source, hashes)
+        cached = self.cached_lens[idx] if self.cached_lens is not None else None
+        return Trace(self.prompt_lens[idx], self.output_lens[idx], arrivals, self.source, hashes, cached)
+
+    @property
+    def prefill_lens(self) -> np.ndarray:
+        """The prompt tokens each request's prefill computed: all but its prefix-cache hit (the
+        last prompt token is always computed)."""
+        if self.cached_lens is None:
+            return self.prompt_lens
+        return np.maximum(self.prompt_lens - self.cached_lens, 1)
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -220,9 +233,14 @@ def _load_jsonl(text: str) -> Trace:
     p, o = (_parse_ints(c, column(c), line_of) for c in (prompt, output))
     arrivals = _parse_times(time_col, np.array(column(time_col))) if time_col else None
     trace = _build(prompt, output, p, o, arrivals, name)
-    if "hash_ids" not in records[0]:
-        return trace
-    return Trace(trace.prompt_lens, trace.output_lens, trace.arrivals, name, _hash_ids(column("hash_ids")))
+    hashes = _hash_ids(column("hash_ids")) if "hash_ids" in records[0] else None
+    cached = None
+    if CACHED_COLUMN in records[0]:
+        cached = _parse_ints(CACHED_COLUMN, column(CACHED_COLUMN), line_of)
+    if cached is not None and (bad := np.flatnonzero((cached < 0) | (cached > p))).size:
+        raise TraceError(f"record {bad[0] + 1}: {CACHED_COLUMN} {cached[bad[0]]} is not between 0 and its "
+                         f"{prompt} {p[bad[0]]}")
+    return Trace(trace.prompt_lens, trace.output_lens, trace.arrivals, name, hashes, cached)
 
 
 def _hash_ids(values: list[object]) -> tuple[tuple[int, ...], ...]:
