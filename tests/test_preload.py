@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 from typer.testing import CliRunner
 
 from neuron_buckets.cli import app
 from neuron_buckets.engine.llm_engine import LLMEngine
+from neuron_buckets.server.api_server import run_server
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +24,12 @@ def test_preload_loads_every_piece_before_any_step(compiled_dir):
 
 def test_serve_passes_preload_to_the_server(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr("neuron_buckets.server.api_server.run_server", lambda *a: seen.setdefault("args", a))
+
+    def fake_run_server(*args, **kwargs) -> None:
+        seen["args"] = inspect.signature(run_server).bind(*args, **kwargs).arguments
+
+    monkeypatch.setattr("neuron_buckets.server.api_server.run_server", fake_run_server)
     for flags, expected in (([], False), (["--preload"], True)):
         result = CliRunner().invoke(app, ["serve", str(tmp_path), *flags])
         assert result.exit_code == 0, result.output
-        assert seen.pop("args")[-2] is expected  # before pooling
+        assert seen.pop("args").get("preload", False) is expected
