@@ -45,6 +45,9 @@ GRIDS = {
        for dtype in ("bfloat16", "float16") for spec in (SPECULATIVE, "")},
 }
 
+GRID_IDS = [f"{d}-{g}-{'speculative' if s else 'default'}" for d, g, s in GRIDS]
+MLIR_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
 
 def grid_config(root: Path, model_dir: Path, dtype: str, grid: str, speculation: str) -> Config:
     text = {"full": FULL, "small": SMALL, "tp2": SMALL + TP2}[grid].replace(
@@ -86,16 +89,18 @@ def dims(tensor_type: str) -> list[int]:
     return [int(d) for d in re.fullmatch(r"tensor<((?:\d+x)*)[a-zA-Z0-9]+>", tensor_type)[1].split("x")[:-1]]
 
 
-def test_every_piece_is_stablehlo_with_every_input_an_argument(artifacts):
-    """Each piece's StableHLO takes every input (weights and caches included) as a function
-    argument of the input's shape, in order: nothing is folded into a constant. The layer returns
-    its output and both cache slices, of the caches' type; the record says how neuronx-cc would
-    compile it, and the manifest keys torch-mlir and its decompositions."""
+@pytest.mark.parametrize(("dtype", "grid", "speculation"), list(GRIDS), ids=GRID_IDS)
+def test_every_piece_is_stablehlo_with_every_input_an_argument(artifacts, dtype, grid, speculation):
+    """Each piece's StableHLO, in each dtype, takes every input (weights and caches included) as a
+    function argument of the input's shape, in order: nothing is folded into a constant. The layer
+    returns its output and both cache slices, of the caches' type and dtype; the record says how
+    neuronx-cc would compile it, and the manifest keys torch-mlir and its decompositions."""
     from neuron_buckets.artifact.manifest import read_manifest
 
-    directory, _, _ = artifacts("float32", "full", SPECULATIVE)
+    directory, _, _ = artifacts(dtype, grid, speculation)
     records = graph_records(directory)
-    assert len(records) == 12  # embed, layer and head of each token count: 3, 6 (decode), 16, 32
+    # embed, layer and head of each bucket's token count (the full speculative grid: 3, 6, 16, 32)
+    assert len(records) == 3 * len(GRIDS[dtype, grid, speculation])
     for name, r in records.items():
         s = r["summary"]
         assert len(s["arguments"]) == len(r["input_shapes"]) == len(s["input_shapes"]), name
@@ -104,6 +109,7 @@ def test_every_piece_is_stablehlo_with_every_input_an_argument(artifacts):
         if r["piece"] == "LayerPiece":
             k_cache = s["arguments"][7]
             assert s["results"][1:] == [k_cache, k_cache] and s["arguments"][8] == k_cache, name
+            assert k_cache.endswith(f"x{MLIR_DTYPES[dtype]}>"), (name, k_cache)
             assert len(s["arguments"]) == 9 + 6  # the step and caches, then two norms, qkv, o, gate_up, down
         cmd = r["neuronx_cc"]
         assert cmd[:2] == ["neuronx-cc", "compile"] and cmd[2].endswith(".mlirbc")
@@ -114,9 +120,7 @@ def test_every_piece_is_stablehlo_with_every_input_an_argument(artifacts):
     assert versions["torch-mlir"] != "not installed" and len(versions["torch-mlir-decompositions"]) == 16
 
 
-@pytest.mark.parametrize(("dtype", "grid", "speculation"), list(GRIDS), ids=[
-    f"{d}-{g}-{'speculative' if s else 'default'}" for d, g, s in GRIDS
-])
+@pytest.mark.parametrize(("dtype", "grid", "speculation"), list(GRIDS), ids=GRID_IDS)
 def test_iree_runs_every_bucket_as_eager_over_nan_poisoned_caches(artifacts, dtype, grid, speculation):
     """``nb verify --stablehlo``'s check: random padded steps of every bucket, each piece's
     StableHLO run by IREE, over caches NaN outside the step's blocks: logits and both caches
@@ -194,7 +198,18 @@ def test_greedy_generation_through_iree_pieces_equals_transformers(artifacts, hf
 MLIR_TYPES = {torch.int8: "i8", torch.float8_e4m3fn: "f8E4M3FN", torch.float32: "f32"}
 
 
-@pytest.mark.parametrize("name", ["w8a16-int8-channel", "w8a16-fp8-tensor", "w8a16-fp8-channel"])
+def scheme_of(name: str):
+    """The quantization a test name says: ``w8a16-int8-channel`` (weights int8 per channel,
+    activations as they are), ``w8a8-fp8-tensor`` (float8 weights and activations per tensor)."""
+    from neuron_buckets.model.quant_scheme import QuantScheme
+
+    kind, stored, strategy = name.split("-")
+    activations = {"w8a8-int8": "int8_token", "w8a8-fp8": "float8_tensor"}.get(f"{kind}-{stored}", "none")
+    return QuantScheme("int8" if stored == "int8" else "float8_e4m3fn", strategy, activations)
+
+
+@pytest.mark.parametrize("name", ["w8a16-int8-channel", "w8a8-int8-channel", "w8a16-fp8-tensor",
+                                  "w8a16-fp8-channel", "w8a8-fp8-tensor"])
 def test_a_quantized_layer_takes_its_stored_weights_and_scales_as_arguments_and_runs_as_eager(name):
     """The W8A16 layer piece lowered with random int8 or float8 weights as the checkpoint stores
     them: each projection's weight an argument of its stored type and its scales float32
@@ -206,13 +221,10 @@ def test_a_quantized_layer_takes_its_stored_weights_and_scales_as_arguments_and_
     from neuron_buckets.kernels import dispatch
     from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.quant_scheme import QuantScheme
     from neuron_buckets.runtime.verify import TOLERANCE, relative_diff
     from tests.conftest import random_layer
 
-    stored, strategy = name.split("-")[1:]
-    scheme = QuantScheme("int8" if stored == "int8" else "float8_e4m3fn", strategy, "none")
-    config, gen = replace(DEFAULT_CONFIG, quantization=scheme), torch.Generator().manual_seed(3)
+    config, gen = replace(DEFAULT_CONFIG, quantization=scheme_of(name)), torch.Generator().manual_seed(3)
     shape = PieceShape("layer", 16, rows=1, ctx=128, packed=True)
     example = example_inputs(shape, config, 8, 64, torch.float32)
     *step, k_cache, v_cache, _ = example
@@ -227,7 +239,7 @@ def test_a_quantized_layer_takes_its_stored_weights_and_scales_as_arguments_and_
     lowering = lower(build_piece("layer", config), (*step, k_cache, v_cache, weights))
     got_types = [a.rsplit("x", 1)[-1].rstrip(">") for a in lowering.summary["arguments"][-len(weights):]]
     assert got_types == [MLIR_TYPES[w.dtype] for w in weights]
-    assert MLIR_TYPES[weights[1].dtype] == ("i8" if stored == "int8" else "f8E4M3FN")  # qkv as stored
+    assert MLIR_TYPES[weights[1].dtype] == ("i8" if "int8" in name else "f8E4M3FN")  # qkv as stored
     got = IreeModule(lowering.bytecode)(*args)
     with torch.no_grad(), dispatch.use(dispatch.GOLDEN):
         want = FunctionalLayer(build_piece("layer", config))(*args)
@@ -307,15 +319,12 @@ def tp2_lowering(name: str, dtype: torch.dtype = torch.float32):
     from neuron_buckets.backends.stablehlo_lowering import lower
     from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.quant_scheme import QuantScheme
     from neuron_buckets.model.tensor_parallel import TensorParallel
 
     role, _, quantized = name.partition("-")
     config, tp = DEFAULT_CONFIG, TensorParallel(2)
     if quantized:
-        stored, strategy = quantized.split("-")[1:]
-        scheme = QuantScheme("int8" if stored == "int8" else "float8_e4m3fn", strategy, "none")
-        config = replace(config, quantization=scheme)
+        config = replace(config, quantization=scheme_of(quantized))
     shape = PieceShape(role, 16, rows=2, ctx=128, packed=True) if role == "layer" else PieceShape(role, 16)
     example = example_inputs(shape, tp.local(config), 8, 64, dtype)
     with tp.tracing():
@@ -390,3 +399,22 @@ def test_iree_compiles_the_tp2_piece_for_the_cpu_but_runs_no_collective_there():
     assert "local_task/task_device.c" in said
     assert ("UNIMPLEMENTED; collectives not implemented; while invoking native function "
             "hal.channel.create") in said
+
+
+def test_the_nki_kernels_torch_glue_lowers_to_stablehlo_and_runs_on_iree_as_eager():
+    """What of the NKI path runs here, on this route too: the torch glue around the attention
+    kernel's call, lowered to StableHLO and run by IREE, equal to eager bit for bit."""
+    from neuron_buckets.backends.stablehlo_lowering import IreeModule, lower
+    from tests.kernel_glue import KernelGlue, glue_args
+
+    args = glue_args()
+    want = KernelGlue()(*args)
+    lowering = lower(KernelGlue(), args)
+    assert lowering.summary["results"] == [
+        "tensor<2x2x6x16xf32>", "tensor<2x2x3x16xf32>", "tensor<2x2x3x16xf32>", "tensor<2x128x1xi32>",
+        "tensor<2x2x6x128xui8>", "tensor<2x2x6x3xui8>",
+    ]  # fmt: skip
+    got = IreeModule(lowering.bytecode)(*args)
+    assert len(got) == len(want) == 6
+    for mine, theirs in zip(got, want, strict=True):
+        assert torch.equal(mine, theirs)
