@@ -15,7 +15,6 @@ test: install real-model
 	lint-imports
 	$(PY) -m pytest -q -n 2 --dist loadgroup --junitxml=build/junit.xml
 	$(PY) tests/steps_report.py build/junit.xml
-	$(MAKE) test-xla
 
 # The checks most exposed to a loaded machine (W8A8 in bfloat16, W8A8 at TP=2, a rank killed or hung
 # mid-serve), N times in a row under `-n 2`; stops at the first failure and says which round.
@@ -30,9 +29,10 @@ repeat-reliability:
 	  echo "round $$i of $(N) passed"; \
 	done
 
-# The Neuron path through torch-xla (tests marked `xla`) in a second, gitignored virtualenv: torch-xla
-# 2.9 needs torch 2.9, which the main environment's pin does not allow. Built once (the index serves
-# torch 2.9 only as its CUDA build: about 7 GB), rebuilt when pyproject.toml changes.
+# Optional, out of `test`: the deprecated torch-xla Neuron route (tests marked `xla`) in a second,
+# gitignored virtualenv: torch-xla 2.9 needs torch 2.9, which the main environment's pin does not
+# allow. Built once (the index serves torch 2.9 only as its CUDA build: about 7 GB), rebuilt when
+# pyproject.toml changes. Every piece kind and dtype it checks, the StableHLO tests check in `test`.
 XLA_VENV ?= .venv-xla
 XLA_PY = $(XLA_VENV)/bin/python
 

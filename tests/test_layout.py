@@ -366,3 +366,13 @@ def test_the_kv_cache_manager_owns_every_requests_kv_state():
     assert list(kv.req_to_kv) == [7] and len(kv.blocks(req)) == 2 and kv.num_cached(req) == 0
     kv.release(req)
     assert kv.req_to_kv == {} and kv.pool.num_free == 3
+
+
+def test_make_test_needs_no_torch_xla():
+    """``make test`` (what CI runs) checks the Neuron route through StableHLO only: the deprecated
+    torch-xla route's second environment is built by ``make test-xla``, optional, never by ``test``."""
+    makefile = (PACKAGE.parent / "Makefile").read_text()
+    target = re.search(r"^test:(.*)\n((?:\t.*\n)+)", makefile, re.M)
+    assert target and "pytest" in target[2]
+    assert "xla" not in target[0].lower()
+    assert re.search(r"^test-xla: ", makefile, re.M)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
-from torch import Tensor
 
 from neuron_buckets.config import DTYPES, Config, load_config
 from neuron_buckets.core.padding import pad_decode, pad_prefill
@@ -197,31 +196,15 @@ def test_greedy_generation_through_xla_pieces_equals_transformers(runtimes, hf_m
     assert_same_tokens(greedy(poisoned(runtimes[0]), prompts, 8), want, total=2 * 8)
 
 
-class KernelGlue(torch.nn.Module):
-    """The torch side of the NKI attention kernel's call (layouts, masks, slot ids), which the
-    Neuron layer graph traces around the kernel."""
-
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, table: Tensor, lens: Tensor, segments: Tensor
-    ) -> tuple[Tensor, ...]:
-        from neuron_buckets.kernels import nki_ops
-        from neuron_buckets.kernels.attention_step import AttentionStep
-
-        return nki_ops.attention_kernel_inputs(q, k, v, AttentionStep(table, lens, segments), 8)
-
-
 def test_the_nki_kernels_torch_glue_lowers_to_one_static_graph_and_runs_as_on_cpu():
     """What of the NKI path runs here: its torch glue, lowered and executed on XLA:CPU. The kernels
     themselves need the nki package (absent: see the README's Neuron section)."""
     from neuron_buckets.backends.neuron import TraceSpec
     from neuron_buckets.backends.xla import XlaGraph
     from neuron_buckets.backends.xla_lowering import lower
+    from tests.kernel_glue import KernelGlue, glue_args
 
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 3, heads, 16, generator=gen) for heads in (4, 2, 2))
-    table = torch.tensor([[3, 4, -1] + [-1] * 13, [5] + [-1] * 15])
-    lens, segments = torch.tensor([13, 2]), torch.zeros(2, 3, dtype=torch.int64)
-    args = (q, k, v, table, lens, segments)
+    args = glue_args()
     want = KernelGlue()(*args)
     lowering = lower(TraceSpec(KernelGlue(), args, {}))
     assert lowering.problems == []

@@ -7,7 +7,9 @@ place of the NKI kernels (and int8 projections as plain products, ``linear.porta
 imported by torch-mlir's FX importer with its default decompositions and lowered to the StableHLO
 dialect. Every input stays a function argument (the pieces hold no parameters, so nothing can
 freeze into a constant), and the layer piece is made functional: its
-KV cache slices come in and their updated copies go out as results 1 and 2.
+KV cache slices come in and their updated copies go out as results 1 and 2. A tensor-parallel
+piece's collectives become StableHLO collectives over the replicas of its degree as it is imported
+(``stablehlo_collectives``: torch-mlir itself has no lowering of them).
 
 IREE's ``llvm-cpu`` target then compiles the same bytecode and runs it, which is how the CPU
 proves the StableHLO computes what the eager model does. Both are used as libraries; no MLIR text
@@ -34,8 +36,6 @@ from neuron_buckets.backends.base import BackendUnavailable
 
 INSTALL_HINT = "pip install 'neuron-buckets[stablehlo]' (torch-mlir, iree-base-compiler, iree-base-runtime)"
 IREE_TARGET = "llvm-cpu"
-# The namespace of the collectives a tensor-parallel piece calls (``model/tensor_parallel.py``).
-COLLECTIVES = "_c10d_functional"
 # The host's CPU: the vmfb is built at load time on the machine that runs it, never stored.
 IREE_ARGS = ("--iree-llvmcpu-target-cpu=host",)
 # How torch dtypes cross into numpy for IREE: those numpy lacks go through ml_dtypes, bit for bit.
@@ -122,31 +122,33 @@ def op_counts(text: str) -> dict[str, int]:
     return dict(sorted(Counter(re.findall(r"\bstablehlo\.([a-z_]+)\b", text)).items()))
 
 
-def calls_collectives(program: torch.export.ExportedProgram) -> bool:
-    """Whether the exported graph calls torch's functional collectives (a tensor-parallel piece)."""
-    return any(node.op == "call_function" and getattr(node.target, "namespace", "") == COLLECTIVES
-               for node in program.graph.nodes)
+def import_stablehlo(program: torch.export.ExportedProgram, size: int) -> Any:
+    """``program`` through torch-mlir's FX importer to StableHLO; at a tensor-parallel degree its
+    collectives become StableHLO ones over the ranks (``stablehlo_collectives``)."""
+    fx = _require("torch_mlir.fx", "torch-mlir")
+    from torch_mlir import ir
+    from torch_mlir.extras.fx_importer import FxImporter
+
+    from neuron_buckets.backends import stablehlo_collectives as collectives
+
+    context = ir.Context()
+    collectives.prepare_context(context)
+    importer = FxImporter(context=context, graph_node_importer_cls=collectives.collective_importer(size))
+    module = fx.export_and_import(program, output_type="stablehlo", fx_importer=importer)
+    if size > 1:
+        collectives.mark_replicas(module, size)
+    return module
 
 
 def lower(piece: nn.Module, example: tuple) -> Lowering:
     """``piece`` exported with the golden kernels at ``example``'s static shapes, lowered to StableHLO."""
-    fx = _require("torch_mlir.fx", "torch-mlir")
     from neuron_buckets.kernels import dispatch
     from neuron_buckets.model import linear
 
     flat = tuple(tree_leaves(example))
     with torch.no_grad(), dispatch.use(dispatch.GOLDEN), linear.portable():
         program = torch.export.export(exportable(piece).eval(), flat)
-        try:
-            module = fx.export_and_import(program, output_type="stablehlo")
-        except Exception:  # torch-mlir's compiler error; its diagnostics went to stderr
-            if not calls_collectives(program):
-                raise
-            raise ValueError(
-                f"{type(piece).__name__} at tensor_parallel_size {piece.tp.size}: torch-mlir "
-                f"{package_version('torch-mlir')} has no StableHLO lowering of torch's functional "
-                f"collectives ({COLLECTIVES}.all_reduce, all_gather_into_tensor)"
-            ) from None
+        module = import_stablehlo(program, piece.tp.size)
     main = module.body.operations[0]
     signature = main.type
     buffer = io.BytesIO()
