@@ -364,7 +364,7 @@ def test_nb_compile_at_tp2_stores_each_piece_under_its_content_key_with_its_coll
     content key (the degree in the key, so none is TP=1's), each with its collectives over [[0, 1]];
     compiling again lowers nothing and writes the same bytes."""
     from neuron_buckets.artifact.manifest import read_manifest
-    from neuron_buckets.backends.stablehlo import stablehlo_of
+    from neuron_buckets.backends.stablehlo import StableHloBackend, stablehlo_of
     from neuron_buckets.compile.compiler import Compiler
 
     directory, _, config = artifacts("float32", "tp2", "")
@@ -377,6 +377,8 @@ def test_nb_compile_at_tp2_stores_each_piece_under_its_content_key_with_its_coll
         assert counts == {"mhlo.num_replicas": 2, "mhlo.num_partitions": 1}, r.name
         assert found == TP_PIECES[r.role], r.name
         assert json.loads((directory / r.file).read_text())["tensor_parallel_size"] == 2
+        with pytest.raises(ValueError, match=r"a tensor-parallel piece \(degree 2\); IREE's CPU drivers"):
+            StableHloBackend().load(directory / r.file, {}, "cpu")  # one line, before IREE's failure
     with FileLock(str(graph_cache_dir) + ".lock"):
         again = Compiler(config, tmp_path / "again", graph_cache_dir).run()
     assert not again.failed and again.compiled == [] and all(o.cached for o in again.outcomes)

@@ -109,6 +109,10 @@ class StableHloBackend(DenseWeights):
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
         record = json.loads(path.read_text())
+        if (size := record.get("tensor_parallel_size", 1)) > 1:
+            raise ValueError(f"{path.name}: a tensor-parallel piece (degree {size}); IREE's CPU drivers "
+                             "cannot run its StableHLO collectives, so only neuronx-cc takes it (a TP=1 "
+                             "build runs on this CPU)")
         module = IreeModule(base64.b64decode(record["stablehlo"]))
         fn: GraphFn = IreeLayer(module) if record["piece"] == "LayerPiece" else IreePiece(module)
         return EagerGraph(fn, [tuple(s) for s in record["input_shapes"]], path.name)
