@@ -76,6 +76,9 @@ CHANGES = {
     ("speculative", "auto_off_window"): (4, ("engine",)),
     ("speculative", "auto_off_probe_interval"): (7, ("engine",)),
     ("parallel", "tensor_parallel_size"): (2, ("plan",)),
+    ("lora", "max_loras"): (2, ("plan",)),
+    ("lora", "max_lora_rank"): (8, ("plan",)),
+    ("lora", "target_modules"): (["q_proj"], ("plan",)),
 }
 
 
@@ -185,6 +188,8 @@ def base_document(reader: str, task: str, key: str, hf_model_dir: Path) -> dict:
     raw.setdefault("model", {})["task"] = task
     if key == "task_cpus":
         raw["compile"]["executor"] = "ray"
+    if key in ("max_lora_rank", "target_modules") and task == "generate":
+        raw["lora"] = {"max_loras": 1}  # slots, for their rank and targets to shape
     if key in ("method", "draft_model") and task == "generate":
         raw["speculative"] = {"draft_model": str(hf_model_dir)}
         if key == "draft_model":

@@ -1,0 +1,203 @@
+"""Multi-LoRA in fixed slots: adapters built with peft on the tiny Llama, served by one artifact
+whose layer pieces take the slots as inputs, checked against transformers + peft in float32."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_buckets.backends import get_backend
+from neuron_buckets.compile.build_plan import BuildPlan
+from neuron_buckets.compile.compiler import Compiler
+from neuron_buckets.config import ConfigError, load_config, parse_config
+from neuron_buckets.config.lora import TARGETS
+from neuron_buckets.engine.llm_engine import LLMEngine, generate
+from neuron_buckets.engine.lora_pool import UnknownAdapter
+from neuron_buckets.engine.sampling_params import SamplingParams
+from neuron_buckets.model.lora import LoraShape
+from neuron_buckets.model.model_source import model_config_of
+from neuron_buckets.runtime.lora_adapter import AdapterError, read_adapter
+from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
+from tests.steps_compared import assert_follows
+
+MAX_NEW = 8
+ATOL = 1e-4  # float32 against float32
+# Three slots of rank up to 8 over every projection; four requests a call.
+LORA_CONFIG = (
+    TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
+    .replace("max_num_seqs = 2", "max_num_seqs = 4")
+    .replace("max_num_batched_tokens = 32", "max_num_batched_tokens = 64")
+    .replace("num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1, 2, 4]")
+    .replace("num_batched_tokens_buckets = [16, 32]", "num_batched_tokens_buckets = [16, 32, 64]")
+    + "[lora]\nmax_loras = 3\nmax_lora_rank = 8\n"
+)
+# name -> (rank, targets): three ranks, different projections, and a fourth for more than the slots
+ADAPTERS = {
+    "a2": (2, ["q_proj", "v_proj"]),
+    "a4": (4, list(TARGETS)),
+    "a8": (8, ["o_proj", "gate_proj", "down_proj"]),
+    "b4": (4, ["k_proj", "up_proj"]),
+}
+
+
+def save_adapter(model_dir: Path, out: Path, rank: int, targets: list[str], seed: int) -> Path:
+    """A PEFT LoRA adapter of the model, A and B both random (PEFT starts B at zeros otherwise)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Path]]:
+    """The tiny Llama, its LoRA artifact (eager backend) and the adapters' directories."""
+    tmp = tmp_path_factory.mktemp("lora")
+    model_dir = save_tiny_llama(tmp / "model")
+    artifact = tmp / "artifact"
+    config = load_config(write_config(tmp, model_dir, LORA_CONFIG))
+    report = Compiler(config, artifact, tmp / "cache").run(jobs=1)
+    assert not report.failed, [o.error for o in report.failed]
+    adapters = {name: save_adapter(model_dir, tmp / name, r, t, seed)
+                for seed, (name, (r, t)) in enumerate(ADAPTERS.items())}
+    return artifact, model_dir, adapters
+
+
+def reference(model_dir: Path, adapter: Path | None, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers (with the adapter applied as peft applies it) greedy tokens and step logits."""
+    import transformers
+    from peft import PeftModel
+
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=MAX_NEW, pad_token_id=0, eos_token_id=None,
+                                    return_dict_in_generate=True, output_logits=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+
+
+def poisoned_engine(artifact: Path, adapters: dict[str, Path]) -> LLMEngine:
+    """An engine over caches full of NaN, with ``adapters`` loaded."""
+    engine = LLMEngine.open(artifact)
+    engine.runtime.k_cache.fill_(float("nan"))
+    engine.runtime.v_cache.fill_(float("nan"))
+    for name, path in adapters.items():
+        engine.load_lora(name, path)
+    return engine
+
+
+def check_against_peft(engine: LLMEngine, model_dir: Path, adapters: dict[str, Path],
+                       loras: list[str | None], lengths: list[int]) -> None:
+    """One ``generate`` of prompts of ``lengths`` on ``loras`` equals, per request, transformers +
+    peft greedy (up to a near-tie, at least 90% of the steps), and each adapter changes the model."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    got = [o.token_ids for o in generate(engine, prompts, params, loras)]
+    refs = [reference(model_dir, lo and adapters[lo], p) for p, lo in zip(prompts, loras, strict=True)]
+    for p, lo, (_, logits) in zip(prompts, loras, refs, strict=True):
+        if lo is not None:  # the adapter matters: its logits are not the base model's
+            assert (reference(model_dir, None, p)[1] - logits).abs().max() > 0.1, lo
+    want, logits = zip(*refs, strict=True)
+    assert_follows(want, logits, ATOL, got)
+
+
+def test_a_batch_mixing_base_and_three_adapters_equals_transformers_peft(lora_setup):
+    artifact, model_dir, adapters = lora_setup
+    three = {n: adapters[n] for n in ("a2", "a4", "a8")}
+    engine = poisoned_engine(artifact, three)
+    check_against_peft(engine, model_dir, adapters, [None, "a2", "a4", "a8"], [5, 13, 9, 20])
+    assert engine.adapters is not None and engine.adapters.swaps == 0
+    assert dict(engine.adapters.requests) == {"a2": 1, "a4": 1, "a8": 1}
+
+
+def test_more_adapters_than_slots_in_one_run(lora_setup):
+    """Four adapters over three slots: the fourth waits for a slot, swaps an idle adapter out, and
+    every request still equals its reference."""
+    artifact, model_dir, adapters = lora_setup
+    engine = poisoned_engine(artifact, adapters)
+    loras = ["a2", "a4", "a8", "b4", None, "a2"]
+    check_against_peft(engine, model_dir, adapters, loras, [6, 11, 8, 17, 4, 9])
+    assert engine.adapters is not None and engine.adapters.swaps >= 1
+
+
+def test_adapters_never_share_prefix_blocks(lora_setup):
+    """The prefix cache is salted by adapter: a prompt cached for one adapter is a hit for the same
+    adapter only."""
+    artifact, _, adapters = lora_setup
+    engine = poisoned_engine(artifact, {"a2": adapters["a2"], "same": adapters["a2"], "a4": adapters["a4"]})
+    prompt, params = list(range(1, 34)), SamplingParams(max_tokens=2, ignore_eos=True)
+    generate(engine, [prompt], params, ["a2"])
+    hits = engine.pool.hits
+    generate(engine, [prompt], params, ["a4"])
+    generate(engine, [prompt], params, [None])
+    assert engine.pool.hits == hits  # another adapter, or the base model: nothing shared
+    generate(engine, [prompt], params, ["same"])  # the same bytes under another name: one adapter
+    assert engine.pool.hits > hits
+
+
+def test_loading_an_adapter_compiles_nothing(lora_setup):
+    artifact, _, adapters = lora_setup
+    engine = LLMEngine.open(artifact)
+    pieces, files = dict(engine.runtime.manifest.pieces), sorted((artifact / "graphs").iterdir())
+    engine.load_lora("a8", adapters["a8"])
+    generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=2), ["a8"])
+    assert engine.runtime.manifest.pieces == pieces and sorted((artifact / "graphs").iterdir()) == files
+
+
+def test_lora_slots_add_no_bucket_and_key_only_layers(hf_model_dir: Path, tmp_path: Path):
+    """The [lora] section changes the layer pieces' keys and adds nothing: same buckets, same
+    pieces, embed and head shared with the artifact without slots."""
+    def plan(text: str) -> BuildPlan:
+        config = load_config(write_config(tmp_path, hf_model_dir, text))
+        model = model_config_of(hf_model_dir)
+        return BuildPlan.make(config, tmp_path / "out", get_backend("eager"), model, None)
+
+    base = plan(LORA_CONFIG.split("[lora]")[0])
+    lora = plan(LORA_CONFIG)
+    assert lora.buckets == base.buckets and list(lora.keys) == list(base.keys)
+    for shape, key in lora.keys.items():
+        assert (key == base.keys[shape]) == (shape.role != "layer"), shape
+    assert lora.header.lora is not None and asdict(lora.header.lora)["max_loras"] == 3
+
+
+@pytest.mark.parametrize(("lora", "message"), [
+    ({"max_loras": -1}, "lora.max_loras must be a non-negative integer"),
+    ({"max_lora_rank": 0}, "lora.max_lora_rank must be positive"),
+    ({"target_modules": ["lm_head"]}, "lora.target_modules must be a non-empty list"),
+    ({"max_loras": 2, "max_lora_ranks": 8}, "[lora] unknown key(s) ['max_lora_ranks']"),
+])
+def test_bad_lora_sections_are_one_line(lora, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"lora": lora})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_adapters_the_slots_cannot_hold_are_refused_in_one_line(lora_setup, tmp_path: Path):
+    artifact, model_dir, adapters = lora_setup
+    config, f32 = model_config_of(model_dir), torch.float32
+    big = save_adapter(model_dir, tmp_path / "r16", 16, ["q_proj"], 9)
+    wide = save_tiny_llama(tmp_path / "wide", intermediate_size=96)
+    other = save_adapter(wide, tmp_path / "wide_a", 2, ["down_proj"], 9)
+    cases = [
+        (big, LoraShape(3, 8, TARGETS), "rank 16 is above the artifact's lora.max_lora_rank 8"),
+        (adapters["a2"], LoraShape(3, 8, ("q_proj",)), "targets v_proj, which this artifact's slots lack"),
+        (other, LoraShape(3, 8, TARGETS), "layer 0 down_proj has A, B of shapes ((2, 96), (64, 2))"),
+        (tmp_path, LoraShape(3, 8, TARGETS), "has no adapter_config.json"),
+    ]
+    for path, shape, message in cases:
+        with pytest.raises(AdapterError) as e:
+            read_adapter("x", path, config, shape, f32)
+        assert message in str(e.value) and "\n" not in str(e.value)
+    engine = LLMEngine.open(artifact)
+    with pytest.raises(UnknownAdapter, match="unknown LoRA adapter 'nope'"):
+        engine.add_request([1, 2], SamplingParams(), "nope")
