@@ -178,8 +178,8 @@ def base_document(reader: str, task: str, key: str, hf_model_dir: Path) -> dict:
     """A valid document for ``reader`` and ``task`` without ``key``'s change, holding what the key
     needs to act at all. The compile config: the embedded default, bucket lists left to follow
     their limits (an embedding one without the decode keys), Ray's executor for its task CPUs, a
-    draft model's path for a method to build it (where the task decodes). A runtime file:
-    drafting on."""
+    draft model's path for a method to build it (where the task decodes), LoRA slots for their rank
+    and targets. A runtime file: drafting on."""
     if reader == RUN:
         return {"speculative": {"num_speculative_tokens": 1}}
     raw = tomllib.loads(read_package_data("default.toml"))

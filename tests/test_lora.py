@@ -91,7 +91,7 @@ def poisoned_engine(artifact: Path, adapters: dict[str, Path]) -> LLMEngine:
     engine.runtime.k_cache.fill_(float("nan"))
     engine.runtime.v_cache.fill_(float("nan"))
     for name, path in adapters.items():
-        engine.load_lora(name, path)
+        engine.adapters.add(name, path)
     return engine
 
 
@@ -116,7 +116,7 @@ def test_a_batch_mixing_base_and_three_adapters_equals_transformers_peft(lora_se
     three = {n: adapters[n] for n in ("a2", "a4", "a8")}
     engine = poisoned_engine(artifact, three)
     check_against_peft(engine, model_dir, adapters, [None, "a2", "a4", "a8"], [5, 13, 9, 20])
-    assert engine.adapters is not None and engine.adapters.swaps == 0
+    assert engine.adapters.swaps == 0
     assert dict(engine.adapters.requests) == {"a2": 1, "a4": 1, "a8": 1}
 
 
@@ -127,7 +127,7 @@ def test_more_adapters_than_slots_in_one_run(lora_setup):
     engine = poisoned_engine(artifact, adapters)
     loras = ["a2", "a4", "a8", "b4", None, "a2"]
     check_against_peft(engine, model_dir, adapters, loras, [6, 11, 8, 17, 4, 9])
-    assert engine.adapters is not None and engine.adapters.swaps >= 1
+    assert engine.adapters.swaps >= 1
 
 
 def test_adapters_never_share_prefix_blocks(lora_setup):
@@ -149,7 +149,7 @@ def test_loading_an_adapter_compiles_nothing(lora_setup):
     artifact, _, adapters = lora_setup
     engine = LLMEngine.open(artifact)
     pieces, files = dict(engine.runtime.manifest.pieces), sorted((artifact / "graphs").iterdir())
-    engine.load_lora("a8", adapters["a8"])
+    engine.adapters.add("a8", adapters["a8"])
     generate(engine, [[1, 2, 3]], SamplingParams(max_tokens=2), ["a8"])
     assert engine.runtime.manifest.pieces == pieces and sorted((artifact / "graphs").iterdir()) == files
 

@@ -67,7 +67,6 @@ from neuron_buckets.engine.structured_output_manager import StructuredOutputMana
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
-from neuron_buckets.runtime.lora_adapter import AdapterError
 from neuron_buckets.utils.errors import UserError
 
 
@@ -130,8 +129,7 @@ class LLMEngine:
             self.gate = SpeculationGate(
                 self.drafter, self.spec_stats, spec.auto_off_window, spec.auto_off_probe_interval
             )
-        # LoRA adapters by name, for an artifact with slots (``engine/lora_pool.py``)
-        self.adapters = AdapterPool(runtime) if runtime.lora is not None else None
+        self.adapters = AdapterPool(runtime)  # LoRA adapters by name (``add``, ``remove``)
         self.scheduler = Scheduler(
             self.kv_cache, runtime.buckets.token_budget, runtime.buckets.max_rows,
             self.gate or self.drafter, spec.num_speculative_tokens,
@@ -203,11 +201,11 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, lora: str | None = None
     ) -> int:
-        """Queue a request (of LoRA adapter ``lora``, a name ``load_lora`` registered; None: the
+        """Queue a request (of LoRA adapter ``lora``, a name ``adapters.add`` registered; None: the
         base model); its id. It waits, never refused, while the pool or the slots are busy."""
         self._check_owner()
         ids = self.check_request(prompt_token_ids, params)
-        adapter = None if lora is None else self.lora_pool().get(lora)
+        adapter = None if lora is None else self.adapters.get(lora)
         rid, self._next_id = self._next_id, self._next_id + 1
         request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
         if adapter is not None:
@@ -216,22 +214,6 @@ class LLMEngine:
         self._requests[rid] = request
         self.scheduler.add(request)
         return rid
-
-    def lora_pool(self) -> AdapterPool:
-        """The adapters of this engine; one line (``AdapterError``) for an artifact without slots."""
-        if self.adapters is None:
-            raise AdapterError(f"{self.runtime.directory} has no LoRA slots: compile it with a [lora] "
-                               "section (lora.max_loras > 0) to serve adapters")
-        return self.adapters
-
-    def load_lora(self, name: str, path: str | Path) -> None:
-        """Register PEFT adapter ``name`` from ``path``: read and checked now, into a slot when a
-        request of it is admitted. Nothing is compiled."""
-        self.lora_pool().add(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """Forget adapter ``name`` (``UnknownAdapter`` if it is not loaded)."""
-        self.lora_pool().remove(name)
 
     def abort(self, request_id: int) -> None:
         """End a request now and free its blocks; the next step reports it, reason "abort".
@@ -318,7 +300,7 @@ def generate(
     if len(loras) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(loras)} adapters")
     for name in {n for n in loras if n is not None}:
-        engine.lora_pool().get(name)  # an unknown one fails before anything is added
+        engine.adapters.get(name)  # an unknown one fails before anything is added
     ids = [engine.add_request(p, sp, lo) for p, (_, sp), lo in zip(checked, pairs, loras, strict=True)]
     wanted, final = set(ids), {}
     while len(final) < len(ids):

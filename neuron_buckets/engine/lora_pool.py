@@ -18,6 +18,7 @@ from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.request_check import RequestError
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.lora_adapter import AdapterError, LoraAdapter, read_adapter
+from neuron_buckets.runtime.lora_slots import LoraSlots
 
 
 class UnknownAdapter(RequestError):
@@ -26,15 +27,24 @@ class UnknownAdapter(RequestError):
 
 class AdapterPool:
     def __init__(self, runtime: BucketRuntime) -> None:
-        """The adapters of a runtime with LoRA slots."""
-        assert runtime.lora is not None, "an artifact without LoRA slots has no adapters"
-        self.runtime, self.slots = runtime, runtime.lora
+        self.runtime = runtime
         self.adapters: dict[str, LoraAdapter] = {}  # by name
         self._slot_of: dict[str, int] = {}  # digest -> the slot holding it
         self._held: Counter[int] = Counter()  # slot -> running requests on it
         self._idle: OrderedDict[int, None] = OrderedDict()  # filled slots nobody holds, LRU first
         self.swaps = 0  # adapters copied into a slot that held another
         self.requests: Counter[str] = Counter()  # requests admitted, by adapter name
+
+    @property
+    def slots(self) -> LoraSlots:
+        """The runtime's slots; one line (``AdapterError``) for an artifact without."""
+        if self.runtime.lora is None:
+            raise self._no_slots()
+        return self.runtime.lora
+
+    def _no_slots(self) -> AdapterError:
+        return AdapterError(f"{self.runtime.directory} has no LoRA slots: compile it with a [lora] section "
+                            "(lora.max_loras > 0) to serve adapters")
 
     def add(self, name: str, path: str | Path) -> LoraAdapter:
         """Register adapter ``name`` from a PEFT directory; one line (``AdapterError``) if the
@@ -56,9 +66,12 @@ class AdapterPool:
                 self._idle.pop(slot, None)
 
     def get(self, name: str) -> LoraAdapter:
-        if (adapter := self.adapters.get(name)) is None:
-            raise UnknownAdapter(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters)}")
-        return adapter
+        """The adapter registered as ``name``, or one line: unknown, or no slots to serve it."""
+        if (adapter := self.adapters.get(name)) is not None:
+            return adapter
+        if self.runtime.lora is None:
+            raise self._no_slots()
+        raise UnknownAdapter(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters)}")
 
     def acquire(self, req: Request) -> bool:
         """Give ``req`` its adapter's slot, copying the adapter in if needed; False when every slot
