@@ -201,3 +201,31 @@ def test_adapters_the_slots_cannot_hold_are_refused_in_one_line(lora_setup, tmp_
     engine = LLMEngine.open(artifact)
     with pytest.raises(UnknownAdapter, match="unknown LoRA adapter 'nope'"):
         engine.add_request([1, 2], SamplingParams(), "nope")
+
+
+def test_nb_generate_runs_each_prompt_on_its_adapter(lora_setup):
+    """``nb generate --lora NAME=PATH --adapter ...``: each prompt's ids equal transformers + peft's
+    with its adapter, the base model's for ``base``; a bad adapter is one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from neuron_buckets.cli import app
+
+    artifact, model_dir, adapters = lora_setup
+    prompts, loras = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8]], ["a4", None]
+    args = ["generate", str(artifact), "--max-new-tokens", str(MAX_NEW), "--ignore-eos", "--stats"]
+    args += [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+    args += ["--lora", f"a4={adapters['a4']}", "--lora", f"a8={adapters['a8']}"]
+    args += ["--adapter", "a4", "--adapter", "base"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    got = [list(map(int, line.split(","))) for line in result.stdout.splitlines() if line[:1].isdigit()]
+    refs = [reference(model_dir, lo and adapters[lo], p) for p, lo in zip(prompts, loras, strict=True)]
+    want, logits = zip(*refs, strict=True)
+    assert_follows(want, logits, ATOL, got)
+    assert "LoRA: requests per adapter a4: 1" in result.output
+    a4 = f"a4={adapters['a4']}"
+    for bad, line in [(["--lora", "a4"], "--lora 'a4': expected NAME=PATH"),
+                      (["--lora", "a4=/nowhere"], "has no adapter_config.json"),
+                      (["--lora", a4, "--adapter", "zz"], "--adapter 'zz' is no --lora name")]:
+        result = CliRunner().invoke(app, ["generate", str(artifact), "--prompt-ids", "1,2", *bad])
+        assert result.exit_code == 2 and line in result.output, result.output
