@@ -3,6 +3,8 @@ whose layer pieces take the slots as inputs, checked against transformers + peft
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -229,3 +231,85 @@ def test_nb_generate_runs_each_prompt_on_its_adapter(lora_setup):
                       (["--lora", a4, "--adapter", "zz"], "--adapter 'zz' is no --lora name")]:
         result = CliRunner().invoke(app, ["generate", str(artifact), "--prompt-ids", "1,2", *bad])
         assert result.exit_code == 2 and line in result.output, result.output
+
+
+def test_serve_picks_the_adapter_by_model_and_loads_adapters_at_run_time(lora_setup):
+    """The official openai client: ``model`` names the adapter, ``/v1/models`` lists them with their
+    parent, a fifth adapter loaded while serving (behind the API key) compiles nothing and serves
+    at once, more adapters than slots swap (counted in ``/metrics``), errors are 400 or 404."""
+    import asyncio
+    import threading
+    import time
+    import urllib.request
+
+    import openai
+    import uvicorn
+
+    from neuron_buckets.server.access import ServerAccess
+    from neuron_buckets.server.api_server import ServerLimits, create_app
+
+    artifact, model_dir, adapters = lora_setup
+    engine = poisoned_engine(artifact, {"a2": adapters["a2"], "a4": adapters["a4"]})
+    access = ServerAccess.for_bind("127.0.0.1", "key", False, ())
+    app = create_app(engine, "tiny", ServerLimits(), access)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.01)
+    base = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+    def admin(route: str, body: dict, key: str = "key") -> int:
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        request = urllib.request.Request(f"{base}/v1/{route}", json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    async def complete(pairs: list[tuple[str, list[int]]]) -> list[list[int]]:
+        c = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="key", max_retries=0)
+        outs = await asyncio.gather(*(c.completions.create(
+            model=m, prompt=p, max_tokens=MAX_NEW, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}) for m, p in pairs))
+        return [o.choices[0].token_ids for o in outs]
+
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="key", max_retries=0)
+        listed = [(m.id, m.parent) for m in client.models.list()]
+        assert listed == [("tiny", None), ("a2", "tiny"), ("a4", "tiny")]
+        graphs = (dict(engine.runtime.manifest.pieces), sorted((artifact / "graphs").iterdir()))
+        a8 = {"lora_name": "a8", "lora_path": str(adapters["a8"])}
+        assert admin("load_lora_adapter", a8, "wrong") == 401
+        start = time.monotonic()
+        assert admin("load_lora_adapter", a8) == 200
+        assert time.monotonic() - start < 1.0
+        assert admin("load_lora_adapter", {"lora_name": "b4", "lora_path": str(adapters["b4"])}) == 200
+        assert (dict(engine.runtime.manifest.pieces), sorted((artifact / "graphs").iterdir())) == graphs
+        pairs = [("tiny", [5, 6, 7]), ("a2", [8, 1, 2, 3]), ("a4", [9, 9, 4]), ("a8", [1, 7, 7, 2, 5])]
+        got = asyncio.run(complete(pairs))
+        got += asyncio.run(complete([("b4", [2, 4, 6, 8])]))  # four adapters, three slots: a swap
+        pairs.append(("b4", [2, 4, 6, 8]))
+        refs = [reference(model_dir, adapters.get(m), p) for m, p in pairs]
+        want, logits = zip(*refs, strict=True)
+        assert_follows(want, logits, ATOL, got)
+
+        with urllib.request.urlopen(urllib.request.Request(f"{base}/metrics"), timeout=60) as response:
+            text = response.read().decode()
+        assert 'nb:lora_requests_total{lora_name="a8",model_name="tiny"} 1.0' in text
+        assert re.search(r'nb:lora_slot_swaps_total\{model_name="tiny"\} [1-9]', text), text
+
+        with pytest.raises(openai.NotFoundError, match="unknown|does not exist"):
+            client.completions.create(model="nope", prompt=[1, 2], max_tokens=1)
+        too_big = save_adapter(model_dir, artifact.parent / "r16", 16, ["q_proj"], 9)
+        assert admin("load_lora_adapter", {"lora_name": "big", "lora_path": str(too_big)}) == 400
+        assert admin("load_lora_adapter", {"lora_name": "none", "lora_path": "/nowhere"}) == 400
+        assert admin("unload_lora_adapter", {"lora_name": "nope"}) == 404
+        assert admin("unload_lora_adapter", {"lora_name": "a2"}) == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="a2", prompt=[1, 2], max_tokens=1)
+    finally:
+        server.should_exit = True
+        thread.join(60)
