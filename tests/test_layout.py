@@ -366,3 +366,13 @@ def test_the_kv_cache_manager_owns_every_requests_kv_state():
     assert list(kv.req_to_kv) == [7] and len(kv.blocks(req)) == 2 and kv.num_cached(req) == 0
     kv.release(req)
     assert kv.req_to_kv == {} and kv.pool.num_free == 3
+
+
+def test_lora_is_a_transform_of_the_layer_piece_not_branches_in_the_layer_code():
+    """The LoRA math lives in model/lora.py (the piece) and model/lora_weight.py (the delta); the
+    decoder layer and the pieces never mention it, and a projection takes it in one place."""
+    for name in ("llama.py", "pieces.py", "weights.py"):
+        assert "lora" not in (PACKAGE / "model" / name).read_text().lower(), name
+    assert (PACKAGE / "model" / "linear.py").read_text().count("isinstance(weight, AdaptedWeight)") == 1
+    runtime = (PACKAGE / "runtime" / "bucket_runtime.py").read_text()
+    assert len(re.findall(r"lora", runtime, re.IGNORECASE)) <= 8  # a hook: the slots live in lora_slots.py

@@ -114,7 +114,7 @@ class LayerPiece(nn.Module):
 
     def run(self, h: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, step: AttentionStep,
             k_cache: Tensor, v_cache: Tensor, layer: LayerWeights) -> Tensor:
-        """The layer over its weights as a record (a LoRA piece's carry their slots)."""
+        """The layer over its weights as a record, which a transform of the piece may have changed."""
         return decoder_layer(self.config, h, cos, sin, slot_mapping, step, k_cache, v_cache, layer, self.tp)
 
 
