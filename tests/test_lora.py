@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict
+from functools import reduce
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,12 @@ from tests.steps_compared import assert_follows
 
 MAX_NEW = 8
 ATOL = 1e-4  # float32 against float32
-# Three slots of rank up to 8 over every projection; four requests a call.
-LORA_CONFIG = (
-    TINY_CONFIG.replace('backend = "inductor"', 'backend = "eager"')
-    .replace("max_num_seqs = 2", "max_num_seqs = 4")
-    .replace("max_num_batched_tokens = 32", "max_num_batched_tokens = 64")
-    .replace("num_seqs_buckets = [1, 2]", "num_seqs_buckets = [1, 2, 4]")
-    .replace("num_batched_tokens_buckets = [16, 32]", "num_batched_tokens_buckets = [16, 32, 64]")
-    + "[lora]\nmax_loras = 3\nmax_lora_rank = 8\n"
+# The tiny grid with four requests a call (and eager graphs, fast to build), three slots of rank up
+# to 8 over every projection.
+GRID = {"inductor": "eager", "max_num_seqs = 2": "max_num_seqs = 4", "[1, 2]": "[1, 2, 4]",
+        "max_num_batched_tokens = 32": "max_num_batched_tokens = 64", "[16, 32]": "[16, 32, 64]"}
+LORA_CONFIG = reduce(lambda text, edit: text.replace(*edit), GRID.items(), TINY_CONFIG) + (
+    "[lora]\nmax_loras = 3\nmax_lora_rank = 8\n"
 )
 # name -> (rank, targets): three ranks, different projections, and a fourth for more than the slots
 ADAPTERS = {
