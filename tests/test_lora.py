@@ -171,16 +171,18 @@ def test_lora_slots_add_no_bucket_and_key_only_layers(hf_model_dir: Path, tmp_pa
     assert lora.header.lora is not None and asdict(lora.header.lora)["max_loras"] == 3
 
 
-@pytest.mark.parametrize(("lora", "message"), [
-    ({"max_loras": -1}, "lora.max_loras must be a non-negative integer"),
-    ({"max_lora_rank": 0}, "lora.max_lora_rank must be positive"),
-    ({"target_modules": ["lm_head"]}, "lora.target_modules must be a non-empty list"),
-    ({"max_loras": 2, "max_lora_ranks": 8}, "[lora] unknown key(s) ['max_lora_ranks']"),
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"lora": {"max_loras": -1}}, "lora.max_loras must be a non-negative integer"),
+    ({"lora": {"max_lora_rank": 0}}, "lora.max_lora_rank must be positive"),
+    ({"lora": {"target_modules": ["lm_head"]}}, "lora.target_modules must be a non-empty list"),
+    ({"lora": {"max_loras": 2, "max_lora_ranks": 8}}, "[lora] unknown key(s) ['max_lora_ranks']"),
+    ({"lora": {"max_loras": 2}, "parallel": {"tensor_parallel_size": 2}}, "LoRA slots run on one"),
+    ({"lora": {"max_loras": 2}, "compile": {"backend": "stablehlo"}}, "LoRA slots are built"),
 ])
-def test_bad_lora_sections_are_one_line(lora, message):
+def test_bad_lora_sections_are_one_line(doc, message):
     with pytest.raises(ConfigError) as e:
-        parse_config({"lora": lora})
-    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+        parse_config(doc)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_adapters_the_slots_cannot_hold_are_refused_in_one_line(lora_setup, tmp_path: Path):
@@ -312,3 +314,27 @@ def test_serve_picks_the_adapter_by_model_and_loads_adapters_at_run_time(lora_se
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def test_unloading_an_adapter_keeps_its_slot_until_its_requests_end(lora_setup):
+    """Three slots held by running requests; the first's adapter is unloaded and a fourth loaded:
+    its request waits for a slot rather than take the one the unloaded adapter's request still runs
+    on, and every request equals its reference."""
+    artifact, model_dir, adapters = lora_setup
+    engine = poisoned_engine(artifact, {n: adapters[n] for n in ("a2", "a4", "a8")})
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    pairs = [("a2", [4, 8, 15]), ("a4", [16, 23, 42]), ("a8", [7, 1, 3, 9])]
+    ids = [engine.add_request(p, params, lo) for lo, p in pairs]
+    engine.step()
+    engine.adapters.remove("a2")
+    engine.adapters.add("b4", adapters["b4"])
+    pairs.append(("b4", [5, 5, 2, 1]))
+    ids.append(engine.add_request(pairs[-1][1], params, "b4"))
+    engine.step()
+    assert engine.num_waiting == 1  # every slot is held
+    done = {}
+    while engine.has_unfinished:
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    refs = [reference(model_dir, adapters[lo], p) for lo, p in pairs]
+    want, logits = zip(*refs, strict=True)
+    assert_follows(want, logits, ATOL, [done[i] for i in ids])

@@ -53,6 +53,9 @@ class Config:
         if self.model.embeds and b.speculation_length:
             raise ConfigError('buckets.speculation_length: an embedding artifact (model.task = "embed") '
                               "has no decode steps to speculate; leave it 0")
+        if self.lora.enabled and self.compile.backend not in ("inductor", "eager"):
+            raise ConfigError(f"lora.max_loras: LoRA slots are built for the inductor and eager backends, "
+                              f"not {self.compile.backend!r} yet")
         if self.lora.enabled and self.parallel.tensor_parallel_size > 1:
             raise ConfigError("lora.max_loras: LoRA slots run on one rank; "
                               "set parallel.tensor_parallel_size = 1")

@@ -104,8 +104,9 @@ class AdapterPool:
                 self._idle[slot] = None
 
     def _free_slot(self) -> int | None:
-        """A slot never filled, else the least recently used one nobody holds (its adapter out)."""
-        used = set(self._slot_of.values())
+        """A slot no adapter fills and no request holds (an unloaded adapter's requests may run on
+        yet), else the least recently used one nobody holds (its adapter out)."""
+        used = {*self._slot_of.values(), *self._held}
         if fresh := [s for s in range(1, self.slots.shape.max_loras + 1) if s not in used]:
             return fresh[0]
         if not self._idle:
