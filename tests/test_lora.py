@@ -23,7 +23,7 @@ from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.model.lora import LoraShape
 from neuron_buckets.model.model_source import model_config_of
 from neuron_buckets.runtime.lora_adapter import AdapterError, read_adapter
-from tests.conftest import TINY_CONFIG, save_tiny_llama, write_config
+from tests.conftest import TINY_CONFIG, save_tiny_llama, wait_for_line, write_config
 from tests.steps_compared import assert_follows
 
 MAX_NEW = 8
@@ -338,3 +338,31 @@ def test_unloading_an_adapter_keeps_its_slot_until_its_requests_end(lora_setup):
     refs = [reference(model_dir, adapters[lo], p) for lo, p in pairs]
     want, logits = zip(*refs, strict=True)
     assert_follows(want, logits, ATOL, [done[i] for i in ids])
+
+
+def test_nb_serve_lora_modules_serve_each_adapter_by_name(lora_setup):
+    """``nb serve --lora-modules NAME=PATH`` as a user starts it: the adapter is listed and serves
+    transformers + peft's ids; a bad module is one line, exit 2, before anything listens."""
+    import subprocess
+    import sys
+
+    import openai
+
+    artifact, model_dir, adapters = lora_setup
+    cmd = [sys.executable, "-m", "neuron_buckets.cli", "serve", str(artifact), "--port", "0",
+           "--served-model-name", "tiny", "--lora-modules", f"a4={adapters['a4']}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        m, _ = wait_for_line(proc, r"serving 'tiny' at (http://127\.0\.0\.1:\d+)")
+        client = openai.OpenAI(base_url=f"{m.group(1)}/v1", api_key="unused", max_retries=0)
+        assert [(c.id, c.parent) for c in client.models.list()] == [("tiny", None), ("a4", "tiny")]
+        out = client.completions.create(model="a4", prompt=[6, 2, 8], max_tokens=MAX_NEW, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        want, logits = reference(model_dir, adapters["a4"], [6, 2, 8])
+        assert_follows([want], [logits], ATOL, [out.choices[0].token_ids])
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    nowhere = f"a4={adapters['a4'].parent / 'nowhere'}"
+    bad = subprocess.run([*cmd[:-1], nowhere], capture_output=True, text=True)
+    assert bad.returncode == 2 and "has no adapter_config.json" in bad.stderr, bad.stderr
