@@ -340,6 +340,7 @@ def test_unloading_an_adapter_keeps_its_slot_until_its_requests_end(lora_setup):
     assert_follows(want, logits, ATOL, [done[i] for i in ids])
 
 
+@pytest.mark.slow
 def test_nb_serve_lora_modules_serve_each_adapter_by_name(lora_setup):
     """``nb serve --lora-modules NAME=PATH`` as a user starts it: the adapter is listed and serves
     transformers + peft's ids; a bad module is one line, exit 2, before anything listens."""
