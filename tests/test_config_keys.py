@@ -76,6 +76,9 @@ CHANGES = {
     ("speculative", "auto_off_window"): (4, ("engine",)),
     ("speculative", "auto_off_probe_interval"): (7, ("engine",)),
     ("parallel", "tensor_parallel_size"): (2, ("plan",)),
+    ("lora", "max_loras"): (2, ("plan",)),
+    ("lora", "max_lora_rank"): (8, ("plan",)),
+    ("lora", "target_modules"): (["q_proj"], ("plan",)),
 }
 
 
@@ -175,8 +178,8 @@ def base_document(reader: str, task: str, key: str, hf_model_dir: Path) -> dict:
     """A valid document for ``reader`` and ``task`` without ``key``'s change, holding what the key
     needs to act at all. The compile config: the embedded default, bucket lists left to follow
     their limits (an embedding one without the decode keys), Ray's executor for its task CPUs, a
-    draft model's path for a method to build it (where the task decodes). A runtime file:
-    drafting on."""
+    draft model's path for a method to build it (where the task decodes), LoRA slots for their rank
+    and targets. A runtime file: drafting on."""
     if reader == RUN:
         return {"speculative": {"num_speculative_tokens": 1}}
     raw = tomllib.loads(read_package_data("default.toml"))
@@ -185,6 +188,8 @@ def base_document(reader: str, task: str, key: str, hf_model_dir: Path) -> dict:
     raw.setdefault("model", {})["task"] = task
     if key == "task_cpus":
         raw["compile"]["executor"] = "ray"
+    if key in ("max_lora_rank", "target_modules") and task == "generate":
+        raw["lora"] = {"max_loras": 1}  # slots, for their rank and targets to shape
     if key in ("method", "draft_model") and task == "generate":
         raw["speculative"] = {"draft_model": str(hf_model_dir)}
         if key == "draft_model":

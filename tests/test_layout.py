@@ -376,3 +376,13 @@ def test_make_test_needs_no_torch_xla():
     assert target and "pytest" in target[2]
     assert "xla" not in target[0].lower()
     assert re.search(r"^test-xla: ", makefile, re.M)
+
+
+def test_lora_is_a_transform_of_the_layer_piece_not_branches_in_the_layer_code():
+    """The LoRA math lives in model/lora.py (the piece) and model/lora_weight.py (the delta); the
+    decoder layer and the pieces never mention it, and a projection takes it in one place."""
+    for name in ("llama.py", "pieces.py", "weights.py"):
+        assert "lora" not in (PACKAGE / "model" / name).read_text().lower(), name
+    assert (PACKAGE / "model" / "linear.py").read_text().count("isinstance(weight, AdaptedWeight)") == 1
+    runtime = (PACKAGE / "runtime" / "bucket_runtime.py").read_text()
+    assert len(re.findall(r"lora", runtime, re.IGNORECASE)) <= 14  # a hook: the slots live in lora_slots.py

@@ -125,6 +125,16 @@ class ParallelInfo:
 
 
 @dataclass(frozen=True)
+class LoraInfo:
+    """Adapter slots (``[lora]``): every layer piece takes ``max_loras + 1`` slots of
+    ``max_lora_rank`` for the ``target_modules`` (``model/lora.py``). Absent: no LoRA."""
+
+    max_loras: int
+    max_lora_rank: int
+    target_modules: list[str]
+
+
+@dataclass(frozen=True)
 class EmbeddingInfo:
     """An embedding artifact (``model.task = "embed"``): prefill buckets ending in the final-norm
     piece, whose hidden states are pooled (``last`` token or ``mean``) and, with ``normalize``,
@@ -196,6 +206,7 @@ class Manifest:
     text: TextInfo | None = None  # None in manifests written before nb copied tokenizers
     libraries: dict[str, LibraryInfo] = field(default_factory=dict)
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
+    lora: LoraInfo | None = None
     embedding: EmbeddingInfo | None = None
     pieces: dict[str, PieceRecord] = field(default_factory=dict)
     buckets: list[BucketRecord] = field(default_factory=list)
@@ -219,6 +230,7 @@ class Manifest:
             text=TextInfo(**d["text"]) if "text" in d else None,
             libraries={k: LibraryInfo(**v) for k, v in d.get("libraries", {}).items()},
             parallel=ParallelInfo(**d.get("parallel", {})),
+            lora=LoraInfo(**d["lora"]) if "lora" in d else None,
             embedding=EmbeddingInfo(**d["embedding"]) if "embedding" in d else None,
             pieces={k: PieceRecord(**v) for k, v in d["pieces"].items()},
             buckets=[BucketRecord(**b) for b in d["buckets"]],
@@ -236,6 +248,8 @@ class Manifest:
             del d["parallel"]
         if self.embedding is None:
             del d["embedding"]
+        if self.lora is None:
+            del d["lora"]
         for piece in d["pieces"].values():
             if piece["compiled_for"] is None:
                 del piece["compiled_for"]
@@ -256,6 +270,8 @@ class Manifest:
         facts["decode.speculation_length"] = self.decode.speculation_length
         if self.parallel != ParallelInfo():
             facts["parallel.tensor_parallel_size"] = self.parallel.tensor_parallel_size
+        if self.lora is not None:
+            facts |= {f"lora.{k}": v for k, v in asdict(self.lora).items()}
         return facts
 
     def files(self) -> list[tuple[str, str, str]]:

@@ -8,6 +8,7 @@ exactly as a compiled fixed-shape graph would.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ class EagerBackend(DenseWeights):
         self, piece: nn.Module, example: tuple, out_file: Path, flags: dict[str, Any], dynamic: tuple | None
     ) -> None:
         shapes = None if dynamic else [list(t.shape) for t in tree_leaves(example)]
-        record = {"piece": type(piece).__name__, "input_shapes": shapes, **piece_parallel(piece)}
+        record = {"piece": type(piece).__name__, "input_shapes": shapes, **piece_parallel(piece),
+                  **piece_lora(piece)}
         out_file.write_text(json.dumps(record))
 
     def load(self, path: Path, model_config: dict[str, Any], device: str) -> GraphFn:
@@ -57,14 +59,23 @@ def piece_parallel(piece: nn.Module) -> dict[str, int]:
     return {"tensor_parallel_size": size} if size > 1 else {}
 
 
+def piece_lora(piece: nn.Module) -> dict[str, Any]:
+    """What a graph file records of a layer piece's LoRA slots (nothing without)."""
+    shape = getattr(piece, "lora", None)
+    return {"piece": "layer", "lora": asdict(shape)} if shape is not None else {}
+
+
 def piece_of(record: dict[str, Any], model_config: dict[str, Any]) -> nn.Module:
     """The piece a graph file of ``piece_parallel``'s record names, built again for the model."""
+    from neuron_buckets.model.lora import LoraShape, adapt
     from neuron_buckets.model.model_config import LlamaConfig
     from neuron_buckets.model.pieces import build_piece
     from neuron_buckets.model.tensor_parallel import TensorParallel
 
     tp = TensorParallel(record.get("tensor_parallel_size", 1))
-    return build_piece(record["piece"], LlamaConfig.from_hf(model_config), tp)
+    piece = build_piece(record["piece"], LlamaConfig.from_hf(model_config), tp)
+    lora = record.get("lora")
+    return adapt(piece, lora and LoraShape(lora["max_loras"], lora["max_rank"], tuple(lora["targets"])))
 
 
 class EagerGraph:

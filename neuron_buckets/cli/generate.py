@@ -17,6 +17,7 @@ import typer
 from rich.table import Table
 
 from neuron_buckets.cli.console import err, int_list
+from neuron_buckets.cli.lora_option import lora_modules
 from neuron_buckets.utils.errors import UserError
 
 if TYPE_CHECKING:  # the serve stage loads on first use, keeping every other `nb` command cheap
@@ -81,6 +82,9 @@ def print_stats(engine: LLMEngine) -> None:
     kv = engine.kv_cache
     err.print(f"KV cache: {kv.num_preemptions} preemptions, at most {kv.peak_usage:.0%} of "
               f"{engine.pool.num_blocks - 1} blocks in use")
+    if (lora := engine.adapters).requests:
+        counts = ", ".join(f"{n}: {c}" for n, c in sorted(lora.requests.items()))
+        err.print(f"LoRA: requests per adapter {counts}; {lora.swaps} adapters swapped into a slot")
     if (spec := engine.spec_stats).num_drafts or spec.num_steps_off:
         err.print(
             f"speculation: {spec.num_drafts} drafted rows, {spec.num_accepted_tokens} of "
@@ -100,6 +104,25 @@ DRAFT_HELP = (
     "Draft K tokens per decode row with the draft model compiled into the artifact's draft/ "
     "(speculative.method = 'draft_model'); K <= the artifact's speculation_length. 0 = off"
 )
+
+
+LORA_HELP = "A LoRA adapter NAME=PATH (a PEFT directory) for an artifact with [lora] slots; repeatable"
+ADAPTER_HELP = (
+    "The adapter (a --lora NAME, or 'base') of each prompt, in order; one for all. Default: the one "
+    "--lora adapter, else the base model"
+)
+
+
+def prompt_adapters(loras: dict[str, Path], adapters: list[str], prompts: int) -> list[str | None]:
+    """Each prompt's adapter name, None for the base model."""
+    if not adapters:
+        return [next(iter(loras)) if len(loras) == 1 else None] * prompts
+    if len(adapters) not in (1, prompts):
+        raise UserError(f"--adapter: {len(adapters)} given for {prompts} prompts; give one or one per prompt")
+    names = [None if a == "base" else a for a in adapters]
+    if unknown := sorted({n for n in names if n is not None} - set(loras)):
+        raise UserError(f"--adapter {unknown[0]!r} is no --lora name; given: {sorted(loras)}")
+    return names * prompts if len(names) == 1 else names
 
 
 CONFIG_HELP = (
@@ -149,6 +172,8 @@ def generate(
     speculative_ngram: Annotated[int, typer.Option(min=0, help=SPECULATIVE_HELP)] = 0,
     speculative_draft: Annotated[int, typer.Option(min=0, help=DRAFT_HELP)] = 0,
     config: ConfigOpt = None,
+    lora: Annotated[list[str] | None, typer.Option("--lora", help=LORA_HELP)] = None,
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", help=ADAPTER_HELP)] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print per-bucket and speculation counters")] = False,
 ) -> None:
     """Generate through the runtime (continuous batching, packed and chunked prefill): text for
@@ -184,8 +209,13 @@ def generate(
             ids = [tokenizer.encode(p) for p in prompt]
     speculative = speculative_config(speculative_ngram, speculative_draft, config)
     engine = LLMEngine(runtime, tokenizer, speculative=speculative)
+    loras = lora_modules("--lora", lora)
+    names = prompt_adapters(loras, adapter or [], len(ids))
+    for name, path in loras.items():
+        engine.adapters.add(name, path)
     checked = [engine.check_request(p, params, f"prompt {i}") for i, p in enumerate(ids)]
-    stream(engine, [engine.add_request(p, params) for p in checked], bool(prompt), max_new_tokens)
+    order = [engine.add_request(p, params, n) for p, n in zip(checked, names, strict=True)]
+    stream(engine, order, bool(prompt), max_new_tokens)
     if stats:
         print_stats(engine)
     runtime.close()  # a tensor-parallel artifact's other ranks end with it

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from neuron_buckets.cli.generate import DRAFT_HELP, SPECULATIVE_HELP, ConfigOpt, speculative_config
+from neuron_buckets.cli.lora_option import lora_modules
 from neuron_buckets.config.model import POOLINGS
 from neuron_buckets.utils.errors import UserError
 
@@ -77,6 +78,11 @@ def serve(
         typer.Option(metavar="DURATION", help="Re-plan the token buckets on the traffic served this often "
                      "(e.g. 30m, 2h, 90s) and move to a better set once compiled"),
     ] = None,
+    lora_module: Annotated[
+        list[str] | None,
+        typer.Option("--lora-modules", metavar="NAME=PATH",
+                     help="A LoRA adapter (a PEFT directory) a request's model may name; repeatable"),
+    ] = None,
     replan_budget_s: Annotated[
         float, typer.Option(min=0.0, help="Most seconds a re-plan's new pieces may take to compile")
     ] = 600.0,
@@ -106,7 +112,7 @@ def serve(
     schedule = None if every is None else ReplanSchedule(every, replan_budget_s)
     run_server(
         directory, host, port, served_model_name, limits, shutdown_timeout, speculative, access, preload,
-        pooling, AdminOptions(record_trace, schedule),
+        pooling, AdminOptions(record_trace, schedule), lora_modules("--lora-modules", lora_module),
     )
 
 

@@ -20,6 +20,7 @@ from neuron_buckets.artifact.manifest import (
     CacheGeometry,
     DecodeInfo,
     EmbeddingInfo,
+    LoraInfo,
     Manifest,
     ModelInfo,
     ParallelInfo,
@@ -85,6 +86,8 @@ def manifest_header(config: Config, model: LlamaConfig, backend: BackendInfo) ->
             enable_prefix_caching=config.cache.enable_prefix_caching,
         ),
         parallel=ParallelInfo(config.parallel.tensor_parallel_size),
+        lora=LoraInfo(lo.max_loras, lo.max_lora_rank, lo.target_modules) if (lo := config.lora).enabled
+        else None,
         embedding=EmbeddingInfo(m.pooling, m.normalize) if m.embeds else None,
     )
 
@@ -119,7 +122,8 @@ class BuildPlan:
         keys = {
             s: graph_key(piece=s, model_config=header.model.config, cache=asdict(header.cache),
                          backend=asdict(info), sources=toolchain.sources,
-                         tensor_parallel_size=header.parallel.tensor_parallel_size)
+                         tensor_parallel_size=header.parallel.tensor_parallel_size,
+                         lora=header.lora and asdict(header.lora))
             for s in shapes
         }
         return cls(config, Path(out), backend, model, buckets, pieces, keys, header, toolchain, previous)

@@ -75,9 +75,11 @@ def graph_key(
     backend: dict[str, Any],
     sources: str,
     tensor_parallel_size: int = 1,
+    lora: dict[str, Any] | None = None,
 ) -> str:
     """sha256 of everything that changes one piece's compiled graph, as canonical JSON (the
-    tensor-parallel degree where above 1: its pieces have one rank's shapes and collectives)."""
+    tensor-parallel degree where above 1: its pieces have one rank's shapes and collectives; a
+    layer piece's LoRA slots, where it has them: embed and head pieces stay shared)."""
     material = {
         "piece": [piece.role, piece.tokens, piece.rows, piece.ctx, piece.samples, piece.packed],
         "model_config": model_config,
@@ -87,5 +89,7 @@ def graph_key(
     }
     if tensor_parallel_size > 1:
         material["tensor_parallel_size"] = tensor_parallel_size
+    if lora is not None and piece.role == "layer":
+        material["lora"] = lora
     text = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()

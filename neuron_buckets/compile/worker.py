@@ -26,6 +26,7 @@ from neuron_buckets.compile.cache_key import backend_source_digest
 from neuron_buckets.compile.store import GraphStore
 from neuron_buckets.compile.store_entry import StoreEntry
 from neuron_buckets.config import Config
+from neuron_buckets.model.lora import LoraShape, adapt, example_lora_inputs
 from neuron_buckets.model.model_source import model_config_of
 from neuron_buckets.model.pieces import PieceShape, build_piece, dynamic_shapes, example_inputs
 from neuron_buckets.model.tensor_parallel import TensorParallel
@@ -79,11 +80,16 @@ def compile_piece(
         mirror = GraphStore(task.mirror) if task.mirror else None
         model_config = model_config_of(config.model.path)
         tp = TensorParallel(config.parallel.tensor_parallel_size)
-        piece = build_piece(shape.role, model_config, tp).to(config.compile.device)
+        lora = LoraShape.of(config.lora.max_loras, config.lora.max_lora_rank, config.lora.target_modules)
+        piece = adapt(build_piece(shape.role, model_config, tp), lora).to(config.compile.device)
+        dtype = getattr(torch, config.cache.dtype)
         example = example_inputs(
-            shape, tp.local(model_config), config.cache.block_size, config.cache.num_blocks,
-            getattr(torch, config.cache.dtype), config.compile.device,
+            shape, tp.local(model_config), config.cache.block_size, config.cache.num_blocks, dtype,
+            config.compile.device,
         )
+        if lora is not None and shape.role == "layer":
+            tokens = shape.tokens
+            example += example_lora_inputs(lora, model_config, tokens, dtype, config.compile.device)
         with (mirror or store).scratch() as scratch, tp.tracing():
             graph = scratch / f"{task.key}.{backend.graph_ext}"  # a fixed name: packages embed it
             backend.compile(piece, example, graph, config.compile.flags, dynamic_shapes(shape))

@@ -10,6 +10,7 @@ from neuron_buckets.config.config import Config
 from neuron_buckets.config.config_error import ConfigError
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.config.loader import load_config, parse_config
+from neuron_buckets.config.lora import LoraConfig
 from neuron_buckets.config.model import ModelSource
 from neuron_buckets.config.parallel import ParallelConfig
 from neuron_buckets.config.speculative import SpeculativeConfig
@@ -23,6 +24,7 @@ __all__ = [
     "CompileConfig",
     "Config",
     "ConfigError",
+    "LoraConfig",
     "ModelSource",
     "ParallelConfig",
     "SpeculativeConfig",

@@ -9,6 +9,7 @@ from neuron_buckets.config.buckets import BucketConfig, default_contexts
 from neuron_buckets.config.cache import CacheConfig
 from neuron_buckets.config.compile import CompileConfig
 from neuron_buckets.config.config_error import ConfigError
+from neuron_buckets.config.lora import LoraConfig
 from neuron_buckets.config.model import ModelSource
 from neuron_buckets.config.parallel import ParallelConfig
 from neuron_buckets.config.speculative import SpeculativeConfig
@@ -22,6 +23,7 @@ class Config:
     compile: CompileConfig
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         """Decode contexts and speculation against the cache: derived when left out, and each
@@ -51,5 +53,11 @@ class Config:
         if self.model.embeds and b.speculation_length:
             raise ConfigError('buckets.speculation_length: an embedding artifact (model.task = "embed") '
                               "has no decode steps to speculate; leave it 0")
+        if self.lora.enabled and self.compile.backend not in ("inductor", "eager"):
+            raise ConfigError(f"lora.max_loras: LoRA slots are built for the inductor and eager backends, "
+                              f"not {self.compile.backend!r} yet")
+        if self.lora.enabled and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("lora.max_loras: LoRA slots run on one rank; "
+                              "set parallel.tensor_parallel_size = 1")
         if contexts != spec:
             object.__setattr__(self, "buckets", replace(b, decode_context_length_buckets=contexts))

@@ -18,6 +18,7 @@ from neuron_buckets.config.cache import CacheConfig
 from neuron_buckets.config.compile import CompileConfig
 from neuron_buckets.config.config import Config
 from neuron_buckets.config.config_error import ConfigError
+from neuron_buckets.config.lora import LoraConfig
 from neuron_buckets.config.model import ModelSource
 from neuron_buckets.config.parallel import ParallelConfig
 from neuron_buckets.config.setting import COMPILE, TASKS, for_task, read_by
@@ -26,7 +27,8 @@ from neuron_buckets.utils.package_data import read_package_data
 
 SECTIONS = {
     s.SECTION: s
-    for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig, SpeculativeConfig, ParallelConfig)
+    for s in (ModelSource, CacheConfig, BucketConfig, CompileConfig, SpeculativeConfig, ParallelConfig,
+              LoraConfig)
 }
 # Why a task has no use for some keys.
 IDLE = {

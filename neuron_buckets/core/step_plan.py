@@ -27,6 +27,7 @@ class Segment:
     context_len: int
     block_ids: Sequence[int]
     num_samples: int
+    lora_slot: int = 0  # the LoRA slot its tokens run with (0: the base model)
 
     @property
     def end(self) -> int:

@@ -73,14 +73,16 @@ class BlockPool:
         return -(-num_tokens // self.block_size)
 
     def chain(
-        self, token_ids: Sequence[int], num_blocks: int, hashes: list[bytes] | None = None
+        self, token_ids: Sequence[int], num_blocks: int, hashes: list[bytes] | None = None, salt: bytes = b""
     ) -> list[bytes]:
         """The names of the first ``num_blocks`` full blocks of ``token_ids``, extending ``hashes``
-        (the names already known, a request's own list) in place: each block is hashed once."""
+        (the names already known, a request's own list) in place: each block is hashed once.
+        ``salt``: the request's own (its LoRA adapter's), beside the pool's."""
         hashes = [] if hashes is None else hashes
         parent = hashes[-1] if hashes else b""
         for i in range(len(hashes), num_blocks):
-            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size], self.salt)
+            tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = block_hash(parent, tokens, self.salt + salt)
             hashes.append(parent)
         return hashes
 
@@ -142,7 +144,7 @@ class BlockPool:
 
     def publish(
         self, blocks: Sequence[int], token_ids: Sequence[int], num_tokens: int | None = None,
-        hashes: list[bytes] | None = None,
+        hashes: list[bytes] | None = None, salt: bytes = b"",
     ) -> None:
         """Name the full blocks of a request whose K/V the first ``num_tokens`` of ``token_ids``
         (default: all) now hold in the cache, so that later requests may share them. ``hashes``,
@@ -154,7 +156,7 @@ class BlockPool:
         hashes = [] if hashes is None else hashes
         start = len(hashes)
         full = min((len(token_ids) if num_tokens is None else num_tokens) // self.block_size, len(blocks))
-        self.chain(token_ids, full, hashes)
+        self.chain(token_ids, full, hashes, salt)
         for block, h in zip(blocks[start:full], hashes[start:full], strict=True):
             if block in self._hash_of or h in self._by_hash:
                 continue

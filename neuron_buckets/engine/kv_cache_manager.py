@@ -166,7 +166,7 @@ class KVCacheManager:
         valid = min(num_cached, len(req.token_ids))
         if self.follows_draft:
             valid = min(valid, kv.draft_cached)
-        self.pool.publish(kv.blocks, req.token_ids, valid, kv.block_hashes)
+        self.pool.publish(kv.blocks, req.token_ids, valid, kv.block_hashes, req.lora_salt)
 
     def release(self, req: Request) -> None:
         """``req`` ended: its blocks go back (named ones stay cached until evicted) and its record
@@ -199,4 +199,5 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return []
         hashes = self.req_to_kv[req.request_id].prefill_hashes
-        return self.pool.chain(req.token_ids, self.prefill_len(req) // self.pool.block_size, hashes)
+        return self.pool.chain(req.token_ids, self.prefill_len(req) // self.pool.block_size, hashes,
+                               req.lora_salt)

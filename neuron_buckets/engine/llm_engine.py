@@ -52,6 +52,7 @@ from neuron_buckets.engine.block_pool import BlockPool
 from neuron_buckets.engine.draft_model_drafter import DraftModelDrafter
 from neuron_buckets.engine.drafter import Drafter
 from neuron_buckets.engine.kv_cache_manager import KVCacheManager
+from neuron_buckets.engine.lora_pool import AdapterPool
 from neuron_buckets.engine.ngram_drafter import NgramDrafter
 from neuron_buckets.engine.request import Request
 from neuron_buckets.engine.request_check import RequestError, check_request
@@ -128,10 +129,11 @@ class LLMEngine:
             self.gate = SpeculationGate(
                 self.drafter, self.spec_stats, spec.auto_off_window, spec.auto_off_probe_interval
             )
+        self.adapters = AdapterPool(runtime)  # LoRA adapters by name (``add``, ``remove``)
         self.scheduler = Scheduler(
             self.kv_cache, runtime.buckets.token_budget, runtime.buckets.max_rows,
             self.gate or self.drafter, spec.num_speculative_tokens,
-            [b.seq for b in runtime.buckets.prefill], runtime.buckets.mix_decode,
+            [b.seq for b in runtime.buckets.prefill], runtime.buckets.mix_decode, self.adapters,
         )
         self.step_stats = StepStats()
         self.sampler = StepSampler(self.spec_stats, None if tokenizer is None else StructuredOutputManager(
@@ -196,12 +198,18 @@ class LLMEngine:
         self.sampler.check(params, what)
         return check_request(prompt_token_ids, params.max_tokens, self.runtime.limits, self.pool, what)
 
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Queue a request; its id. It waits, never refused, while the pool is busy."""
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, lora: str | None = None
+    ) -> int:
+        """Queue a request (of LoRA adapter ``lora``, a name ``adapters.add`` registered; None: the
+        base model); its id. It waits, never refused, while the pool or the slots are busy."""
         self._check_owner()
         ids = self.check_request(prompt_token_ids, params)
+        adapter = None if lora is None else self.adapters.get(lora)
         rid, self._next_id = self._next_id, self._next_id + 1
         request = Request.create(rid, ids, params, self.eos_token_ids, self.tokenizer)
+        if adapter is not None:
+            request.lora, request.lora_salt = lora, bytes.fromhex(adapter.digest)
         self.sampler.admit(request)
         self._requests[rid] = request
         self.scheduler.add(request)
@@ -265,10 +273,12 @@ def generate(
     engine_or_runtime: LLMEngine | BucketRuntime,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
+    loras: Sequence[str | None] | None = None,
 ) -> list[RequestOutput]:
     """Run ``prompts`` to the end; their final outputs, in prompt order.
 
-    ``params`` is one SamplingParams for all (default: greedy, 16 tokens) or one per prompt.
+    ``params`` is one SamplingParams for all (default: greedy, 16 tokens) or one per prompt;
+    ``loras`` the LoRA adapter of each prompt (None: the base model), loaded in the engine.
     Every request is checked before any is added, so an impossible one fails before anything
     runs. A runtime runs on the engine that holds its cache, if one lives (a second engine with
     a pool of its own would overwrite blocks the first one's prefix cache names), else on one of
@@ -286,7 +296,12 @@ def generate(
         raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
     pairs = list(zip(prompts, per_prompt, strict=True))
     checked = [engine.check_request(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(pairs)]
-    ids = [engine.add_request(p, sp) for p, (_, sp) in zip(checked, pairs, strict=True)]
+    loras = [None] * len(prompts) if loras is None else list(loras)
+    if len(loras) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(loras)} adapters")
+    for name in {n for n in loras if n is not None}:
+        engine.adapters.get(name)  # an unknown one fails before anything is added
+    ids = [engine.add_request(p, sp, lo) for p, (_, sp), lo in zip(checked, pairs, loras, strict=True)]
     wanted, final = set(ids), {}
     while len(final) < len(ids):
         final.update((o.request_id, o) for o in engine.step() if o.finished and o.request_id in wanted)

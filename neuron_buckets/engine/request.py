@@ -40,6 +40,9 @@ class Request:
     grammar: Any = None  # the xgrammar matcher of its structured outputs, None without
     # vLLM's: prompt tokens its first admission found in the prefix cache (-1 until admitted)
     num_cached_tokens: int = -1
+    lora: str | None = None  # the LoRA adapter's name, None for the base model
+    lora_salt: bytes = b""  # its content digest: its K/V never shares a block with another's
+    lora_slot: int = 0  # the slot it runs with while admitted (0: the base model)
 
     @classmethod
     def create(

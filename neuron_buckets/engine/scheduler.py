@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.engine.drafter import Drafter
 from neuron_buckets.engine.kv_cache_manager import KVCacheManager
+from neuron_buckets.engine.lora_pool import AdapterPool
 from neuron_buckets.engine.request import Request
 
 
@@ -72,16 +73,20 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         token_buckets: Sequence[int] = (),
         mixed: bool = True,
+        adapters: AdapterPool | None = None,
     ) -> None:
         """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
         chunks: the packed call's block-table rows); a
         ``drafter`` proposes up to ``num_speculative_tokens`` tokens per decode row;
         ``token_buckets`` (the runtime's token bucket sizes) lets a step's last prompt chunk be cut
         at a bucket boundary (``fit_buckets``), its decode rows counted in the prefill call where
-        they ride in it (``mixed``: ``BucketSet.mix_decode``)."""
+        they ride in it (``mixed``: ``BucketSet.mix_decode``); ``adapters`` gives a request of a
+        LoRA adapter its slot as it is admitted (it waits while none is free) and takes it back
+        as it leaves the running requests."""
         self.kv, self.budget, self.max_rows = kv, budget, max_rows
         self.token_buckets, self.mixed = tuple(sorted(token_buckets)), mixed
         self.drafter, self.num_speculative_tokens = drafter, num_speculative_tokens
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._ended: list[Request] = []  # ended while planning (the pool cannot hold them), for commit
@@ -100,6 +105,7 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
                 self.kv.release(req)
+                self._release_slot(req)
         req.finish_reason = "abort"
 
     def preempt(self, req: Request) -> None:
@@ -107,6 +113,7 @@ class Scheduler:
         output again when it is readmitted; one the whole pool could not hold again ends instead,
         with "length" (reported by the next ``commit``)."""
         self.running.remove(req)
+        self._release_slot(req)
         if self.kv.fits_alone(len(req.token_ids)):
             self.kv.preempt(req)
             self.waiting.appendleft(req)
@@ -132,7 +139,7 @@ class Scheduler:
         # prompt's logprobs returns the logits of every token it computes.
         prefill = tuple(self._chunk(req, n) for req, n in chunks)
         decode = tuple(
-            Segment(r.request_id, tokens, len(r.token_ids) - 1, self.kv.blocks(r), len(tokens))
+            Segment(r.request_id, tokens, len(r.token_ids) - 1, self.kv.blocks(r), len(tokens), r.lora_slot)
             for r, tokens in rows
         )
         return prefill + decode
@@ -141,7 +148,8 @@ class Scheduler:
         """The prefill chunk of ``req``'s next ``n`` tokens."""
         start = self.kv.num_cached(req)
         samples = n if req.wants_prompt_logits else int(start + n == self.kv.prefill_len(req))
-        return Segment(req.request_id, req.token_ids[start : start + n], start, self.kv.blocks(req), samples)
+        return Segment(req.request_id, req.token_ids[start : start + n], start, self.kv.blocks(req), samples,
+                       req.lora_slot)
 
     def drafts(self, decoding: Sequence[Request]) -> list[list[int]]:
         """The tokens drafted for each request's next row: none unless it speculates, and never so
@@ -192,8 +200,13 @@ class Scheduler:
                 touched.append(req)
         for req in [r for r in self.running if r.done]:
             self.kv.release(req)
+            self._release_slot(req)
             self.running.remove(req)
         return touched
+
+    def _release_slot(self, req: Request) -> None:
+        if self.adapters is not None:
+            self.adapters.release(req)
 
     def _make_room(self) -> bool:
         """Grow every running request, oldest first, for the next token it writes (a decode row's
@@ -228,10 +241,13 @@ class Scheduler:
         while admit and passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
             req = self.waiting[passed]
             prefix = self.kv.lookup(req)
-            if self.kv.in_flight(req, self.running) > len(prefix):
+            if self.kv.in_flight(req, self.running) > len(prefix) or not (
+                self.adapters is None or self.adapters.acquire(req)  # every LoRA slot in use
+            ):
                 passed += 1
                 continue
             if not self.kv.admit(req, prefix, alone=not self.running):
+                self._release_slot(req)
                 break
             del self.waiting[passed]
             self.running.append(req)

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from neuron_buckets.kernels import bf16_linear_cpu
 from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice
+from neuron_buckets.model.lora_weight import AdaptedWeight
 from neuron_buckets.model.quantized_linear import QOP, QOP_SHIM, int8_linear, pack_int8
 from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
 from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, Weight
@@ -125,7 +126,10 @@ def bf16_kernel_weights(on: bool) -> AbstractContextManager[None]:
 
 def linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
     """``F.linear``, through oneDNN in a oneDNN trace or on a packed weight (the eager reference
-    runs the runtime's packed weights too); a quantized weight by its scheme's kernel."""
+    runs the runtime's packed weights too); a quantized weight by its scheme's kernel; a LoRA
+    projection (``model/lora.py``) as its base plus each token's adapter's delta."""
+    if isinstance(weight, AdaptedWeight):
+        return linear(x, weight.base, bias) + weight.delta(x)
     if isinstance(weight, QuantizedWeight):
         if weight.scheme.weights == "int8":
             onednn = _mode["tracing_onednn"] and available(torch.float32, x.device)

@@ -110,6 +110,11 @@ class LayerPiece(nn.Module):
         """``weights``: the layer's ``LayerWeights.tensors()``, flat as a compiled graph takes them."""
         step = AttentionStep(block_table, cache_lens, segment_ids)
         layer = LayerWeights.of(self.config, weights)
+        return self.run(h, cos, sin, slot_mapping, step, k_cache, v_cache, layer)
+
+    def run(self, h: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, step: AttentionStep,
+            k_cache: Tensor, v_cache: Tensor, layer: LayerWeights) -> Tensor:
+        """The layer over its weights as a record, which a transform of the piece may have changed."""
         return decoder_layer(self.config, h, cos, sin, slot_mapping, step, k_cache, v_cache, layer, self.tp)
 
 

@@ -20,6 +20,7 @@ import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import repeat
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.runtime.lora_slots import LoraSlots, open_slots
 from neuron_buckets.runtime.prefill_chunk import PrefillChunk
 from neuron_buckets.runtime.rank_group import RankGroup, RankLost
 from neuron_buckets.runtime.step_check import StepLimits, check_step
@@ -110,6 +112,7 @@ class BucketRuntime:
         self.head_weights = (norm, head)
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
+        self.lora: LoraSlots | None = open_slots(manifest, self.config, device)
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
         try:
             self.buckets = BucketSet.of(self.records, mix_decode=cpu_attention(device, geo.dtype),
@@ -248,9 +251,10 @@ class BucketRuntime:
 
     @torch.inference_mode()
     @_ranks_stay_in_step
-    def run(self, bucket: Bucket, step: PaddedCall) -> Tensor:
+    def run(self, bucket: Bucket, step: PaddedCall, lora_slots: Sequence[int] = ()) -> Tensor:
         """Run one padded step through the bucket's pieces; logits of the real samples only, or for
-        an embedding artifact the (real tokens, hidden) float32 final-norm hidden states."""
+        an embedding artifact the (real tokens, hidden) float32 final-norm hidden states.
+        ``lora_slots``: each segment's LoRA slot, for an artifact with slots (none: the base)."""
         pieces = self.record(bucket).pieces
         layer_role = "layer"
         if "fresh_layer" in pieces and step.fresh:
@@ -260,8 +264,10 @@ class BucketRuntime:
         embed, layer, out = (self.graph(pieces[role]) for role in ("embed", layer_role, out_role))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
         h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
-        for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
-            h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
+        lora = self.lora.inputs(step, lora_slots, self.device) if self.lora else repeat(())
+        caches = self.layer_caches
+        for weights, (k_cache, v_cache), extra in zip(self.layer_weights, caches, lora, strict=False):
+            h = layer(h, cos, sin, *state, k_cache, v_cache, weights, *extra)
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
         if self.embeds:  # real tokens lie at the front of a packed step, in segment order
             real = int((step.segment_ids < step.num_rows).sum())
@@ -343,10 +349,11 @@ class BucketRuntime:
             )
             for p in call.parts
         ]
+        slots = [plan[p.segment].lora_slot for p in call.parts]
         if call.bucket.kind == "decode":
-            return self.run(call.bucket, pad_decode(chunks, call.bucket, self.block_size))
+            return self.run(call.bucket, pad_decode(chunks, call.bucket, self.block_size), slots)
         step = pad_prefill(chunks, call.bucket, self.block_size, self.buckets.samples(call.bucket))
-        return self.run(call.bucket, step)
+        return self.run(call.bucket, step, slots)
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests, one chunk each; (R, vocab) logits of each chunk's last token.

@@ -44,6 +44,7 @@ from neuron_buckets.server.chat_protocol import ChatCompletionRequest
 from neuron_buckets.server.completion_protocol import CompletionRequest
 from neuron_buckets.server.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from neuron_buckets.server.errors import STATUS, error_response, on_error
+from neuron_buckets.server.lora_routes import AdapterCollector, adapter_cards, lora_routes
 from neuron_buckets.server.openai_protocol import ModelCard, ModelList
 from neuron_buckets.server.serving import OpenAIServing
 from neuron_buckets.server.serving_admin import AdminOptions, ServingAdmin
@@ -116,9 +117,11 @@ def create_app(
             raise UserError(NOT_EMBEDDING)
 
         side.routes(app, access)
+        lora_routes(v1, engine, server.loop)
 
+    server.metrics.registry.register(AdapterCollector(model_name, lambda: engine.adapters))
     card = ModelCard(id=model_name, created=server.created, max_model_len=server.max_model_len)
-    return openai_app(lifespan, card, limits, access, routes)
+    return openai_app(lifespan, card, limits, access, routes, lambda: adapter_cards(engine, card))
 
 
 def create_embedding_app(
@@ -155,9 +158,11 @@ def create_embedding_app(
 def openai_app(
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]], card: ModelCard, limits: ServerLimits,
     access: ServerAccess, routes: Callable[[FastAPI, APIRouter], None],
+    more_cards: Callable[[], list[ModelCard]] = list,
 ) -> FastAPI:
     """What every nb server's app has: the access checks, the body limit, OpenAI's error shape,
-    ``/v1/models`` with ``card`` and the API description; ``routes`` adds the rest."""
+    ``/v1/models`` with ``card`` (and ``more_cards``: LoRA adapters) and the API description;
+    ``routes`` adds the rest."""
     # FastAPI's own description routes take no dependencies, so they are off and served below,
     # behind the key like /v1.
     app = FastAPI(
@@ -173,7 +178,7 @@ def openai_app(
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[card])
+        return ModelList(data=[card, *more_cards()])
 
     routes(app, v1)
 
@@ -215,11 +220,13 @@ def run_server(
     preload: bool = False,
     pooling: str | None = None,
     admin: AdminOptions = NO_ADMIN,
+    loras: dict[str, Path] | None = None,
 ) -> None:
     """Open the artifact (``open_artifact``: drafting as ``speculative`` says; with ``preload``
     every graph loaded before the first request, not by it; an embedding artifact pooling as
-    ``pooling`` says) and serve it until SIGINT or SIGTERM. A rank other than 0 of a
-    tensor-parallel artifact follows rank 0 instead, which serves: it takes no address.
+    ``pooling`` says; ``loras``, name -> PEFT directory, loaded) and serve it until SIGINT or
+    SIGTERM. A rank other than 0 of a tensor-parallel artifact follows rank 0 instead, which
+    serves: it takes no address.
 
     The address is taken first, so a port in use is one error line before anything is read; only
     a process that the environment names another rank than 0 reads the manifest first, to know
@@ -236,6 +243,10 @@ def run_server(
         if isinstance(served, RankFollower):
             served.run()
             return
+        for lora, path in (loras or {}).items():
+            if isinstance(served, Embedder):
+                raise UserError("--lora-modules: an embedding artifact serves no LoRA adapters")
+            served.adapters.add(lora, path)
         loaded = f"{len(served.runtime.loaded)} graphs" if preload else "graphs load on first use"
         log.info("opened %s in %.1f s (%s)", directory, time.perf_counter() - start, loaded)
         access = access or ServerAccess.for_bind(host, None, False, ())

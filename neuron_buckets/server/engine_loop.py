@@ -92,10 +92,13 @@ class EngineLoop:
     def dead(self) -> EngineDead:
         return EngineDead(f"the engine loop stopped: {self.error or 'the server is shutting down'}")
 
-    async def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+    async def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, lora: str | None = None
+    ) -> RequestStream:
         """Admit one request, its prompt's ids and its sampling parameters, into the engine, or
         raise: ``ServerBusy`` over the bound, the engine's ``UserError`` or ``ValueError`` for a
         request that can never complete, ``EngineDead``. Read its outputs with ``outputs``.
+        ``lora``: the LoRA adapter it runs with (None: the base model).
 
         The server tokenizes and checks a request before it submits, off this thread
         (``serving.py``): what reaches the engine thread is data, ready to add.
@@ -105,7 +108,7 @@ class EngineLoop:
         if not self._open.acquire(blocking=False):
             raise server_busy(self.max_open_requests)
         stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
-        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival))
+        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival, lora))
         if not self.alive:  # it died after the check above: the command may never run
             stream.admit(self.dead())
         try:
@@ -137,13 +140,14 @@ class EngineLoop:
     # Everything below runs on the engine thread.
 
     def _add(
-        self, stream: RequestStream, prompt_ids: Sequence[int], params: SamplingParams, arrival: float
+        self, stream: RequestStream, prompt_ids: Sequence[int], params: SamplingParams, arrival: float,
+        lora: str | None,
     ) -> None:
         if self.error is not None:
             stream.admit(self.dead())
             return
         try:
-            stream.request_id = self.engine.add_request(prompt_ids, params)
+            stream.request_id = self.engine.add_request(prompt_ids, params, lora)
         except Exception as e:  # refused; the engine checks before it changes anything
             if not isinstance(e, UserError | ValueError):
                 log.exception("a request could not be added")

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from neuron_buckets.engine.lora_pool import UnknownAdapter
 from neuron_buckets.utils.errors import UserError
 
 
@@ -62,8 +63,8 @@ def check_model(requested: str | None, served: str) -> None:
 
 # The status of each error a route may raise; the first type that matches wins.
 STATUS: dict[type[Exception], int] = {
-    ServerBusy: 429, UnknownModel: 404, EngineDead: 503, StepFailed: 500, UserError: 400, ValueError: 400,
-    Exception: 500,
+    UnknownAdapter: 404, ServerBusy: 429, UnknownModel: 404, EngineDead: 503, StepFailed: 500, UserError: 400,
+    ValueError: 400, Exception: 500,
 }
 
 

@@ -276,6 +276,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "neuron-buckets"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's content digest (vLLM: its path)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -30,6 +30,7 @@ from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.tokenizer import Tokenizer
 from neuron_buckets.server.engine_loop import EngineLoop
 from neuron_buckets.server.errors import check_model
+from neuron_buckets.server.lora_routes import adapter_of
 from neuron_buckets.server.metrics import ServerMetrics
 from neuron_buckets.server.openai_protocol import ResponseHeader, SamplingRequest, Usage
 from neuron_buckets.server.request_stream import RequestStream
@@ -114,11 +115,14 @@ class OpenAIServing:
                             f"{self.max_open_requests}")
         return await self.encoder.run(self.checked, endpoint)
 
-    async def submit(self, ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+    async def submit(
+        self, ids: list[int], params: SamplingParams, n: int, lora: str | None = None
+    ) -> list[RequestStream]:
         """Admit the request's ``n`` choices, each a request of the engine (prefix caching computes
-        their shared prompt once), or none of them."""
+        their shared prompt once) on LoRA adapter ``lora``, or none of them."""
         children = [choice_params(params, i) for i in range(n)]
-        results = await asyncio.gather(*(self.loop.submit(ids, p) for p in children), return_exceptions=True)
+        submits = (self.loop.submit(ids, p, lora) for p in children)
+        results = await asyncio.gather(*submits, return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         if len(streams) < n:
             for stream in streams:
@@ -158,11 +162,12 @@ class OpenAIServing:
         """Admit a request (or raise the error its status code comes from), then answer with its
         choices' events as they come (``stream``) or with its final response."""
         body = endpoint.body
-        check_model(body.model, self.model_name)
+        if (lora := adapter_of(self.engine, body.model)) is None:
+            check_model(body.model, self.model_name)
         ids, params = await self.prepare(endpoint)
         if body.runs > body.n:  # ranked by their logprobs, returned only if asked for
             params = replace(params, logprobs=params.logprobs or 0)
-        outputs = self.merged(await self.submit(ids, params, body.runs))
+        outputs = self.merged(await self.submit(ids, params, body.runs, lora))
         if body.stream:
             return sse(self.events(endpoint, outputs))
         if (outs := await last_outputs(outputs, request, body.runs)) is None:
