@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-xla test-fast lint bench compile real-model repeat-reliability
+.PHONY: install test test-xla test-fast lint bench bench-quality compile real-model repeat-reliability
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -89,6 +89,8 @@ bench:
 	$(PY) -m bench.bench_serve_overhead
 	$(PY) -m bench.bench_tensor_parallel
 	$(PY) -m bench.bench_quantized
+	$(PY) -m bench.bench_quality
+	$(PY) -m bench.bench_quality --speculation
 	$(PY) -m bench.bench_roofline
 	$(PY) -m bench.profile_ttft
 	$(PY) -m bench.bench_ttft_schedule
@@ -100,6 +102,12 @@ ifneq ($(VLLM_PYTHON),)
 else
 	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
 endif
+
+# Perplexity of the real model (make real-model) on real text: nb against transformers, by dtype and
+# quantization; then n-gram speculation on it (printed only: its tok/s depend on the machine's load).
+bench-quality: real-model
+	$(PY) -m bench.bench_quality
+	$(PY) -m bench.bench_quality --speculation
 
 compile: install
 	nb compile
