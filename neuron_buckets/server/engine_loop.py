@@ -92,8 +92,11 @@ class EngineLoop:
     def dead(self) -> EngineDead:
         return EngineDead(f"the engine loop stopped: {self.error or 'the server is shutting down'}")
 
-    async def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Admit one request, its prompt's ids and its sampling parameters, into the engine, or
+    async def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, received: float | None = None
+    ) -> RequestStream:
+        """Admit one request, its prompt's ids and its sampling parameters (``received``: when its
+        HTTP handler began, ``time.perf_counter``; for the engine's TTFT trace), into the engine, or
         raise: ``ServerBusy`` over the bound, the engine's ``UserError`` or ``ValueError`` for a
         request that can never complete, ``EngineDead``. Read its outputs with ``outputs``.
 
@@ -105,7 +108,9 @@ class EngineLoop:
         if not self._open.acquire(blocking=False):
             raise server_busy(self.max_open_requests)
         stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
-        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival))
+        submitted = time.perf_counter()
+        stamps = (submitted if received is None else received, submitted)
+        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival, stamps))
         if not self.alive:  # it died after the check above: the command may never run
             stream.admit(self.dead())
         try:
@@ -137,7 +142,8 @@ class EngineLoop:
     # Everything below runs on the engine thread.
 
     def _add(
-        self, stream: RequestStream, prompt_ids: Sequence[int], params: SamplingParams, arrival: float
+        self, stream: RequestStream, prompt_ids: Sequence[int], params: SamplingParams, arrival: float,
+        stamps: tuple[float, float],
     ) -> None:
         if self.error is not None:
             stream.admit(self.dead())
@@ -151,6 +157,8 @@ class EngineLoop:
             stream.admit(e)
             return
         self._connections[stream.request_id] = Connection(stream, arrival)
+        if self.engine.ttft is not None:
+            self.engine.ttft.added(stream.request_id, len(prompt_ids), *stamps)
         stream.admit(None)
 
     def _drop(self, stream: RequestStream) -> None:

@@ -114,11 +114,13 @@ class OpenAIServing:
                             f"{self.max_open_requests}")
         return await self.encoder.run(self.checked, endpoint)
 
-    async def submit(self, ids: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+    async def submit(self, ids: list[int], params: SamplingParams, n: int, received: float
+                     ) -> list[RequestStream]:
         """Admit the request's ``n`` choices, each a request of the engine (prefix caching computes
-        their shared prompt once), or none of them."""
+        their shared prompt once), or none of them; ``received`` is when its handler began."""
         children = [choice_params(params, i) for i in range(n)]
-        results = await asyncio.gather(*(self.loop.submit(ids, p) for p in children), return_exceptions=True)
+        results = await asyncio.gather(*(self.loop.submit(ids, p, received) for p in children),
+                                       return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         if len(streams) < n:
             for stream in streams:
@@ -157,12 +159,12 @@ class OpenAIServing:
     async def respond(self, endpoint: Endpoint, request: Request) -> BaseModel | Response:
         """Admit a request (or raise the error its status code comes from), then answer with its
         choices' events as they come (``stream``) or with its final response."""
-        body = endpoint.body
+        body, received = endpoint.body, time.perf_counter()
         check_model(body.model, self.model_name)
         ids, params = await self.prepare(endpoint)
         if body.runs > body.n:  # ranked by their logprobs, returned only if asked for
             params = replace(params, logprobs=params.logprobs or 0)
-        outputs = self.merged(await self.submit(ids, params, body.runs))
+        outputs = self.merged(await self.submit(ids, params, body.runs, received))
         if body.stream:
             return sse(self.events(endpoint, outputs))
         if (outs := await last_outputs(outputs, request, body.runs)) is None:
