@@ -83,8 +83,9 @@ ifneq ($(VLLM_PYTHON),)
 	$(PY) -m bench.profile_serve $(VLLM_ARG) --py-spy $(PY_SPY)
 	$(PY) -m bench.bench_matrix $(VLLM_ARG) $(MATRIX_ARGS)
 	$(PY) -m bench.bench_preemption_serve $(VLLM_ARG)
+	$(PY) -m bench.bench_ttft_breakdown $(VLLM_ARG)
 else
-	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
+	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve, bench_ttft_breakdown: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
 endif
 
 compile: install

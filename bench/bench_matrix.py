@@ -46,7 +46,8 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bench_generate import compile_config
@@ -197,6 +198,11 @@ def run_cells(
     return results
 
 
+# How one started server is measured under a (shape, dtype)'s cells: ``run_cells``'s arguments
+Measure = Callable[[argparse.Namespace, str, list[str], dict[str, str], int, Path, list[Cell], Path],
+                   dict[Cell, dict[str, float]]]
+
+
 @dataclass
 class Servers:
     """How each server of a comparison starts: nb on its artifact, vLLM on the checkpoint at each
@@ -207,6 +213,7 @@ class Servers:
     model: Path
     shape: str
     dtype: str
+    nb_env: dict[str, str] = field(default_factory=dict)  # over this environment, for nb serve
 
     def __post_init__(self) -> None:
         self.envs: dict[str, dict[str, str]] = {}
@@ -218,19 +225,20 @@ class Servers:
 
     def launch(self, server: str, port: int) -> tuple[list[str], dict[str, str]]:
         if server == "nb":
-            return nb_serve_command(self.artifact, port, self.shape), dict(os.environ)
+            return nb_serve_command(self.artifact, port, self.shape), {**os.environ, **self.nb_env}
         setting = server.removeprefix(server_name(""))
         cmd = vllm_serve_command(self.args.vllm_python, self.model, port, "--served-model-name", self.shape,
                                  limits=tuple(self.args.limits.vllm_args(self.dtype)))
         return cmd, env_for(setting, vllm_env(**self.args.limits.vllm_env()))
 
-    def run(self, group: list[Cell]) -> Samples:
-        """Every server under every cell of ``group``, in ``args.rounds`` alternating rounds."""
+    def run(self, group: list[Cell], measure: Measure = run_cells) -> Samples:
+        """Every server under every cell of ``group``, in ``args.rounds`` alternating rounds, each
+        round's figures from ``measure`` (default: the load generator's, ``run_cells``)."""
         def one(server: str, r: int) -> dict[Cell, dict[str, float]]:
             port = free_port()
             cmd, env = self.launch(server, port)
             log = self.args.work / f"{server.replace(' ', '-')}-{self.model.name}-{self.dtype}-r{r}-serve.log"
-            out = run_cells(self.args, server, cmd, env, port, self.model, group, log)
+            out = measure(self.args, server, cmd, env, port, self.model, group, log)
             self.envs[server] = env
             if server != "nb":
                 self.peers.setdefault(server, peer_cell(self.args.vllm_python, log))
