@@ -47,6 +47,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,15 +170,28 @@ def num_prompts(args: argparse.Namespace, cell: Cell) -> int:
     return args.num_prompts or max(8, 2 * cell.concurrency)
 
 
-def run_cells(
-    args: argparse.Namespace, server: str, cmd: list[str], env: dict[str, str], port: int, model: Path,
-    group: list[Cell], log: Path,
-) -> dict[Cell, dict[str, float]]:
+@dataclass(frozen=True)
+class Launch:
+    """One start of one server: its command and environment, its port, log and health route."""
+
+    server: str
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    log: Path
+    health: str = "/health"
+
+    def serving(self) -> AbstractContextManager:
+        return serving(self.cmd, self.env, self.port, self.log, self.health)
+
+
+def run_cells(args: argparse.Namespace, launch: Launch, model: Path, group: list[Cell]
+              ) -> dict[Cell, dict[str, float]]:
     """One server, started once, under every cell of one (shape, dtype): warm-up, then measured run;
     each cell's ``METRICS`` in the table's units and the load average at its start."""
     results, started = {}, time.perf_counter()
-    name = log.name.removesuffix("-serve.log")
-    with serving(cmd, env, port, log):
+    name, server, port = launch.log.name.removesuffix("-serve.log"), launch.server, launch.port
+    with launch.serving():
         print(f"  {server}: healthy after {time.perf_counter() - started:.0f} s", flush=True)
         for index, cell in enumerate(group):
             wl, tag = WORKLOADS[cell.workload], f"{name}-{cell.workload}-c{cell.concurrency}"
@@ -198,15 +212,15 @@ def run_cells(
     return results
 
 
-# How one started server is measured under a (shape, dtype)'s cells: ``run_cells``'s arguments
-Measure = Callable[[argparse.Namespace, str, list[str], dict[str, str], int, Path, list[Cell], Path],
-                   dict[Cell, dict[str, float]]]
+# How one start of a server is measured under a (shape, dtype)'s cells: ``run_cells``'s arguments
+Measure = Callable[[argparse.Namespace, Launch, Path, list[Cell]], dict[Cell, dict[str, float]]]
 
 
 @dataclass
 class Servers:
     """How each server of a comparison starts: nb on its artifact, vLLM on the checkpoint at each
-    setting; and, once a server has run, its environment and (vLLM) what its log said."""
+    setting (another peer overrides ``names``, ``launch`` and ``describe``); and, once a server has
+    run, its environment and what the peer is (for vLLM, with what its log said)."""
 
     args: argparse.Namespace
     artifact: Path
@@ -223,25 +237,29 @@ class Servers:
     def names(self) -> list[str]:
         return ["nb", *(server_name(s) for s in self.args.vllm_settings)]
 
-    def launch(self, server: str, port: int) -> tuple[list[str], dict[str, str]]:
+    def launch(self, server: str, port: int, log: Path) -> Launch:
         if server == "nb":
-            return nb_serve_command(self.artifact, port, self.shape), {**os.environ, **self.nb_env}
+            env = {**os.environ, **self.nb_env}
+            return Launch(server, nb_serve_command(self.artifact, port, self.shape), env, port, log)
         setting = server.removeprefix(server_name(""))
         cmd = vllm_serve_command(self.args.vllm_python, self.model, port, "--served-model-name", self.shape,
                                  limits=tuple(self.args.limits.vllm_args(self.dtype)))
-        return cmd, env_for(setting, vllm_env(**self.args.limits.vllm_env()))
+        return Launch(server, cmd, env_for(setting, vllm_env(**self.args.limits.vllm_env())), port, log)
+
+    def describe(self, server: str, log: Path) -> str:
+        """What the peer ``server`` is, once it has run with its log at ``log``."""
+        return peer_cell(self.args.vllm_python, log)
 
     def run(self, group: list[Cell], measure: Measure = run_cells) -> Samples:
         """Every server under every cell of ``group``, in ``args.rounds`` alternating rounds, each
         round's figures from ``measure`` (default: the load generator's, ``run_cells``)."""
         def one(server: str, r: int) -> dict[Cell, dict[str, float]]:
-            port = free_port()
-            cmd, env = self.launch(server, port)
             log = self.args.work / f"{server.replace(' ', '-')}-{self.model.name}-{self.dtype}-r{r}-serve.log"
-            out = measure(self.args, server, cmd, env, port, self.model, group, log)
-            self.envs[server] = env
+            launch = self.launch(server, free_port(), log)
+            out = measure(self.args, launch, self.model, group)
+            self.envs[server] = launch.env
             if server != "nb":
-                self.peers.setdefault(server, peer_cell(self.args.vllm_python, log))
+                self.peers.setdefault(server, self.describe(server, log))
             return out
         return run_rounds(self.names, self.args.rounds, one)
 
@@ -257,25 +275,28 @@ def rows(args: argparse.Namespace, servers: Servers, samples: Samples, cells: li
     peer, settings = server_name(setting), [server_name(s) for s in args.vllm_settings]
     out = []
     for cell in cells:
-        two = (found["nb"][cell], found[peer][cell])
-        nb = two[0]
-
-        def pair(metric: str, two: tuple[dict[str, Spread], ...] = two) -> str:
-            return " / ".join(f"{s[metric].median:{FORMATS[metric]}}" for s in two)
-
-        def span(metric: str, two: tuple[dict[str, Spread], ...] = two) -> str:
-            return " ; ".join(s[metric].cell(FORMATS[metric]) for s in two)
-
+        nb, other = found["nb"][cell], found[peer][cell]
         faster = best(samples, settings, cell, "tok/s") == peer
         out.append([
             SHAPES[cell.shape].name, cell.dtype, cell.workload, str(cell.concurrency), setting,
-            str(num_prompts(args, cell)), str(nb["tok/s"].rounds),
-            pair("tok/s"), span("tok/s"), pair("TTFT"), span("TTFT"), pair("TPOT"), span("TPOT"),
+            str(num_prompts(args, cell)), str(nb["tok/s"].rounds), *served_figures(nb, other),
             "yes" if faster else "no", args.limits.kv_cell(SHAPES[cell.shape], cell.dtype),
             f"given: {' '.join(args.nb_buckets.split())}" if args.nb_buckets else "default",
-            servers.peers[peer], pair("load"), args.note,
+            servers.peers[peer], pair(nb, other, "load"), args.note,
         ])
     return out
+
+
+def pair(nb: dict[str, Spread], peer: dict[str, Spread], metric: str) -> str:
+    """A "nb / peer" cell of medians."""
+    return " / ".join(f"{s[metric].median:{FORMATS[metric]}}" for s in (nb, peer))
+
+
+def served_figures(nb: dict[str, Spread], peer: dict[str, Spread]) -> list[str]:
+    """The served figures' cells of a row of nb against a peer: per metric, the medians as
+    "nb / peer" and their min-max as "nb ; peer" (tok/s, TTFT, TPOT)."""
+    return [cell for m in ("tok/s", "TTFT", "TPOT")
+            for cell in (pair(nb, peer, m), " ; ".join(s[m].cell(FORMATS[m]) for s in (nb, peer)))]
 
 
 def compare(args: argparse.Namespace, servers: Servers, group: list[Cell]

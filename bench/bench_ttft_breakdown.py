@@ -2,7 +2,7 @@
 on (``NB_TRACE_TTFT=1``, ``engine/ttft_trace.py``) beside vLLM CPU's OpenAI server at each of its
 settings, driven by vLLM's load generator as ``bench_matrix.py`` drives them.
 
-The cell is the gap of issue "time to first token": the Llama-3.2-1B shape (random weights,
+The cell is where nb's TTFT lagged vLLM's most: the Llama-3.2-1B shape (random weights,
 ``real_models.py``) in bfloat16, the ``independent`` workload at concurrency 4, under the matrix's
 limits and KV capacity, in ``--rounds`` alternating rounds (``rounds.py``). Per server, medians
 over the rounds of:
@@ -35,14 +35,21 @@ from pathlib import Path
 
 from neuron_buckets.engine.ttft_trace import ENV
 
-from .bench_matrix import WARMUP_OUTPUT, WORKLOADS, Cell, Servers, add_serving_arguments, matrix_artifact
+from .bench_matrix import (
+    WARMUP_OUTPUT,
+    WORKLOADS,
+    Cell,
+    Launch,
+    Servers,
+    add_serving_arguments,
+    matrix_artifact,
+)
 from .bench_preemption_serve import metric, scrape
 from .bench_serve import load_args, run_client
 from .real_models import SHAPES, add_size_args
 from .results_table import PEERS, PROVENANCE, ResultsTable, add_results_argument, commit, cpu_description
 from .rounds import spreads
 from .serve_limits import ServeLimits
-from .servers import serving
 from .vllm_settings import server_name
 
 CELL = Cell("llama-3.2-1b", "bfloat16", "independent", 4)
@@ -90,14 +97,13 @@ def traced(records: list[dict]) -> dict[str, float]:
     return means | {"step_ms": statistics.fmean(steps)}
 
 
-def measure(
-    args: argparse.Namespace, server: str, cmd: list[str], env: dict[str, str], port: int, model: Path,
-    group: list[Cell], log: Path,
-) -> dict[Cell, dict[str, float]]:
+def measure(args: argparse.Namespace, launch: Launch, model: Path, group: list[Cell]
+            ) -> dict[Cell, dict[str, float]]:
     """One started server under the cell: warm-up, then the measured run with its server-side means
     (and nb's trace of the measured requests)."""
-    cell, wl, tag = group[0], WORKLOADS[group[0].workload], log.name.removesuffix("-serve.log")
-    with serving(cmd, env, port, log):
+    cell, wl, tag = group[0], WORKLOADS[group[0].workload], launch.log.name.removesuffix("-serve.log")
+    server, port = launch.server, launch.port
+    with launch.serving():
         warm = load_args(port, model, cell.shape, wl.dataset(WARMUP_OUTPUT), max(cell.concurrency, 2),
                          cell.concurrency, warmups=0, seed=1)
         run_client(args.vllm_python, warm, args.work / f"{tag}-warmup.json", args.work / f"{tag}-warmup.log")
