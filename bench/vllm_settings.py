@@ -45,6 +45,12 @@ def server_name(setting: str) -> str:
     return f"vLLM {setting}"
 
 
+def row_name(base: str, setting: str) -> str:
+    """A row's name for vLLM at ``setting``: ``base`` at the default (as rows from before the
+    settings are named), ``base, setting`` otherwise."""
+    return base if setting == "default" else f"{base}, {setting}"
+
+
 def binding(log: str) -> str:
     """The thread binding a vLLM CPU log reports: ``reserve_cpu_num=N, core ids=[...]``."""
     reserved, cores = _RESERVED.search(log), _CORES.search(log)
