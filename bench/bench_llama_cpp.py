@@ -27,18 +27,18 @@ from .bench_matrix import (
     Cell,
     Launch,
     Servers,
-    add_serving_arguments,
     matrix_artifact,
     num_prompts,
     pair,
+    parse_serving,
     served_figures,
+    serving_parser,
 )
 from .gguf_export import write_bf16_gguf
 from .llama_cpp_peer import describe, llama_python_command, llama_server_command
-from .real_models import SHAPES, add_size_args
+from .real_models import SHAPES
 from .results_table import PEERS, PROVENANCE, Ratio, ResultsTable, add_results_argument
 from .rounds import spreads
-from .serve_limits import ServeLimits
 
 PEER = "llama.cpp"
 DTYPE = "bfloat16"
@@ -96,28 +96,18 @@ class LlamaCppServers(Servers):
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_serving_arguments(p)
+    p = serving_parser(__doc__, "nb-bench-llama-cpp", "4 prompts a cell")
     peer = p.add_mutually_exclusive_group(required=True)
     peer.add_argument("--llama-python", type=Path,
                       help="python of a virtualenv with llama-cpp-python[server] built from source")
     peer.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary")
-    add_size_args(p, "nb-bench-llama-cpp", "4 prompts a cell")
-    p.set_defaults(layers=None)
     p.add_argument("--shape", choices=[k for k, s in SHAPES.items() if s.model_type == "llama"],
                    default="llama-3.2-1b")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4])
     p.add_argument("--num-prompts", type=int,
                    help="measured prompts per cell (default: 2 per stream, at least 8)")
     add_results_argument(p)
-    args = p.parse_args()
-    if args.vllm_python is None:
-        p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
-                  "its load generator drives both servers\n")
-    if args.tiny:
-        args.layers, args.num_prompts, args.results = 2, args.num_prompts or 4, args.work / "RESULTS.md"
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.limits, args.nb_buckets = ServeLimits(), ""
+    args = parse_serving(p, 4)
     args.peer_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # none of this project
     return args
 

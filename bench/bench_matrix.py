@@ -205,7 +205,8 @@ def run_cells(args: argparse.Namespace, launch: Launch, model: Path, group: list
             measured = load_args(port, model, cell.shape, wl.dataset(), num_prompts(args, cell),
                                  cell.concurrency, warmups=0, seed=2 * index)
             r = run_client(args.vllm_python, measured, args.work / f"{tag}.json", args.work / f"{tag}.log")
-            results[cell] = {name: r[key] * scale for key, (name, scale) in METRICS.items()} | {"load": load}
+            figures = {metric: r[key] * scale for key, (metric, scale) in METRICS.items()}
+            results[cell] = figures | {"load": load}
             print(f"  {server:16s} {cell.workload} c{cell.concurrency}: {r['output_throughput']:.1f} tok/s, "
                   f"TTFT p50 {r['median_ttft_ms'] / 1e3:.2f} s, TPOT p50 {r['median_tpot_ms']:.0f} ms "
                   f"({r['completed']} requests in {r['duration']:.0f} s)", flush=True)
@@ -340,11 +341,34 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                    help="a note for every row this run writes (say if the machine is busy)")
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def serving_parser(doc: str, work: str, tiny: str) -> argparse.ArgumentParser:
+    """The parser of a serving bench (``doc`` its docstring), with what every one takes: the vLLM
+    arguments, rounds and settings, and the model and ``work`` folders (``tiny``: what --tiny cuts)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_serving_arguments(p)
-    add_size_args(p, "nb-bench-matrix", "4 prompts a cell")
+    add_size_args(p, work, tiny)
     p.set_defaults(layers=None)
+    return p
+
+
+def parse_serving(p: argparse.ArgumentParser, tiny_prompts: int) -> argparse.Namespace:
+    """A serving bench's arguments, parsed: ``--vllm-python`` is required (vLLM's load generator
+    drives every server); ``--tiny`` means 2 layers, ``tiny_prompts`` measured prompts unless given
+    and rows into ``WORK/RESULTS.md``; the limits are the matrix's."""
+    args = p.parse_args()
+    if args.vllm_python is None:
+        p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
+                  "its load generator drives every server\n")
+    if args.tiny:
+        args.layers, args.num_prompts = 2, args.num_prompts or tiny_prompts
+        args.results = args.work / "RESULTS.md"
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.limits, args.nb_buckets = ServeLimits(), getattr(args, "nb_buckets", "")
+    return args
+
+
+def parse_args() -> argparse.Namespace:
+    p = serving_parser(__doc__, "nb-bench-matrix", "4 prompts a cell")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
@@ -356,15 +380,8 @@ def parse_args() -> argparse.Namespace:
                    help='[buckets] lines for nb instead of its default grid, e.g. the grid `nb plan` '
                         'derived from the workload\'s trace: "num_seqs_buckets = [4, 8]"')
     add_results_argument(p)
-    args = p.parse_args()
-    if args.vllm_python is None:
-        p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
-                  "its load generator drives both servers\n")
-    if args.tiny:
-        args.layers, args.num_prompts = 2, args.num_prompts or 4
-        args.results = args.work / "RESULTS.md"
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.limits, args.cpu, args.commit = ServeLimits(), cpu_description(), commit()
+    args = parse_serving(p, 4)
+    args.cpu, args.commit = cpu_description(), commit()
     return args
 
 

@@ -41,18 +41,19 @@ from .bench_matrix import (
     Cell,
     Launch,
     Servers,
-    add_serving_arguments,
     matrix_artifact,
+    parse_serving,
+    serving_parser,
 )
 from .bench_preemption_serve import metric, scrape
 from .bench_serve import load_args, run_client
-from .real_models import SHAPES, add_size_args
+from .real_models import SHAPES
 from .results_table import PEERS, PROVENANCE, ResultsTable, add_results_argument, commit, cpu_description
 from .rounds import spreads
-from .serve_limits import ServeLimits
 from .vllm_settings import server_name
 
 CELL = Cell("llama-3.2-1b", "bfloat16", "independent", 4)
+NUM_PROMPTS = 16
 SERVER_SIDE = {"queued": "vllm:request_queue_time_seconds",
                "to first token": "vllm:request_prefill_time_seconds"}
 # (the trace's field in /debug/ttft, the table's column): nb's parts, means over the measured requests
@@ -145,20 +146,11 @@ def rows(args: argparse.Namespace, servers: Servers, cell: Cell, found: dict) ->
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_serving_arguments(p)
-    add_size_args(p, "nb-bench-ttft-breakdown", "8 prompts")
-    p.set_defaults(layers=None)
-    p.add_argument("--num-prompts", type=int, default=16, help="measured prompts (default 16)")
+    p = serving_parser(__doc__, "nb-bench-ttft-breakdown", "8 prompts")
+    p.add_argument("--num-prompts", type=int, help=f"measured prompts (default {NUM_PROMPTS})")
     add_results_argument(p)
-    args = p.parse_args()
-    if args.vllm_python is None:
-        p.exit(2, "error: --vllm-python (or VLLM_PYTHON) must name the vLLM CPU virtualenv's python: "
-                  "its load generator drives both servers\n")
-    if args.tiny:
-        args.layers, args.num_prompts, args.results = 2, 8, args.work / "RESULTS.md"
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.limits, args.nb_buckets = ServeLimits(), ""
+    args = parse_serving(p, 8)
+    args.num_prompts = args.num_prompts or NUM_PROMPTS
     return args
 
 
