@@ -366,3 +366,15 @@ def test_the_kv_cache_manager_owns_every_requests_kv_state():
     assert list(kv.req_to_kv) == [7] and len(kv.blocks(req)) == 2 and kv.num_cached(req) == 0
     kv.release(req)
     assert kv.req_to_kv == {} and kv.pool.num_free == 3
+
+
+def test_the_ttft_trace_reaches_the_engine_in_two_places_and_is_off_by_default():
+    """The opt-in TTFT trace lives in its own module: the engine makes it (None unless asked for) and
+    hands it each step, nothing else; the server feeds it arrivals."""
+    engine = PACKAGE / "engine" / "llm_engine.py"
+    tree = ast.parse(engine.read_text())
+    places = _places(engine, re.compile("ttft", re.IGNORECASE))
+    methods = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+               and any(f.lineno <= line <= f.end_lineno for line in places)}
+    assert methods == {"__init__", "step"} and len(places) <= 3, (methods, sorted(places))
+    assert "TTFTTrace.from_env()" in engine.read_text()
