@@ -6,9 +6,11 @@ pre-tokenizer it does not recognise by hash, and the bench's word tokenizer is n
 hashed ones; its pre-tokenizer is GPT-2's byte-level split, which gguf-py names ``gpt-2``. So the
 file is written here, as that converter writes a llama: gguf-py's tensor-name table, q and k rows
 permuted into llama.cpp's rotary layout (the inverse of ``model/gguf_checkpoint.py``'s un-permute),
-every tensor in bfloat16 as stored, and the tokenizer as ``gpt2`` tokens and merges. A llama3
-rope scaling is not written (its ``rope_freqs``): the peer is timed, not its tokens compared. nb
-reads the file back to the same tensors (``tests/test_gguf_export.py``).
+every matrix in bfloat16 as stored (1-D norms in float32, which holds them exactly, as the
+converter writes them: llama.cpp's CPU ops refuse a bfloat16 norm), and the tokenizer as ``gpt2``
+tokens and merges. A llama3 rope scaling is not written (its ``rope_freqs``): the peer is timed,
+not its tokens compared. nb reads the file back to the same tensors (``tests/test_gguf_export.py``),
+and llama-cpp-python's server serves it.
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ def write_bf16_gguf(model_dir: Path, out: Path) -> Path:
             tensor = permute(tensor, heads)
         elif name.endswith("k_proj.weight"):
             tensor = permute(tensor, kv_heads)
-        w.add_tensor(f"{table.get_name(module)}.{suffix}", _bf16(tensor),
-                     raw_dtype=gguf.GGMLQuantizationType.BF16)
+        gguf_name = f"{table.get_name(module)}.{suffix}"
+        if tensor.dim() == 1:  # norms: llama.cpp's CPU ops take them in float32 only
+            w.add_tensor(gguf_name, tensor.float().numpy())
+        else:
+            w.add_tensor(gguf_name, _bf16(tensor), raw_dtype=gguf.GGMLQuantizationType.BF16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
