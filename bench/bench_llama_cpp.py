@@ -89,7 +89,7 @@ class LlamaCppServers(Servers):
                                        self.concurrency)
             return Launch(server, cmd, env, port, log)
         cmd = llama_python_command(self.args.llama_python, self.gguf, port, self.shape, n_ctx, n_batch)
-        return Launch(server, cmd, env, port, log, health="/v1/models")
+        return Launch(server, cmd, env, port, log, health="/v1/models", client=("--text-prompts",))
 
     def describe(self, server: str, log: Path) -> str:
         return describe(self.args.llama_python, self.args.llama_server, self.concurrency)

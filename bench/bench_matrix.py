@@ -172,7 +172,8 @@ def num_prompts(args: argparse.Namespace, cell: Cell) -> int:
 
 @dataclass(frozen=True)
 class Launch:
-    """One start of one server: its command and environment, its port, log and health route."""
+    """One start of one server: its command and environment, its port, log and health route, and the
+    load generator's flags it needs (``vllm_bench_client.py``'s own)."""
 
     server: str
     cmd: list[str]
@@ -180,6 +181,7 @@ class Launch:
     port: int
     log: Path
     health: str = "/health"
+    client: tuple[str, ...] = ()
 
     def serving(self) -> AbstractContextManager:
         return serving(self.cmd, self.env, self.port, self.log, self.health)
@@ -199,12 +201,13 @@ def run_cells(args: argparse.Namespace, launch: Launch, model: Path, group: list
             # in the prefix cache. The shared-prefix dataset needs a prompt per prefix.
             warm = load_args(port, model, cell.shape, wl.dataset(WARMUP_OUTPUT), max(cell.concurrency, 2),
                              cell.concurrency, warmups=0, seed=2 * index + 1)
-            run_client(args.vllm_python, warm, args.work / f"{tag}-warmup.json",
+            run_client(args.vllm_python, [*warm, *launch.client], args.work / f"{tag}-warmup.json",
                        args.work / f"{tag}-warmup.log")
             load = os.getloadavg()[0]
             measured = load_args(port, model, cell.shape, wl.dataset(), num_prompts(args, cell),
                                  cell.concurrency, warmups=0, seed=2 * index)
-            r = run_client(args.vllm_python, measured, args.work / f"{tag}.json", args.work / f"{tag}.log")
+            r = run_client(args.vllm_python, [*measured, *launch.client], args.work / f"{tag}.json",
+                           args.work / f"{tag}.log")
             figures = {metric: r[key] * scale for key, (metric, scale) in METRICS.items()}
             results[cell] = figures | {"load": load}
             print(f"  {server:16s} {cell.workload} c{cell.concurrency}: {r['output_throughput']:.1f} tok/s, "
