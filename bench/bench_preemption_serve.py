@@ -49,11 +49,14 @@ to 128 tokens, where vLLM computes the 70.
 
 Printed: per server the mean running batch and held, waiting and KV use, output tok/s, mean
 output, preemptions, and nb / vLLM;
-one row goes into ``bench/RESULTS.md`` (``--tiny``, 2 layers and few prompts to check the harness,
-writes ``WORK/RESULTS.md`` instead). Run it on an idle machine; the load average is in the row.
-vLLM CPU computes on one OpenMP thread pinned to one core (it keeps the other for its engine), nb
-on a team of two; on a busy machine a team whose threads spin at every barrier waits there for
-its descheduled partner, and nb's steps stretch where vLLM's do not. ``--nb-env
+a row per vLLM setting goes into ``bench/RESULTS.md`` (``--tiny``, 2 layers and few prompts to
+check the harness, writes ``WORK/RESULTS.md`` instead). Run it on an idle machine; the load
+average is in the row.
+vLLM runs at each ``--vllm-settings`` (``vllm_settings.py``: its default, which on a two-core machine
+computes on one OpenMP thread pinned to one core and keeps the other for its engine, and
+``all-cores``), a row each; nb computes on a team of two. On a busy machine a team whose threads
+spin at every barrier waits there for its descheduled partner, and nb's steps stretch where
+vLLM's do not. ``--nb-env
 OMP_WAIT_POLICY=passive`` (named in the row) lets the waiting thread sleep instead.
 
     python -m bench.bench_preemption_serve --vllm-python VENV/bin/python [--shape llama-3.2-1b
@@ -88,6 +91,7 @@ from .results_table import (
 )
 from .serve_limits import NB_CONFIG, ServeLimits
 from .servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command
+from .vllm_settings import add_settings_argument, env_for, server_name
 
 DTYPES = ("float32", "bfloat16")
 LIMITS = ServeLimits(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=32)
@@ -125,15 +129,17 @@ after a step, so during a step that admits they show the batch before it, and a 
 admitting steps are more of its time reads lower; the mean held does not depend on when a gauge is
 set. nb compiles prefill token buckets every 16 tokens to 128, then 192, 256, 384, 512
 (rows of nb a118d15 and earlier: its default 64, 128, 256, 512; their mean held was not
-measured then). Ratios are nb / vLLM, above 1 is better. Rows dated before 2026-12-04 averaged over
-the whole sampling, the client's start-up included, when the server sat idle: seconds that pulled
-the faster server's means down.""",
+measured then). vLLM runs at each `vLLM setting`: `default` (on x86 a core kept for its engine
+process) and `all-cores` (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`), a row each; rows from before the
+settings ran at the default. Ratios are nb / vLLM, above 1 is better. Rows dated before 2026-12-04
+averaged over the whole sampling, the client's start-up included, when the server sat idle: seconds
+that pulled the faster server's means down.""",
     columns=("model", "dtype", "layers", "blocks", "max_tokens", "prompts", "streams", "outputs",
-             "mean out tokens nb / vLLM", "mean running nb / vLLM", "running nb/vLLM",
+             "vLLM setting", "mean out tokens nb / vLLM", "mean running nb / vLLM", "running nb/vLLM",
              "mean held nb / vLLM", "held nb/vLLM",
              "mean waiting nb / vLLM", "KV use nb / vLLM", "out tok/s nb / vLLM", "tok/s nb/vLLM",
              "preemptions nb / vLLM", *PROVENANCE, *PEERS, "load avg", "note"),
-    key=8,
+    key=9,
     derived={"running nb/vLLM": Ratio("mean running nb / vLLM"), "held nb/vLLM": Ratio("mean held nb / vLLM"),
              "tok/s nb/vLLM": Ratio("out tok/s nb / vLLM")},
 )
@@ -241,12 +247,12 @@ def measure(args: argparse.Namespace, server: str, cmd: list[str], env: dict[str
     return {**r, **means, "mean_out": mean_out, "preemptions": preemptions, "load_avg": load}
 
 
-def row(args: argparse.Namespace, nb: dict, vllm: dict) -> list[str]:
+def row(args: argparse.Namespace, setting: str, nb: dict, vllm: dict) -> list[str]:
     def pair(key: str, fmt: str) -> str:
         return f"{nb[key]:{fmt}} / {vllm[key]:{fmt}}"
 
     return [SHAPES[args.shape].name, args.dtype, str(args.layers), str(args.num_blocks),
-            str(args.max_tokens), str(args.num_prompts), str(args.streams), OUTPUTS,
+            str(args.max_tokens), str(args.num_prompts), str(args.streams), OUTPUTS, setting,
             pair("mean_out", ".1f"), pair("running", ".2f"), pair("held", ".2f"),
             pair("waiting", ".2f"), f"{nb['kv_use']:.0%} / {vllm['kv_use']:.0%}",
             pair("output_throughput", ".1f"), pair("preemptions", ".0f"),
@@ -257,6 +263,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
                    help="python of the vLLM CPU virtualenv (default: $VLLM_PYTHON)")
+    add_settings_argument(p)
     add_size_args(p, "nb-bench-preemption-serve", "8 prompts")
     p.set_defaults(layers=8)
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -318,20 +325,21 @@ def main() -> None:
     nb_cmd = nb_serve_command(artifact, port, served(args))
     nb_env = {**os.environ, **dict(e.split("=", 1) for e in args.nb_env)}
     results["nb"] = measure(args, "nb", nb_cmd, nb_env, port)
-    port = free_port()
-    cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", served(args),
-                             "--block-size", str(LIMITS.block_size),
-                             "--num-gpu-blocks-override", str(args.num_blocks), "--enable-prefix-caching",
-                             limits=tuple(LIMITS.vllm_args(args.dtype)))
-    envs = {"nb": nb_env, "vLLM": vllm_env()}
-    results["vLLM"] = measure(args, "vLLM", cmd, envs["vLLM"], port)
+    for setting in args.vllm_settings:
+        port, name = free_port(), server_name(setting)
+        cmd = vllm_serve_command(args.vllm_python, model, port, "--served-model-name", served(args),
+                                 "--block-size", str(LIMITS.block_size),
+                                 "--num-gpu-blocks-override", str(args.num_blocks), "--enable-prefix-caching",
+                                 limits=tuple(LIMITS.vllm_args(args.dtype)))
+        envs = {"nb": nb_env, "vLLM": env_for(setting, vllm_env())}
+        results[name] = measure(args, name.replace(" ", "-"), cmd, envs["vLLM"], port)
+        nb, vllm = results["nb"], results[name]
+        print(f"nb / {name}: mean running batch {ratio(nb['running'], vllm['running'])}, held "
+              f"{ratio(nb['held'], vllm['held'])}, output tok/s "
+              f"{ratio(nb['output_throughput'], vllm['output_throughput'])}; max_tokens {args.max_tokens} "
+              f"over a mean output of {nb['mean_out']:.1f} (nb) / {vllm['mean_out']:.1f} tokens", flush=True)
+        TABLE.write(args.results, [row(args, setting, nb, vllm)], envs)
     (args.work / "bench_preemption_serve.json").write_text(json.dumps(results, default=str))
-    nb, vllm = results["nb"], results["vLLM"]
-    print(f"nb / vLLM: mean running batch {ratio(nb['running'], vllm['running'])}, held "
-          f"{ratio(nb['held'], vllm['held'])}, output tok/s "
-          f"{ratio(nb['output_throughput'], vllm['output_throughput'])}; max_tokens {args.max_tokens} over a "
-          f"mean output of {nb['mean_out']:.1f} (nb) / {vllm['mean_out']:.1f} (vLLM) tokens", flush=True)
-    TABLE.write(args.results, [row(args, nb, vllm)], envs)
 
 
 if __name__ == "__main__":

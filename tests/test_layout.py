@@ -386,3 +386,15 @@ def test_lora_is_a_transform_of_the_layer_piece_not_branches_in_the_layer_code()
     assert (PACKAGE / "model" / "linear.py").read_text().count("isinstance(weight, AdaptedWeight)") == 1
     runtime = (PACKAGE / "runtime" / "bucket_runtime.py").read_text()
     assert len(re.findall(r"lora", runtime, re.IGNORECASE)) <= 14  # a hook: the slots live in lora_slots.py
+
+
+def test_the_ttft_trace_reaches_the_engine_in_two_places_and_is_off_by_default():
+    """The opt-in TTFT trace lives in its own module: the engine makes it (None unless asked for) and
+    hands it each step, nothing else; the server feeds it arrivals."""
+    engine = PACKAGE / "engine" / "llm_engine.py"
+    tree = ast.parse(engine.read_text())
+    places = _places(engine, re.compile("ttft", re.IGNORECASE))
+    methods = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+               and any(f.lineno <= line <= f.end_lineno for line in places)}
+    assert methods == {"__init__", "step"} and len(places) <= 3, (methods, sorted(places))
+    assert "TTFTTrace.from_env()" in engine.read_text()

@@ -60,14 +60,17 @@ def test_a_hand_edited_ratio_or_figure_fails(tmp_path: Path) -> None:
     cells = dict(zip(MATRIX.columns, row, strict=True))
     ratio = float(cells["tok/s nb/vLLM"].removesuffix("x"))
     nb, vllm = cells["out tok/s nb / vLLM"].split(" / ")
-    edits = {"ratio": row[:6] + [f"{ratio + 0.1:.2f}x"] + row[7:],
-             "figure": row[:5] + [f"{float(nb) * 1.1:.1f} / {vllm}"] + row[6:]}
-    for what, edited in edits.items():
+    at = {c: MATRIX.columns.index(c) for c in ("tok/s nb/vLLM", "out tok/s nb / vLLM")}
+    edits = {"ratio": {**dict(enumerate(row)), at["tok/s nb/vLLM"]: f"{ratio + 0.1:.2f}x"},
+             "figure": {**dict(enumerate(row)), at["out tok/s nb / vLLM"]: f"{float(nb) * 1.1:.1f} / {vllm}"}}
+    for what, cells_at in edits.items():
+        edited = [cells_at[i] for i in range(len(row))]
         copy = tmp_path / f"{what}.md"
         copy.write_text(RESULTS.read_text().replace(line, "| " + " | ".join(edited) + " |", 1))
         found, checked = mismatches(copy)
         assert checked >= 100
-        assert len(found) == 1 and "tok/s nb/vLLM" in found[0] and str(row[:4]) in found[0], (what, found)
+        assert len(found) == 1 and "tok/s nb/vLLM" in found[0] and str(row[: MATRIX.key]) in found[0], (
+            what, found)
 
 
 def test_a_ratio_holds_within_its_cells_rounding_and_no_further() -> None:

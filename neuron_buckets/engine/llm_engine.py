@@ -23,7 +23,9 @@ K prompt-lookup drafts (``engine/ngram_drafter.py``), verified in the same step
 (``engine/rejection_sampler.py``): greedy requests keep the drafts the target's argmax agrees
 with, so their tokens are exactly those without speculation; sampled ones use rejection
 sampling, which keeps the target's distribution. ``spec_stats`` counts drafts and acceptances;
-``step_stats`` counts steps and their wall seconds, in graph calls and in all.
+``step_stats`` counts steps and their wall seconds, in graph calls and in all; with
+``NB_TRACE_TTFT=1``, ``ttft`` breaks each served request's time to first token into parts
+(``engine/ttft_trace.py``).
 With ``method = "draft_model"`` the drafts come from the artifact's compiled draft model instead
 (``engine/draft_model_drafter.py``), which also prefills every prompt chunk the target does.
 Drafting stops by itself while it does not pay and is tried again now and then
@@ -65,6 +67,7 @@ from neuron_buckets.engine.step_sampler import StepSampler
 from neuron_buckets.engine.step_stats import StepStats
 from neuron_buckets.engine.structured_output_manager import StructuredOutputManager
 from neuron_buckets.engine.tokenizer import Tokenizer
+from neuron_buckets.engine.ttft_trace import TTFTTrace
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.utils.errors import UserError
@@ -136,6 +139,7 @@ class LLMEngine:
             [b.seq for b in runtime.buckets.prefill], runtime.buckets.mix_decode, self.adapters,
         )
         self.step_stats = StepStats()
+        self.ttft = TTFTTrace.from_env()  # None unless NB_TRACE_TTFT=1; the server feeds it arrivals
         self.sampler = StepSampler(self.spec_stats, None if tokenizer is None else StructuredOutputManager(
             tokenizer.hf, runtime.config.vocab_size, self.eos_token_ids, self.step_stats
         ))
@@ -239,6 +243,8 @@ class LLMEngine:
             if request.done:
                 del self._requests[request.request_id]
         seconds = time.perf_counter() - start
+        if self.ttft is not None:
+            self.ttft.stepped(plan, start, outputs)
         self.step_stats.add(seconds, graph_seconds)
         if self.gate is not None:
             self.gate.observe(seconds, self.spec_stats.num_accepted_tokens - accepted)

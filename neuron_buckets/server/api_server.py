@@ -104,6 +104,11 @@ def create_app(
         async def metrics() -> Response:
             return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+        if (trace := server.engine.ttft) is not None:  # NB_TRACE_TTFT=1 (engine/ttft_trace.py)
+            @app.get("/debug/ttft", dependencies=[Depends(access.check_metrics)])
+            async def ttft() -> dict:
+                return await asyncio.wrap_future(server.loop.between_steps(trace.report))
+
         @v1.post("/completions", response_model=None)
         async def completions(body: CompletionRequest, request: Request) -> BaseModel | Response:
             return await server.respond(CompletionEndpoint(body, server), request)

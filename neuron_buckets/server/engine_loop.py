@@ -93,9 +93,11 @@ class EngineLoop:
         return EngineDead(f"the engine loop stopped: {self.error or 'the server is shutting down'}")
 
     async def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, lora: str | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, lora: str | None = None,
+        received: float | None = None,
     ) -> RequestStream:
-        """Admit one request, its prompt's ids and its sampling parameters, into the engine, or
+        """Admit one request, its prompt's ids and its sampling parameters (``received``: when its
+        HTTP handler began, ``time.perf_counter``; for the engine's TTFT trace), into the engine, or
         raise: ``ServerBusy`` over the bound, the engine's ``UserError`` or ``ValueError`` for a
         request that can never complete, ``EngineDead``. Read its outputs with ``outputs``.
         ``lora``: the LoRA adapter it runs with (None: the base model).
@@ -108,7 +110,9 @@ class EngineLoop:
         if not self._open.acquire(blocking=False):
             raise server_busy(self.max_open_requests)
         stream, arrival = RequestStream(asyncio.get_running_loop()), time.monotonic()
-        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival, lora))
+        submitted = time.perf_counter()
+        stamps = (submitted if received is None else received, submitted)
+        self._commands.put(partial(self._add, stream, prompt_ids, params, arrival, lora, stamps))
         if not self.alive:  # it died after the check above: the command may never run
             stream.admit(self.dead())
         try:
@@ -141,7 +145,7 @@ class EngineLoop:
 
     def _add(
         self, stream: RequestStream, prompt_ids: Sequence[int], params: SamplingParams, arrival: float,
-        lora: str | None,
+        lora: str | None, stamps: tuple[float, float],
     ) -> None:
         if self.error is not None:
             stream.admit(self.dead())
@@ -155,6 +159,8 @@ class EngineLoop:
             stream.admit(e)
             return
         self._connections[stream.request_id] = Connection(stream, arrival)
+        if self.engine.ttft is not None:
+            self.engine.ttft.added(stream.request_id, len(prompt_ids), *stamps)
         stream.admit(None)
 
     def _drop(self, stream: RequestStream) -> None:

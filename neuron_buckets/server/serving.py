@@ -116,12 +116,13 @@ class OpenAIServing:
         return await self.encoder.run(self.checked, endpoint)
 
     async def submit(
-        self, ids: list[int], params: SamplingParams, n: int, lora: str | None = None
+        self, ids: list[int], params: SamplingParams, n: int, received: float, lora: str | None = None
     ) -> list[RequestStream]:
         """Admit the request's ``n`` choices, each a request of the engine (prefix caching computes
-        their shared prompt once) on LoRA adapter ``lora``, or none of them."""
+        their shared prompt once) on LoRA adapter ``lora``, or none of them; ``received`` is when
+        its handler began."""
         children = [choice_params(params, i) for i in range(n)]
-        submits = (self.loop.submit(ids, p, lora) for p in children)
+        submits = (self.loop.submit(ids, p, lora, received) for p in children)
         results = await asyncio.gather(*submits, return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         if len(streams) < n:
@@ -161,13 +162,13 @@ class OpenAIServing:
     async def respond(self, endpoint: Endpoint, request: Request) -> BaseModel | Response:
         """Admit a request (or raise the error its status code comes from), then answer with its
         choices' events as they come (``stream``) or with its final response."""
-        body = endpoint.body
+        body, received = endpoint.body, time.perf_counter()
         if (lora := adapter_of(self.engine, body.model)) is None:
             check_model(body.model, self.model_name)
         ids, params = await self.prepare(endpoint)
         if body.runs > body.n:  # ranked by their logprobs, returned only if asked for
             params = replace(params, logprobs=params.logprobs or 0)
-        outputs = self.merged(await self.submit(ids, params, body.runs, lora))
+        outputs = self.merged(await self.submit(ids, params, body.runs, received, lora))
         if body.stream:
             return sse(self.events(endpoint, outputs))
         if (outs := await last_outputs(outputs, request, body.runs)) is None:
