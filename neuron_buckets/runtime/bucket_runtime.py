@@ -41,7 +41,7 @@ from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.prefill_chunk import PrefillChunk
-from neuron_buckets.runtime.rank_group import RankGroup, RankLost
+from neuron_buckets.runtime.solo_rank import join_ranks
 from neuron_buckets.runtime.step_check import StepLimits, check_step
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
@@ -66,17 +66,11 @@ def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Pa
 
 
 def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """Tensor-parallel: a call that fails leaves the ranks out of step (a rank died, a collective
-    timed out), so no later step can run: the group is abandoned and the failure is ``RankLost``."""
+    """A call runs inside its ranks' step: where they fail it, the group is lost (``in_step``)."""
     @functools.wraps(run)
     def guarded(self: BucketRuntime, *args: object) -> Tensor:
-        try:
+        with self.ranks.in_step():
             return run(self, *args)
-        except Exception as e:
-            if self.ranks is None:
-                raise
-            self.ranks.abandon()
-            raise RankLost(f"a step failed across the {self.tp.size} ranks", e) from e
 
     return guarded
 
@@ -89,8 +83,8 @@ class BucketRuntime:
         self._check_versions()
         self._load_libraries()
         self.tp = TensorParallel(manifest.parallel.tensor_parallel_size)
-        self.ranks = RankGroup.join(self.directory, self.tp.size) if self.tp.size > 1 else None
-        rank = self.ranks.rank if self.ranks else 0
+        self.ranks = join_ranks(self.directory, self.tp.size)
+        rank = self.ranks.rank
         self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
         self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
@@ -145,19 +139,14 @@ class BucketRuntime:
         def load() -> BucketRuntime:
             read = manifest or read_manifest(Path(path))
             runtime = cls(Path(path), read, device or read.backend.device)
-            # Ranks load every graph, then wait for each other: one loading a graph on first use
-            # mid-step, or its shard after the others' first step began, would keep them waiting
-            # in a collective, towards its timeout.
             try:
-                if preload or runtime.ranks is not None:
+                if preload or runtime.ranks.preloads:
                     for record in runtime.records.values():
                         for key in record.pieces.values():
                             runtime.graph(key)
-                if runtime.ranks is not None:
-                    runtime.ranks.loaded()
+                runtime.ranks.loaded()
             except Exception:
-                if runtime.ranks is not None:
-                    runtime.ranks.abandon()
+                runtime.ranks.abandon()
                 raise
             return runtime
 
@@ -282,7 +271,7 @@ class BucketRuntime:
         self.check_generates()
         check_step(plan, self.limits)
         calls = self.buckets.calls(plan)
-        if self.ranks is not None and self.ranks.leads:  # a plan refused above never reaches them
+        if self.ranks.leads:  # a plan refused above never reaches them
             self.ranks.send(plan)
         samples: dict[int, Tensor] = {}
         for call in calls:
@@ -322,14 +311,13 @@ class BucketRuntime:
 
     def follow(self) -> None:
         """A follower rank: run each plan rank 0 sends, until it ends the group."""
-        assert self.ranks is not None and not self.ranks.leads, "only a follower rank follows"
+        assert not self.ranks.leads, "only a follower rank follows"
         while (plan := self.ranks.receive()) is not None:
             self.run_plan(plan)
 
     def close(self) -> None:
         """Rank 0 of a tensor-parallel artifact: end the other ranks (else at exit)."""
-        if self.ranks is not None:
-            self.ranks.close()
+        self.ranks.close()
 
     def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
         """Pad the parts of the plan's segments that ``call`` runs to its bucket, and run it."""
