@@ -36,10 +36,15 @@ from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
 from neuron_buckets.model.pieces import bucket_pieces
 from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.runtime.memory import check_memory, serving_needs
+from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import checked_copy
 from neuron_buckets.utils.owner_only import check_owner_only
 
 MISSING = "(absent)"
+
+
+class ArtifactError(UserError, RuntimeError):
+    """A graph or weights file that is missing or does not match its manifest entry."""
 
 
 def check_artifact_files(directory: Path) -> None:

@@ -37,19 +37,15 @@ from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.sharding import read_shard
 from neuron_buckets.model.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import ModelWeights
-from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
+from neuron_buckets.runtime.artifact_check import ArtifactError, check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
+from neuron_buckets.runtime.output_head import output_head
 from neuron_buckets.runtime.prefill_chunk import PrefillChunk
 from neuron_buckets.runtime.solo_rank import join_ranks
 from neuron_buckets.runtime.step_check import StepLimits, check_step
-from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import DigestMismatch, intact
 from neuron_buckets.utils.passing_thread import on_passing_thread
-
-
-class ArtifactError(UserError, RuntimeError):
-    """A graph or weights file that is missing or does not match its manifest entry."""
 
 
 @contextmanager
@@ -86,12 +82,11 @@ class BucketRuntime:
         self.ranks = join_ranks(self.directory, self.tp.size)
         rank = self.ranks.rank
         self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
-        self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
+        self.head = output_head(self.directory, manifest, self.config.vocab_size)
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
         with linear.bf16_kernel_weights(BF16_LINEAR.name in manifest.libraries):
             weights = self._load_weights(rank)
-            norm, out = weights.head
-            head = out if self.embeds else self.backend.pack_head(out)  # no head there
+            head_weights = self.head.weights(*weights.head, self.backend)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
@@ -101,13 +96,13 @@ class BucketRuntime:
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
-        self.head_weights = (norm, head)
+        self.head_weights = head_weights
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.weights = weights
         self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
         try:
             self.buckets = BucketSet.of(self.records, mix_decode=cpu_attention(device, geo.dtype),
-                                        prefill_only=self.embeds)
+                                        prefill_only=self.head.prefill_only)
         except ValueError as e:
             raise ArtifactError(f"{directory}: {e}") from None
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
@@ -245,24 +240,14 @@ class BucketRuntime:
         if "fresh_layer" in pieces and step.fresh:
             layer_role, step = "fresh_layer", step.without_context()
         # Every graph of the call loads before the first runs: a damaged one writes nothing.
-        out_role = "norm" if self.embeds else "head"
-        embed, layer, out = (self.graph(pieces[role]) for role in ("embed", layer_role, out_role))
+        embed, layer, out = (self.graph(pieces[role]) for role in ("embed", layer_role, self.head.role))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
         h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
         for weights, (k_cache, v_cache) in zip(self.layer_weights, self.layer_caches, strict=True):
             h = layer(h, cos, sin, *state, k_cache, v_cache, weights)
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
-        if self.embeds:  # real tokens lie at the front of a packed step, in segment order
-            real = int((step.segment_ids < step.num_rows).sum())
-            return out(h, self.head_weights[0])[:real]
-        # One head call returns the bucket's sample count; a step that asks for more (a prompt's
-        # logits) runs the same head over each further group of positions: no graph of its own.
         per_call = sampling.numel() if self.backend.dynamic_shapes else self.buckets.samples(bucket)
-        if sampling.numel() <= per_call:
-            logits = out(h, sampling, *self.head_weights)
-        else:
-            logits = torch.cat([out(h, group, *self.head_weights) for group in sampling.split(per_call)])
-        return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
+        return self.head.finish(out, h, step, sampling, self.head_weights, per_call)
 
     def run_plan(self, plan: StepPlan) -> Tensor:
         """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
@@ -289,18 +274,14 @@ class BucketRuntime:
 
     def check_generates(self) -> None:
         """Refuse an embedding artifact where logits are wanted: it has no LM head."""
-        if self.embeds:
-            raise ArtifactError(f"{self.directory} is an embedding artifact (model.task = \"embed\"): it has "
-                                "no LM head or decode graphs, so it cannot generate; compile one without it")
+        self.head.check_generates()
 
     @torch.inference_mode()
     def hidden_states(self, plan: StepPlan) -> list[Tensor]:
         """An embedding artifact's final-norm hidden states of every token of each segment,
         (tokens, hidden) float32, in segment order: what pooling reads. The segments' own
         ``num_samples`` are 0; a segment longer than the largest bucket runs as waves."""
-        if not self.embeds:
-            raise ArtifactError(f"{self.directory} was compiled for generation: it has no norm pieces "
-                                "for hidden states; compile it with model.task = \"embed\"")
+        self.head.check_pools()
         check_step(plan, self.limits)
         parts: list[list[Tensor]] = [[] for _ in plan]
         for call in self.buckets.calls(plan):
