@@ -202,7 +202,7 @@ def test_a_quantized_layer_takes_its_stored_weights_and_scales_as_arguments_and_
     from neuron_buckets.kernels import dispatch
     from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.quant_scheme import QuantScheme
+    from neuron_buckets.model.quant.quant_scheme import QuantScheme
     from neuron_buckets.runtime.verify import TOLERANCE, relative_diff
     from tests.conftest import random_layer
 
@@ -268,7 +268,7 @@ def test_a_tensor_parallel_layer_is_refused_in_one_line_naming_the_collectives(h
     from neuron_buckets.backends.stablehlo_lowering import lower
     from neuron_buckets.model.checkpoint import read_config
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.tensor_parallel import TensorParallel
+    from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
     config, tp = read_config(hf_model_dir), TensorParallel(2)
     example = example_inputs(PieceShape("layer", 16, rows=2, ctx=128, packed=True), tp.local(config), 8, 64,

@@ -61,7 +61,7 @@ def piece_of(record: dict[str, Any], model_config: dict[str, Any]) -> nn.Module:
     """The piece a graph file of ``piece_parallel``'s record names, built again for the model."""
     from neuron_buckets.model.model_config import LlamaConfig
     from neuron_buckets.model.pieces import build_piece
-    from neuron_buckets.model.tensor_parallel import TensorParallel
+    from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
     tp = TensorParallel(record.get("tensor_parallel_size", 1))
     return build_piece(record["piece"], LlamaConfig.from_hf(model_config), tp)

@@ -34,7 +34,7 @@ from neuron_buckets.config.cache import geometry_problem
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
 from neuron_buckets.model.pieces import bucket_pieces
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.runtime.memory import check_memory, serving_needs
 from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import checked_copy

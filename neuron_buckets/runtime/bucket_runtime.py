@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
@@ -34,8 +33,8 @@ from neuron_buckets.core.step_plan import Segment, StepPlan
 from neuron_buckets.kernels.libraries import BF16_LINEAR, LIBRARIES, cpu_attention
 from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import load_weights
-from neuron_buckets.model.sharding import read_shard
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.rank_weights import rank_tensors
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import ModelWeights
 from neuron_buckets.runtime.artifact_check import ArtifactError, check_servable, verified_copy
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
@@ -81,7 +80,7 @@ class BucketRuntime:
         self.tp = TensorParallel(manifest.parallel.tensor_parallel_size)
         self.ranks = join_ranks(self.directory, self.tp.size)
         rank = self.ranks.rank
-        self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
+        self.vocab_start = self.tp.vocab_start(rank, self.config.vocab_size)
         self.head = output_head(self.directory, manifest, self.config.vocab_size)
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
         with linear.bf16_kernel_weights(BF16_LINEAR.name in manifest.libraries):
@@ -176,10 +175,8 @@ class BucketRuntime:
             raise ArtifactError(f"weights file {path} is missing")
         if not intact(path, info.sha256):
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
-        if self.tp.size == 1:
-            return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
-        shard = read_shard(path, self.config, rank, self.tp, self.device)
-        return load_weights(self.tp.local(self.config), shard, pack=self.backend.pack)
+        config, tensors = rank_tensors(path, self.config, rank, self.tp, self.device)
+        return load_weights(config, tensors, pack=self.backend.pack)
 
     def graph(self, key: str) -> GraphFn:
         """A piece's graph, loaded on first use after checking its file against the manifest."""

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.model.tensor_parallel import GROUP
+from neuron_buckets.model.tp.tensor_parallel import GROUP
 
 # How long a collective (a step's all-reduce) or a store wait may take before the rank gives up:
 # a step's ranks meet every layer, so only a hung (or badly starved) rank comes near it. Rank 0
