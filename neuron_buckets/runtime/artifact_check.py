@@ -135,7 +135,7 @@ def check_servable(manifest: Manifest, directory: Path, device: str, dynamic: bo
             raise ManifestError(f"{where}: {problem}")
     model = parse_hf_config(manifest.model.config, f"{where} model.config")
     tp = TensorParallel(manifest.parallel.tensor_parallel_size)
-    if tp.size > 1 and (problem := tp.check(model)):
+    if problem := tp.check(model):
         raise ManifestError(f"{where}: {problem}")
     local = tp.local(model)  # what one rank holds: its cache's KV heads, its memory
     buckets = [r.bucket for r in manifest.buckets]

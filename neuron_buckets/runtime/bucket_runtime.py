@@ -4,60 +4,50 @@
 one stacked KV cache every graph shares, and loads nothing else: each piece graph is loaded (and
 its sha256 checked) on first use, so opening a directory of many buckets costs about nothing.
 A step runs its bucket's embed piece, then its layer piece once per layer with that layer's
-weights and cache slice (updated in place), then its head piece; a packed call with nothing cached
-runs the bucket's fresh layer piece instead, where it has one. A step plan runs as the calls
+weights and cache slice (updated in place), then the piece its output head names (``output_head.py``:
+the LM head, or an embedding artifact's norm); a packed call with nothing cached runs the bucket's
+fresh layer piece instead, where it has one. The graphs and the kernels they call load through
+``piece_graphs.py``. A step plan runs as the calls
 ``BucketSet.calls`` lists for it, the ones ``nb inspect`` counts. It never imports the compiler:
 artifacts flow one way, from ``nb compile`` to here.
 
 A tensor-parallel artifact is opened by every rank (``rank_group.py``): each holds its shard of
-the weights and its KV heads of the cache, and runs the same calls; rank 0 hands each plan to the
-others before it runs it, and gets every rank's logits back from the head piece.
+the weights (``model/tp/``) and its KV heads of the cache, and runs the same calls; rank 0 hands
+each plan to the others before it runs it, and gets every rank's logits back from the head piece.
+Any other artifact runs as a group of one (``solo_rank.py``), through the same calls.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
-from neuron_buckets.backends import GraphFn, get_backend
+from neuron_buckets.artifact.manifest import BucketRecord, Manifest, read_manifest
+from neuron_buckets.backends import get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
+from neuron_buckets.core.padding import PaddedCall
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.kernels.libraries import BF16_LINEAR, LIBRARIES, cpu_attention
+from neuron_buckets.kernels.libraries import BF16_LINEAR, cpu_attention
 from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import load_weights
 from neuron_buckets.model.tp.rank_weights import rank_tensors
 from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import ModelWeights
-from neuron_buckets.runtime.artifact_check import ArtifactError, check_servable, verified_copy
+from neuron_buckets.runtime.artifact_check import ArtifactError, check_servable
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.output_head import output_head
+from neuron_buckets.runtime.piece_graphs import PieceGraphs
 from neuron_buckets.runtime.prefill_chunk import PrefillChunk
 from neuron_buckets.runtime.solo_rank import join_ranks
 from neuron_buckets.runtime.step_check import StepLimits, check_step
-from neuron_buckets.utils.files import DigestMismatch, intact
+from neuron_buckets.utils.files import intact
 from neuron_buckets.utils.passing_thread import on_passing_thread
-
-
-@contextmanager
-def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Path]:
-    """``verified_copy`` of an artifact file that nb loads as code (a graph, a kernel library),
-    refused as an ``ArtifactError`` when missing (``what``) or changed (``named``)."""
-    if not path.is_file():
-        raise ArtifactError(f"{what} is missing: {path}")
-    try:
-        with verified_copy(path, sha256, what) as copy:
-            yield copy
-    except DigestMismatch:
-        raise ArtifactError(f"{named} does not match its sha256 (corrupt or tampered)") from None
 
 
 def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -70,21 +60,30 @@ def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return guarded
 
 
+def _buckets(directory: Path, manifest: Manifest, mix_decode: bool,
+             prefill_only: bool) -> tuple[dict[Bucket, BucketRecord], BucketSet]:
+    """The records of ``manifest``'s compiled buckets, and the set a plan is laid onto."""
+    records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
+    try:
+        return records, BucketSet.of(records, mix_decode, prefill_only)
+    except ValueError as e:
+        raise ArtifactError(f"{directory}: {e}") from None
+
+
 class BucketRuntime:
     def __init__(self, directory: Path, manifest: Manifest, device: str) -> None:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
         self.backend = get_backend(manifest.backend.name)
         self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
-        self._check_versions()
-        self._load_libraries()
+        self.graphs = PieceGraphs(self.directory, manifest, self.backend, device)
+        self.graph = self.graphs.graph
         self.tp = TensorParallel(manifest.parallel.tensor_parallel_size)
         self.ranks = join_ranks(self.directory, self.tp.size)
-        rank = self.ranks.rank
-        self.vocab_start = self.tp.vocab_start(rank, self.config.vocab_size)
+        self.vocab_start = self.tp.vocab_start(self.ranks.rank, self.config.vocab_size)
         self.head = output_head(self.directory, manifest, self.config.vocab_size)
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
         with linear.bf16_kernel_weights(BF16_LINEAR.name in manifest.libraries):
-            weights = self._load_weights(rank)
+            weights = self._load_weights(self.ranks.rank)
             head_weights = self.head.weights(*weights.head, self.backend)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
@@ -95,17 +94,11 @@ class BucketRuntime:
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
-        self.head_weights = head_weights
+        self.head_weights, self.weights = head_weights, weights
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
-        self.weights = weights
-        self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
-        try:
-            self.buckets = BucketSet.of(self.records, mix_decode=cpu_attention(device, geo.dtype),
-                                        prefill_only=self.head.prefill_only)
-        except ValueError as e:
-            raise ArtifactError(f"{directory}: {e}") from None
+        self.records, self.buckets = _buckets(self.directory, manifest, cpu_attention(device, geo.dtype),
+                                              self.head.prefill_only)
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
-        self._graphs: dict[str, GraphFn] = {}
         self.stats = {b.name: BucketStats() for b in self.records}
         self._owner: weakref.ref[object] | None = None
 
@@ -146,25 +139,6 @@ class BucketRuntime:
 
         return on_passing_thread(load)
 
-    def _check_versions(self) -> None:
-        recorded = self.manifest.backend.versions
-        current = self.backend.load_versions()
-        if diff := {k: (recorded.get(k), v) for k, v in current.items() if recorded.get(k) != v}:
-            detail = ", ".join(f"{k}: built with {a}, running {b}" for k, (a, b) in diff.items())
-            raise ManifestError(
-                f"{self.directory}: graphs were compiled for other versions ({detail}); recompile"
-            )
-
-    def _load_libraries(self) -> None:
-        """Register the native kernels the graphs call, each from a copy checked against the
-        manifest's sha256 (a library is code this process runs, as a graph is)."""
-        for name, lib in self.manifest.libraries.items():
-            path = self.directory / lib.file
-            if name not in LIBRARIES:
-                raise ArtifactError(f"{self.directory}: unknown kernel library {name!r}; recompile")
-            with _checked_copy(path, lib.sha256, f"kernel library {name}", f"kernel library {path}") as copy:
-                LIBRARIES[name].register(copy)
-
     def _load_weights(self, rank: int) -> ModelWeights:
         """The artifact's weights (``rank``'s shard), fused once as the layer pieces take them, in
         the backend's layout; the file's own tensors are dropped layer by layer, so the model is
@@ -178,18 +152,6 @@ class BucketRuntime:
         config, tensors = rank_tensors(path, self.config, rank, self.tp, self.device)
         return load_weights(config, tensors, pack=self.backend.pack)
 
-    def graph(self, key: str) -> GraphFn:
-        """A piece's graph, loaded on first use after checking its file against the manifest."""
-        if key in self._graphs:
-            return self._graphs[key]
-        rec = self.manifest.pieces[key]
-        path = self.directory / rec.file
-        what = f"graph of piece {rec.name}"
-        with _checked_copy(path, rec.sha256, what, f"graph {path} of piece {rec.name}") as copy:
-            fn = self.backend.load(copy, self.manifest.model.config, self.device)
-        self._graphs[key] = fn
-        return fn
-
     def use_manifest(self, manifest: Manifest) -> None:
         """Serve ``manifest``'s buckets from the next call on: another version of this artifact
         (``nb replan``), of the same model, cache geometry, weights and limits, so the KV cache, the
@@ -201,25 +163,19 @@ class BucketRuntime:
         ):
             raise ArtifactError(f"{self.directory}: the new manifest is not of this artifact's model, cache "
                                 "geometry, weights and limits; restart the server to serve it")
-        records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
-        try:
-            buckets = BucketSet.of(records, self.buckets.mix_decode, self.buckets.prefill_only)
-        except ValueError as e:
-            raise ArtifactError(f"{self.directory}: {e}") from None
-        if (buckets.token_budget, buckets.max_rows, buckets.decode_seq) != (
-            self.buckets.token_budget, self.buckets.max_rows, self.buckets.decode_seq
-        ):
+        records, buckets = _buckets(self.directory, manifest, self.buckets.mix_decode,
+                                    self.buckets.prefill_only)
+        if buckets.plan_shape != self.buckets.plan_shape:
             raise ArtifactError(f"{self.directory}: the new buckets change the token budget, rows or decode "
                                 "width the scheduler plans with; restart the server to serve them")
         self.manifest, self.records, self.buckets = manifest, records, buckets
         self.stats |= {b.name: BucketStats() for b in records if b.name not in self.stats}
-        used = {key for r in records.values() for key in r.pieces.values()}
-        self._graphs = {k: fn for k, fn in self._graphs.items() if k in used}
+        self.graphs.use_manifest(manifest)
 
     @property
     def loaded(self) -> list[str]:
         """Keys of the piece graphs loaded so far."""
-        return list(self._graphs)
+        return self.graphs.loaded
 
     def record(self, bucket: Bucket) -> BucketRecord:
         rec = self.records.get(bucket)
@@ -299,20 +255,7 @@ class BucketRuntime:
 
     def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
         """Pad the parts of the plan's segments that ``call`` runs to its bucket, and run it."""
-        chunks = [
-            Segment(
-                p.segment,
-                plan[p.segment].token_ids[p.offset : p.offset + p.tokens],
-                plan[p.segment].context_len + p.offset,
-                plan[p.segment].block_ids,
-                self.buckets.part_samples(plan, p),
-            )
-            for p in call.parts
-        ]
-        if call.bucket.kind == "decode":
-            return self.run(call.bucket, pad_decode(chunks, call.bucket, self.block_size))
-        step = pad_prefill(chunks, call.bucket, self.block_size, self.buckets.samples(call.bucket))
-        return self.run(call.bucket, step)
+        return self.run(call.bucket, self.buckets.padded(plan, call, self.block_size))
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests, one chunk each; (R, vocab) logits of each chunk's last token.
