@@ -104,7 +104,7 @@ def planned_grid(workloads: list[Workload], max_model_len: int) -> dict[str, str
     arrivals = [600.0 * i for i, wl in enumerate(workloads) for _ in wl.prompts]
     trace = Trace(np.array(prompts), np.array(outputs), np.array(arrivals), "bench workloads")
     opts = PlanOptions(graphs=3, align=16, max_num_seqs=16, max_model_len=max_model_len, context_graphs=4)
-    doc = plan(trace, opts)
+    doc = plan(trace, opts).to_json()
     prefill = sorted({*doc["prefill"]["buckets"], PLANNED_BUDGET})
     return dict(
         num_seqs=str(doc["decode"]["buckets"]),

@@ -53,7 +53,7 @@ def best_of(fn, repeats: int = 5) -> float:
 def compare(traces: Path, name: str) -> list[str]:
     trace = load_trace(traces / f"AzureLLMInferenceTrace_{name}.csv")
     k = len(powers_of_two_baseline(trace.prompt_lens.max()))
-    doc = plan(trace, PlanOptions(graphs=k, align=64))
+    doc = plan(trace, PlanOptions(graphs=k, align=64)).to_json()
     p, d = doc["prefill"], doc["decode"]
     base, dbase = p["baseline"], d["baseline"]
     print(f"\n{name}: {len(trace):,} requests, longest prompt {trace.prompt_lens.max():,}, K = {k}")

@@ -45,7 +45,7 @@ from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import load_config
 from neuron_buckets.config.speculative import SpeculativeConfig
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 from neuron_buckets.utils.files import sha256_file
 from tests.real_model import fetch
 

@@ -42,7 +42,7 @@ from neuron_buckets import BucketRuntime, SamplingParams, Segment, generate
 from neuron_buckets.compile.compiler import Compiler
 from neuron_buckets.config import load_config
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 
 from . import bench_matrix
 from .bench_generate import compile_config

@@ -9,7 +9,7 @@ the activations per token itself, so a graph calls one op per projection.
 
 It needs AVX512-VNNI (and AVX512BW), and a projection of a multiple of 64 output channels and of
 4 input features; elsewhere W8A8 takes oneDNN's u8s8 GEMM, or float32 products on a CPU without
-any VNNI (``model/quantized_linear.py``). Whether a graph calls it is decided as it is traced, on
+any VNNI (``model/quant/quantized_linear.py``). Whether a graph calls it is decided as it is traced, on
 the compiling machine (``fits`` here, and the CPU's choice in ``linear_choice.py``); the artifact
 then carries the library, and the runtime packs the weights for it only where that library is
 registered, so a graph and its weights always agree.

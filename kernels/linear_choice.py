@@ -10,7 +10,7 @@ different kinds never hands one kind's graphs to another. Per CPU (/proc/cpuinfo
 - W8A8 (int8 weights, int8 activations per token): nb's kernel (``int8_linear_cpu``) with
   AVX512-VNNI (and AVX512BW); oneDNN's u8s8 GEMM with AVX-VNNI only; without any VNNI the same
   products in float32 over the dense int8 weight, since oneDNN's u8s8 GEMM there does not sum the
-  reference's products (``model/quantized_linear.py``).
+  reference's products (``model/quant/quantized_linear.py``).
 
 A projection whose shape a kernel does not take stays on the next path down (the W8A8 kernel's on
 oneDNN's, which VNNI makes exact): the choice names the path a fitting projection takes.

@@ -392,7 +392,7 @@ def random_layer(config, gen: torch.Generator):
     them (random int8 or float8 values) with random positive scales."""
     from dataclasses import fields
 
-    from neuron_buckets.model.quantized_weight import QuantizedWeight
+    from neuron_buckets.model.quant.quantized_weight import QuantizedWeight
     from neuron_buckets.model.weights import example_layer
 
     def rand(t: torch.Tensor) -> torch.Tensor:

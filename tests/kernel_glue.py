@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from neuron_buckets.model.tensor_parallel import SINGLE
+from neuron_buckets.model.tp.tensor_parallel import SINGLE
 
 
 class KernelGlue(torch.nn.Module):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuron_buckets.kernels import cpp_library, int8_linear_cpu
-from neuron_buckets.model.quantized_linear import per_token_int8
+from neuron_buckets.model.quant.quantized_linear import per_token_int8
 
 pytestmark = pytest.mark.skipif(not int8_linear_cpu.cpu_has_vnni(),
                                 reason="nb's INT8 kernel needs AVX512-VNNI, which this CPU lacks")

@@ -398,3 +398,55 @@ def test_the_ttft_trace_reaches_the_engine_in_two_places_and_is_off_by_default()
                and any(f.lineno <= line <= f.end_lineno for line in places)}
     assert methods == {"__init__", "step"} and len(places) <= 3, (methods, sorted(places))
     assert "TTFTTrace.from_env()" in engine.read_text()
+
+
+RUNTIME = PACKAGE / "runtime"
+
+
+def _none_checks(path: Path, attr: str) -> set[int]:
+    """The lines of ``path`` that compare ``<x>.attr`` with None (``is``, ``is not``)."""
+    return {
+        node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Attribute) and node.left.attr == attr
+        and any(isinstance(c, ast.Constant) and c.value is None for c in node.comparators)
+    }
+
+
+def test_the_runtime_runs_every_artifact_one_way():
+    """A group of one (``SoloRank``) stands where a tensor-parallel artifact's ranks do, and the
+    output head chosen at open says what a call returns: no runtime module asks whether it has
+    ranks, a degree above one, or an embedding, and ``BucketRuntime`` stays a class a reader can
+    hold."""
+    from neuron_buckets.runtime.rank_group import RankGroup
+    from neuron_buckets.runtime.solo_rank import SoloRank
+
+    files = sorted(RUNTIME.glob("*.py"))
+    assert len(files) > 10
+    asking = {path.name: lines for path in files
+              if (lines := _none_checks(path, "ranks") | _places(path, re.compile(r"^embeds$")))}
+    assert asking == {}
+    degree = re.compile(r"\btp\.size\s*[=!<>]|[=!<>]=?\s*self\.tp\.size\b")
+    assert not degree.search((RUNTIME / "bucket_runtime.py").read_text())
+    group = {name for name, value in vars(RankGroup).items()
+             if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    assert {"loaded", "send", "receive", "in_step", "close", "abandon", "leads"} <= group
+    assert group - {"join"} <= set(dir(SoloRank))
+    tree = ast.parse((RUNTIME / "bucket_runtime.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BucketRuntime"]
+    assert cls.end_lineno - cls.lineno + 1 <= 200
+
+
+def test_tensor_parallelism_and_quantization_each_live_in_one_folder():
+    """Both are transforms of the model as it loads (gpt-fast's ``tp.py`` and ``quantize.py``):
+    their modules sit together under ``model/tp/`` and ``model/quant/``, none loose in ``model/``,
+    and the runtime reaches a rank's weights through the one load ``tp/rank_weights.py`` makes."""
+    model = PACKAGE / "model"
+    tp = {p.name for p in (model / "tp").glob("*.py")}
+    quant = {p.name for p in (model / "quant").glob("*.py")}
+    assert {"tensor_parallel.py", "sharding.py", "rank_weights.py"} <= tp
+    assert {"quant_scheme.py", "quantized_weight.py", "quantized_linear.py",
+            "compressed_tensors_format.py"} <= quant
+    assert not (tp | quant) - {"__init__.py"} & {p.name for p in model.glob("*.py")}
+    runtime = {i for i in _imports(RUNTIME / "bucket_runtime.py") if i.startswith("neuron_buckets.model.tp")}
+    assert "neuron_buckets.model.tp.rank_weights" in runtime
+    assert "neuron_buckets.model.tp.sharding" not in runtime

@@ -33,9 +33,9 @@ from neuron_buckets.kernels.linear_choice import (
 )
 from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import read_config
-from neuron_buckets.model.quant_scheme import QuantScheme
-from neuron_buckets.model.quantized_linear import pack_int8
-from neuron_buckets.model.quantized_weight import QuantizedWeight
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quantized_linear import pack_int8
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight
 
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx f16c fma avx2 bmi1 bmi2"
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"

@@ -141,7 +141,7 @@ def test_largest_bucket_rules() -> None:
 def test_plan_beats_powers_of_two_at_the_same_number_of_graphs(path) -> None:
     trace = load_trace(path)
     baseline = powers_of_two_baseline(trace.prompt_lens.max())
-    doc = plan(trace, PlanOptions(graphs=len(baseline), align=64))
+    doc = plan(trace, PlanOptions(graphs=len(baseline), align=64)).to_json()
     prefill = doc["prefill"]
     assert prefill["baseline"]["buckets"] == list(baseline)
     assert len(prefill["buckets"]) <= len(baseline)
@@ -161,7 +161,7 @@ def test_dp_on_the_conversation_trace_is_fast() -> None:
 
 def test_holdout_fits_on_early_requests_and_reports_the_rest() -> None:
     trace = load_trace(CONV)
-    doc = plan(trace, PlanOptions(graphs=8, holdout_split=0.75))
+    doc = plan(trace, PlanOptions(graphs=8, holdout_split=0.75)).to_json()
     held = doc["holdout"]
     assert doc["prefill"]["requests"] + held["eval_requests"] == len(trace)
     assert doc["prefill"]["requests"] == round(0.75 * len(trace))
@@ -177,7 +177,7 @@ def _lengths_only(prompts: list[int]) -> Trace:
 def test_compile_budget_picks_among_the_per_k_optima() -> None:
     trace = _lengths_only([100, 200, 300, 400, 500, 600])
     ten_per_graph = CompileCost({}, (0.0, 10.0), (0.0, 1000.0), contexts=(1024,))
-    doc = plan(trace, PlanOptions(graphs=5, align=100, max_compile_seconds=35), ten_per_graph)
+    doc = plan(trace, PlanOptions(graphs=5, align=100, max_compile_seconds=35), ten_per_graph).to_json()
     assert len(doc["prefill"]["buckets"]) == 3 and doc["compile_seconds"] == 30.0
     assert [r["compile_seconds"] for r in doc["pareto"]] == [10.0, 20.0, 30.0, 40.0, 50.0]
     with pytest.raises(PlanError, match="the cheapest needs 10.0s"):
@@ -199,7 +199,7 @@ def test_the_compile_budget_prices_a_decode_graph_per_batch_size_and_context(tmp
     cost = load_manifest_buckets(write_manifest(tmp_path, manifest_of(layers, 1024))).cost
     rng = np.random.default_rng(0)
     trace = Trace(rng.integers(50, 800, 60), np.full(60, 120), np.arange(60) * 0.5, "t")
-    doc = plan(trace, PlanOptions(graphs=3, align=16, max_num_seqs=4, max_model_len=1024), cost)
+    doc = plan(trace, PlanOptions(graphs=3, align=16, max_num_seqs=4, max_model_len=1024), cost).to_json()
     num_seqs, contexts = doc["decode"]["buckets"], doc["context"]["buckets"]
     assert len(num_seqs) > 1 and len(contexts) > 1
     decode_seconds = len(contexts) * sum(2 + 0.01 * b for b in num_seqs)
@@ -278,7 +278,7 @@ def test_decode_contexts_count_every_decoded_token(requests, max_model_len) -> N
 
 def test_context_plan_attends_fewer_positions_than_the_default_set() -> None:
     trace = load_trace(CONV)
-    doc = plan_contexts(trace, PlanOptions(graphs=1, align=64, max_model_len=4096))
+    doc = plan_contexts(trace, PlanOptions(graphs=1, align=64, max_model_len=4096)).to_json()
     assert doc["buckets"][-1] == 4096 and all(b % 64 == 0 for b in doc["buckets"])
     assert doc["baseline"]["buckets"] == [256, 512, 1024, 2048, 4096]
     assert len(doc["buckets"]) <= len(doc["baseline"]["buckets"])
@@ -327,3 +327,19 @@ def test_a_replay_plan_never_advises_worse_than_the_config_it_replays() -> None:
     doc = planner.plan_replayed(tokens, 3, 64, 128, [32, 64, 128], [64, 128])
     assert doc["buckets"] == [32, 64, 128] and doc["padded_tokens"] == doc["baseline"]["padded_tokens"]
     assert planner.plan_replayed(tokens, 3, 2, 128, [32, 64, 128], [64, 128])["buckets"] == [30, 128]
+
+
+def test_the_plan_is_typed_records_and_writes_the_json_document_from_them() -> None:
+    """``plan`` hands back a ``BucketPlan``; ``--json`` is written from its records, so what the
+    records say and what the document says are the same sets."""
+    from neuron_buckets.traffic.bucket_plan import BucketPlan, ContextPlan, DecodePlan, ParetoRow
+
+    chosen = plan(load_trace(CONV), PlanOptions(graphs=4, align=64, holdout_split=0.75))
+    assert isinstance(chosen, BucketPlan) and isinstance(chosen.chosen, ParetoRow)
+    assert isinstance(chosen.decode, DecodePlan) and isinstance(chosen.context, ContextPlan)
+    doc = chosen.to_json()
+    assert doc["prefill"]["buckets"] == list(chosen.buckets) == doc["pareto"][-1]["buckets"]
+    assert doc["decode"]["buckets"] == list(chosen.decode.buckets)
+    assert doc["context"]["buckets"] == list(chosen.context.buckets)
+    assert [row["graphs"] for row in doc["pareto"]] == [len(row.buckets) for row in chosen.pareto]
+    assert doc["holdout"] == chosen.holdout and doc["holdout"]["split"] == 0.75

@@ -85,7 +85,7 @@ def test_a_static_head_returns_prompt_logits_in_several_calls_of_its_own_shape(
         sizes.append(sampling.numel())
         return head(h, sampling, *weights)
 
-    monkeypatch.setitem(runtime._graphs, head_key, counted)
+    monkeypatch.setitem(runtime.graphs._graphs, head_key, counted)
     engine = LLMEngine(runtime)
     out = generate(engine, [LONG[:30]], SamplingParams(max_tokens=1, prompt_logprobs=TOP))[0]
     check_prompt_logprobs(out.prompt_logprobs, LONG[:30], reference(LONG[:30]))

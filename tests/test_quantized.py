@@ -29,9 +29,9 @@ from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.kernels.linear_choice import KERNEL_INT8, linear_choice
 from neuron_buckets.model.checkpoint import checkpoint_tensors, load_model, load_weights, read_config
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
-from neuron_buckets.model.compressed_tensors_format import scheme_of
-from neuron_buckets.model.quant_scheme import QuantScheme
-from neuron_buckets.model.quantized_weight import QuantizedWeight
+from neuron_buckets.model.quant.compressed_tensors_format import scheme_of
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight
 from neuron_buckets.model.weights import LayerWeights, example_layer
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 from tests.conftest import (
@@ -208,7 +208,7 @@ def dequantized_checkpoint(quantized: Path, out: Path) -> Path:
 
 def dense_fields(model) -> dict:
     """The model's tensors by checkpoint name, each quantized projection still whole."""
-    from neuron_buckets.model.checkpoint import LAYER_PARTS
+    from neuron_buckets.model.checkpoint_names import LAYER_PARTS
     from neuron_buckets.model.weights import part_shapes
 
     out = {"model.embed_tokens.weight": model.weights.embed, "model.norm.weight": model.weights.norm}

@@ -201,7 +201,7 @@ MLIR_TYPES = {torch.int8: "i8", torch.float8_e4m3fn: "f8E4M3FN", torch.float32: 
 def scheme_of(name: str):
     """The quantization a test name says: ``w8a16-int8-channel`` (weights int8 per channel,
     activations as they are), ``w8a8-fp8-tensor`` (float8 weights and activations per tensor)."""
-    from neuron_buckets.model.quant_scheme import QuantScheme
+    from neuron_buckets.model.quant.quant_scheme import QuantScheme
 
     kind, stored, strategy = name.split("-")
     activations = {"w8a8-int8": "int8_token", "w8a8-fp8": "float8_tensor"}.get(f"{kind}-{stored}", "none")
@@ -319,7 +319,7 @@ def tp2_lowering(name: str, dtype: torch.dtype = torch.float32):
     from neuron_buckets.backends.stablehlo_lowering import lower
     from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.tensor_parallel import TensorParallel
+    from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
     role, _, quantized = name.partition("-")
     config, tp = DEFAULT_CONFIG, TensorParallel(2)

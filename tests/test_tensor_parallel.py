@@ -44,10 +44,10 @@ from neuron_buckets.model.checkpoint import (
 )
 from neuron_buckets.model.checkpoint_quantizer import quantize_checkpoint
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.quant_scheme import QuantScheme
-from neuron_buckets.model.quantized_weight import QuantizedWeight
-from neuron_buckets.model.sharding import part_rank, read_shard, shard_tensor
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight
+from neuron_buckets.model.tp.sharding import part_rank, read_shard, shard_tensor
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import PROJECTIONS
 from neuron_buckets.runtime import rank_group
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime

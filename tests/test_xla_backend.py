@@ -222,7 +222,7 @@ def test_a_tensor_parallel_layer_lowers_to_one_graph_with_its_two_all_reduces(hf
     from neuron_buckets.backends.xla_lowering import entry_computation
     from neuron_buckets.model.checkpoint import read_config
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.tensor_parallel import TensorParallel
+    from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
     config, tp = read_config(hf_model_dir), TensorParallel(2)
     shape = PieceShape("layer", 16, rows=2, ctx=128, packed=True)
@@ -258,7 +258,7 @@ def test_a_quantized_layer_lowers_to_one_graph_taking_its_stored_weights_and_sca
     from neuron_buckets.kernels import dispatch
     from neuron_buckets.model.checkpoint import DEFAULT_CONFIG
     from neuron_buckets.model.pieces import PieceShape, build_piece, example_inputs
-    from neuron_buckets.model.quant_scheme import QuantScheme
+    from neuron_buckets.model.quant.quant_scheme import QuantScheme
 
     stored, strategy = name.split("-")[1:]
     activations = {"w8a8-int8": "int8_token", "w8a8-fp8": "float8_tensor"}.get(name.rsplit("-", 1)[0], "none")

@@ -1,11 +1,14 @@
 """The protocol every backend implements: whether it runs here, its versions and resolved flags,
 compile a piece's graph, load it, and lay out the weights its graphs read.
 
-The compiler drives ``compile`` in worker processes, once per piece (``model/pieces.py``: embed, a
-decoder layer and its fresh twin, head or an embedding artifact's norm); the runtime packs each
-layer's weights (``pack``, ``pack_head``) as it loads them, then calls ``load`` and the graph with
-the padded call, the caches and the weights as inputs. Nothing here assumes a particular compiler,
-file format or device.
+The build plan records ``versions`` and ``resolved_flags`` in the manifest (and in every cache
+key); the compiler drives ``compile`` in worker processes, once per piece (``model/pieces.py``:
+embed, a decoder layer and its fresh twin, head or an embedding artifact's norm). The runtime
+refuses graphs built for other ``load_versions`` and loads each graph on first use
+(``runtime/piece_graphs.py``); it packs each layer's weights (``pack``) as it reads them, and a
+generation artifact's head (``pack_head``, ``runtime/output_head.py``: the norm piece of an
+embedding artifact projects nothing); it then calls a graph with the padded call, the caches and
+the weights as inputs. Nothing here assumes a particular compiler, file format or device.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class BackendUnavailable(UserError, RuntimeError):
 
 
 class Backend(Protocol):
+    """A compiler and its runtime, named in the manifest (``backend.name``)."""
+
     name: str
     graph_ext: str  # file extension of one bucket's graph, e.g. "pt2"
 

@@ -70,7 +70,7 @@ def piece_of(record: dict[str, Any], model_config: dict[str, Any]) -> nn.Module:
     from neuron_buckets.model.lora import LoraShape, adapt
     from neuron_buckets.model.model_config import LlamaConfig
     from neuron_buckets.model.pieces import build_piece
-    from neuron_buckets.model.tensor_parallel import TensorParallel
+    from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
     tp = TensorParallel(record.get("tensor_parallel_size", 1))
     piece = build_piece(record["piece"], LlamaConfig.from_hf(model_config), tp)

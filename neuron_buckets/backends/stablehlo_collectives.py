@@ -1,7 +1,7 @@
 """A tensor-parallel piece's collectives imported as StableHLO collectives over the replicas of its degree.
 
 torch-mlir's FX importer has no lowering of torch's functional collectives (``_c10d_functional``,
-which ``model/tensor_parallel.py`` calls): they import as ``torch.operator`` and fail its backend
+which ``model/tp/tensor_parallel.py`` calls): they import as ``torch.operator`` and fail its backend
 pipeline. So ``collective_importer`` gives the FX importer a node importer that emits, for each
 ``all_reduce`` and ``all_gather_into_tensor`` node, the StableHLO collective itself (built by the
 MLIR Python bindings that ship with torch-mlir), bridged to the torch dialect by torch-mlir's own

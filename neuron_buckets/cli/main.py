@@ -21,7 +21,7 @@ from neuron_buckets.cli.traffic import register as register_traffic
 from neuron_buckets.config import enumerate_grid, load_config
 from neuron_buckets.config.draft import DRAFT, draft_config
 from neuron_buckets.core.bucket import Bucket
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 from neuron_buckets.runtime.memory import ranks_line, ranks_report
 
 if TYPE_CHECKING:

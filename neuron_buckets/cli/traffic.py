@@ -353,11 +353,13 @@ def plan_cmd(
     )
     cost = load_manifest_buckets(manifest).cost if manifest else None
     start = time.perf_counter()
-    doc = {"refused": refused} | plan(data, opts, cost)
+    chosen = plan(data, opts, cost)
+    doc = {"refused": refused} | chosen.to_json()
     if runtime is not None:
-        doc["replay"] = _plan_replayed(runtime, data, opts, doc, load, replay_requests, trace_block_size)
+        doc["replay"] = _plan_replayed(runtime, data, opts, chosen.buckets, load, replay_requests,
+                                       trace_block_size)
     err.print(f"planned in {time.perf_counter() - start:.3f} s", highlight=False)
-    budget = runtime.buckets.max_num_batched_tokens if runtime else doc["prefill"]["buckets"][-1]
+    budget = runtime.buckets.max_num_batched_tokens if runtime else chosen.buckets[-1]
     limits = Limits(model_len, slots, budget, peak_blocks(data, decode_rate, slots, block), why_len)
     header = plan_header(doc, trace.name, str(config) if config else "manifests/default.toml")
     planned = PlannedConfig.of(base, doc, limits, header)
@@ -381,15 +383,16 @@ def _model_len(runtime: Config | None, option: int | None, trace: Trace, align: 
 
 
 def _plan_replayed(
-    config: Config, trace: Trace, opts: PlanOptions, doc: dict, load: ReplayLoad, limit: int, block: int
+    config: Config, trace: Trace, opts: PlanOptions, offline: tuple[int, ...], load: ReplayLoad, limit: int,
+    block: int,
 ) -> dict:
-    """Replay the trace once on the config's grid, then choose the token buckets on its calls."""
+    """Replay the trace once on the config's grid, then choose the token buckets on its calls
+    (``offline``: the per-request optimum, scored beside them)."""
     report, replay = _packed(config, trace, limit, block, load, fit_buckets=False)  # bucket-blind steps
     b = config.buckets
     tokens = replay.packed_tokens()
     chosen = plan_replayed(
-        tokens, opts.graphs, opts.align, b.max_num_batched_tokens, b.num_batched_tokens_buckets,
-        doc["prefill"]["buckets"],
+        tokens, opts.graphs, opts.align, b.max_num_batched_tokens, b.num_batched_tokens_buckets, offline
     )
     return chosen | {"load": report["load"], "requests": report["requests"], "max_num_seqs": b.max_num_seqs}
 

@@ -33,7 +33,7 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.kernels.libraries import cpu_attention
 from neuron_buckets.model.model_config import LlamaConfig
 from neuron_buckets.model.pieces import PieceShape, bucket_pieces
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
 
 def tensor_parallel(config: Config, model: LlamaConfig) -> TensorParallel:

@@ -29,7 +29,7 @@ from neuron_buckets.config import Config
 from neuron_buckets.model.lora import LoraShape, adapt, example_lora_inputs
 from neuron_buckets.model.model_source import model_config_of
 from neuron_buckets.model.pieces import PieceShape, build_piece, dynamic_shapes, example_inputs
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.utils.files import sha256_file
 
 

@@ -1,7 +1,7 @@
 """``[parallel]``: over how many ranks the model is split (tensor parallelism, vLLM's name).
 
 ``tensor_parallel_size`` ranks each hold one shard of the weights and of the KV cache and run the
-same compiled pieces at one rank's shapes (``model/tensor_parallel.py``), so it shapes every
+same compiled pieces at one rank's shapes (``model/tp/tensor_parallel.py``), so it shapes every
 graph: the pieces' tensors and the collectives in them.
 """
 

@@ -2,9 +2,9 @@
 
 A checkpoint directory holds ``config.json`` plus ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``, with the transformers parameter names, in float32, float16 or
-bfloat16. transformers is never imported: safetensors reads the tensors. The names live here
-only (``LAYER_PARTS``): loading turns them into the fused ``ModelWeights`` the model computes
-with, saving turns them back. The artifact stores the weights once, by the same names
+bfloat16. transformers is never imported: safetensors reads the tensors. Their names are
+``checkpoint_names.py``'s (``LAYER_PARTS``): loading turns them into the fused ``ModelWeights``
+the model computes with, saving turns them back. The artifact stores the weights once, by the same names
 (``save_weights``), and every bucket graph shares them (``load_weights``). A quantized checkpoint
 (compressed-tensors) stores each decoder projection as its quantized ``weight`` and a
 ``weight_scale`` (and an ``input_scale`` where its activations are quantized statically); the
@@ -23,9 +23,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from neuron_buckets.model.checkpoint_names import LAYER_PARTS, SCALE
 from neuron_buckets.model.llama import Llama
 from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
-from neuron_buckets.model.quantized_weight import QuantizedWeight
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight
 from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, ModelWeights, part_shapes
 
 DEFAULT_CONFIG = LlamaConfig(
@@ -42,24 +43,9 @@ DEFAULT_SEED = 0
 # Large enough that two layers of random weights still give clearly separated logits.
 DEFAULT_INIT_STD = 0.1
 LOADABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SCALE = "_scale"  # a quantized weight's scale: ``<module>.weight_scale``
 ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every tensor it allocates
 # Buffers some older checkpoints stored; recomputed from the config here.
 _DERIVED = ".rotary_emb.inv_freq"
-# Each ``LayerWeights`` field -> the checkpoint tensors (names within ``model.layers.N.``) it
-# stacks, in ``part_shapes`` order.
-LAYER_PARTS = {
-    "input_norm": ("input_layernorm.weight",),
-    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o": ("self_attn.o_proj.weight",),
-    "post_norm": ("post_attention_layernorm.weight",),
-    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down": ("mlp.down_proj.weight",),
-    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "o_bias": ("self_attn.o_proj.bias",),
-    "q_norm": ("self_attn.q_norm.weight",),
-    "k_norm": ("self_attn.k_norm.weight",),
-}
 
 
 class CheckpointError(ValueError):
@@ -282,7 +268,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Llama:
     config = read_config(path)
     tensors = read_state_dict(path)
     if config.quantization is not None:
-        from neuron_buckets.model.compressed_tensors_format import unpack
+        from neuron_buckets.model.quant.compressed_tensors_format import unpack
 
         unpack(tensors)
     return Llama(config, load_weights(config, tensors, dtype))

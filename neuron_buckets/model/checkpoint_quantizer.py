@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from neuron_buckets.model.checkpoint import LAYER_PARTS, read_state_dict
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.checkpoint import read_state_dict
+from neuron_buckets.model.checkpoint_names import LAYER_PARTS
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 from neuron_buckets.model.weights import PROJECTIONS
 
 CALIBRATION_TOKENS = 64

@@ -25,7 +25,7 @@ library, so graphs and weights agree. float16 stays
 nb has not measured it.
 
 A quantized projection (``QuantizedWeight``): int8 runs its scheme's kernel
-(``model/quantized_linear.py``). float8: no CPU kernel here reads it at speed
+(``model/quant/quantized_linear.py``). float8: no CPU kernel here reads it at speed
 (``torch._scaled_mm`` and a per-call widening both ran many times slower than the bfloat16 GEMM;
 CHANGELOG has the figures), so the runtime widens it once, at load, to the model dtype (exact),
 packed as a dense weight is, and the scale multiplies the GEMM's output. The artifact keeps the
@@ -48,8 +48,8 @@ from torch import Tensor
 from neuron_buckets.kernels import bf16_linear_cpu
 from neuron_buckets.kernels.linear_choice import KERNEL_BF16, linear_choice
 from neuron_buckets.model.lora_weight import AdaptedWeight
-from neuron_buckets.model.quantized_linear import QOP, QOP_SHIM, int8_linear, pack_int8
-from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
+from neuron_buckets.model.quant.quantized_linear import QOP, QOP_SHIM, int8_linear, pack_int8
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight, runtime_dtype
 from neuron_buckets.model.weights import PROJECTIONS, LayerWeights, Weight
 
 torch.library.define(

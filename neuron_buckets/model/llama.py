@@ -24,7 +24,7 @@ from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.kernels.dispatch import block_kv_attention, write_kv_cache
 from neuron_buckets.model.linear import linear
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.tensor_parallel import SINGLE, TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import SINGLE, TensorParallel
 from neuron_buckets.model.weights import LayerWeights, ModelWeights
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 from neuron_buckets.utils.ascii_int import is_int
 
 ROPE_TYPES = ("default", "llama3")
@@ -178,7 +178,7 @@ def _quantization(hf: dict) -> QuantScheme | None:
         return QuantScheme.of(hf["quantization"])
     if hf.get("quantization_config") is None:
         return None
-    from neuron_buckets.model.compressed_tensors_format import scheme_of
+    from neuron_buckets.model.quant.compressed_tensors_format import scheme_of
 
     return scheme_of(hf["quantization_config"])
 

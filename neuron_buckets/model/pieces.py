@@ -34,7 +34,7 @@ from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.kernels.attention_step import AttentionStep
 from neuron_buckets.model.llama import decoder_layer, embed, head, rms_norm
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.tensor_parallel import SINGLE, TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import SINGLE, TensorParallel
 from neuron_buckets.model.weights import LayerWeights, example_layer
 
 Role = Literal["embed", "layer", "head", "norm"]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.quantized_weight import QuantizedWeight, runtime_dtype
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight, runtime_dtype
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the fields a quantized checkpoint quantizes
 Weight = Tensor | QuantizedWeight

@@ -34,12 +34,17 @@ from neuron_buckets.config.cache import geometry_problem
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.model_config import LlamaConfig, parse_hf_config
 from neuron_buckets.model.pieces import bucket_pieces
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.runtime.memory import check_memory, serving_needs
+from neuron_buckets.utils.errors import UserError
 from neuron_buckets.utils.files import checked_copy
 from neuron_buckets.utils.owner_only import check_owner_only
 
 MISSING = "(absent)"
+
+
+class ArtifactError(UserError, RuntimeError):
+    """A graph or weights file that is missing or does not match its manifest entry."""
 
 
 def check_artifact_files(directory: Path) -> None:
@@ -130,7 +135,7 @@ def check_servable(manifest: Manifest, directory: Path, device: str, dynamic: bo
             raise ManifestError(f"{where}: {problem}")
     model = parse_hf_config(manifest.model.config, f"{where} model.config")
     tp = TensorParallel(manifest.parallel.tensor_parallel_size)
-    if tp.size > 1 and (problem := tp.check(model)):
+    if problem := tp.check(model):
         raise ManifestError(f"{where}: {problem}")
     local = tp.local(model)  # what one rank holds: its cache's KV heads, its memory
     buckets = [r.bucket for r in manifest.buckets]

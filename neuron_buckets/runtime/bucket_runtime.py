@@ -4,83 +4,72 @@
 one stacked KV cache every graph shares, and loads nothing else: each piece graph is loaded (and
 its sha256 checked) on first use, so opening a directory of many buckets costs about nothing.
 A step runs its bucket's embed piece, then its layer piece once per layer with that layer's
-weights and cache slice (updated in place), then its head piece; a packed call with nothing cached
-runs the bucket's fresh layer piece instead, where it has one. A step plan runs as the calls
+weights and cache slice (updated in place), then the piece its output head names (``output_head.py``:
+the LM head, or an embedding artifact's norm); a packed call with nothing cached runs the bucket's
+fresh layer piece instead, where it has one. The graphs and the kernels they call load through
+``piece_graphs.py``. A step plan runs as the calls
 ``BucketSet.calls`` lists for it, the ones ``nb inspect`` counts. It never imports the compiler:
 artifacts flow one way, from ``nb compile`` to here.
 
 A tensor-parallel artifact is opened by every rank (``rank_group.py``): each holds its shard of
-the weights and its KV heads of the cache, and runs the same calls; rank 0 hands each plan to the
-others before it runs it, and gets every rank's logits back from the head piece.
+the weights (``model/tp/``) and its KV heads of the cache, and runs the same calls; rank 0 hands
+each plan to the others before it runs it, and gets every rank's logits back from the head piece.
+Any other artifact runs as a group of one (``solo_rank.py``), through the same calls.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from itertools import repeat
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
-from neuron_buckets.artifact.manifest import BucketRecord, Manifest, ManifestError, read_manifest
-from neuron_buckets.backends import GraphFn, get_backend
+from neuron_buckets.artifact.manifest import BucketRecord, Manifest, read_manifest
+from neuron_buckets.backends import get_backend
 from neuron_buckets.core.bucket import Bucket, NoBucketFits
-from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
+from neuron_buckets.core.padding import PaddedCall
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.kernels.libraries import BF16_LINEAR, LIBRARIES, cpu_attention
+from neuron_buckets.kernels.libraries import BF16_LINEAR, cpu_attention
 from neuron_buckets.model import linear
 from neuron_buckets.model.checkpoint import load_weights
-from neuron_buckets.model.sharding import read_shard
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.rank_weights import rank_tensors
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 from neuron_buckets.model.weights import ModelWeights
-from neuron_buckets.runtime.artifact_check import check_servable, verified_copy
+from neuron_buckets.runtime.artifact_check import ArtifactError, check_servable
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 from neuron_buckets.runtime.bucket_stats import BucketStats
 from neuron_buckets.runtime.lora_slots import LoraSlots, open_slots
+from neuron_buckets.runtime.output_head import output_head
+from neuron_buckets.runtime.piece_graphs import PieceGraphs
 from neuron_buckets.runtime.prefill_chunk import PrefillChunk
-from neuron_buckets.runtime.rank_group import RankGroup, RankLost
+from neuron_buckets.runtime.solo_rank import join_ranks
 from neuron_buckets.runtime.step_check import StepLimits, check_step
-from neuron_buckets.utils.errors import UserError
-from neuron_buckets.utils.files import DigestMismatch, intact
+from neuron_buckets.utils.files import intact
 from neuron_buckets.utils.passing_thread import on_passing_thread
 
 
-class ArtifactError(UserError, RuntimeError):
-    """A graph or weights file that is missing or does not match its manifest entry."""
-
-
-@contextmanager
-def _checked_copy(path: Path, sha256: str, what: str, named: str) -> Iterator[Path]:
-    """``verified_copy`` of an artifact file that nb loads as code (a graph, a kernel library),
-    refused as an ``ArtifactError`` when missing (``what``) or changed (``named``)."""
-    if not path.is_file():
-        raise ArtifactError(f"{what} is missing: {path}")
-    try:
-        with verified_copy(path, sha256, what) as copy:
-            yield copy
-    except DigestMismatch:
-        raise ArtifactError(f"{named} does not match its sha256 (corrupt or tampered)") from None
-
-
 def _ranks_stay_in_step(run: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """Tensor-parallel: a call that fails leaves the ranks out of step (a rank died, a collective
-    timed out), so no later step can run: the group is abandoned and the failure is ``RankLost``."""
+    """A call runs inside its ranks' step: where they fail it, the group is lost (``in_step``)."""
     @functools.wraps(run)
     def guarded(self: BucketRuntime, *args: object) -> Tensor:
-        try:
+        with self.ranks.in_step():
             return run(self, *args)
-        except Exception as e:
-            if self.ranks is None:
-                raise
-            self.ranks.abandon()
-            raise RankLost(f"a step failed across the {self.tp.size} ranks", e) from e
 
     return guarded
+
+
+def _buckets(directory: Path, manifest: Manifest, mix_decode: bool,
+             prefill_only: bool) -> tuple[dict[Bucket, BucketRecord], BucketSet]:
+    """The records of ``manifest``'s compiled buckets, and the set a plan is laid onto."""
+    records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
+    try:
+        return records, BucketSet.of(records, mix_decode, prefill_only)
+    except ValueError as e:
+        raise ArtifactError(f"{directory}: {e}") from None
 
 
 class BucketRuntime:
@@ -88,18 +77,16 @@ class BucketRuntime:
         self.directory, self.manifest, self.device = Path(directory), manifest, device
         self.backend = get_backend(manifest.backend.name)
         self.config = check_servable(manifest, self.directory, device, self.backend.dynamic_shapes)
-        self._check_versions()
-        self._load_libraries()
+        self.graphs = PieceGraphs(self.directory, manifest, self.backend, device)
+        self.graph = self.graphs.graph
         self.tp = TensorParallel(manifest.parallel.tensor_parallel_size)
-        self.ranks = RankGroup.join(self.directory, self.tp.size) if self.tp.size > 1 else None
-        rank = self.ranks.rank if self.ranks else 0
-        self.vocab_start = rank * self.tp.vocab_rows(self.config.vocab_size)  # its embedding's first row
-        self.embeds = manifest.embedding is not None  # its buckets return hidden states, not logits
+        self.ranks = join_ranks(self.directory, self.tp.size)
+        self.vocab_start = self.tp.vocab_start(self.ranks.rank, self.config.vocab_size)
+        self.head = output_head(self.directory, manifest, self.config.vocab_size)
         # packed for nb's bfloat16 kernel only where this artifact's graphs call it
         with linear.bf16_kernel_weights(BF16_LINEAR.name in manifest.libraries):
-            weights = self._load_weights(rank)
-            norm, out = weights.head
-            head = out if self.embeds else self.backend.pack_head(out)  # no head there
+            weights = self._load_weights(self.ranks.rank)
+            head_weights = self.head.weights(*weights.head, self.backend)
         geo = manifest.cache
         self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
         self.max_model_len = geo.max_model_len
@@ -109,18 +96,12 @@ class BucketRuntime:
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
         self.embed_weight = weights.embed
         self.layer_weights = [layer.tensors() for layer in weights.layers]
-        self.head_weights = (norm, head)
+        self.head_weights, self.weights = head_weights, weights
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
-        self.weights = weights
         self.lora: LoraSlots | None = open_slots(manifest, self.config, device)
-        self.records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
-        try:
-            self.buckets = BucketSet.of(self.records, mix_decode=cpu_attention(device, geo.dtype),
-                                        prefill_only=self.embeds)
-        except ValueError as e:
-            raise ArtifactError(f"{directory}: {e}") from None
+        self.records, self.buckets = _buckets(self.directory, manifest, cpu_attention(device, geo.dtype),
+                                              self.head.prefill_only)
         self.limits = StepLimits(self.block_size, self.num_blocks, self.max_model_len, self.config.vocab_size)
-        self._graphs: dict[str, GraphFn] = {}
         self.stats = {b.name: BucketStats() for b in self.records}
         self._owner: weakref.ref[object] | None = None
 
@@ -148,42 +129,18 @@ class BucketRuntime:
         def load() -> BucketRuntime:
             read = manifest or read_manifest(Path(path))
             runtime = cls(Path(path), read, device or read.backend.device)
-            # Ranks load every graph, then wait for each other: one loading a graph on first use
-            # mid-step, or its shard after the others' first step began, would keep them waiting
-            # in a collective, towards its timeout.
             try:
-                if preload or runtime.ranks is not None:
+                if preload or runtime.ranks.preloads:
                     for record in runtime.records.values():
                         for key in record.pieces.values():
                             runtime.graph(key)
-                if runtime.ranks is not None:
-                    runtime.ranks.loaded()
+                runtime.ranks.loaded()
             except Exception:
-                if runtime.ranks is not None:
-                    runtime.ranks.abandon()
+                runtime.ranks.abandon()
                 raise
             return runtime
 
         return on_passing_thread(load)
-
-    def _check_versions(self) -> None:
-        recorded = self.manifest.backend.versions
-        current = self.backend.load_versions()
-        if diff := {k: (recorded.get(k), v) for k, v in current.items() if recorded.get(k) != v}:
-            detail = ", ".join(f"{k}: built with {a}, running {b}" for k, (a, b) in diff.items())
-            raise ManifestError(
-                f"{self.directory}: graphs were compiled for other versions ({detail}); recompile"
-            )
-
-    def _load_libraries(self) -> None:
-        """Register the native kernels the graphs call, each from a copy checked against the
-        manifest's sha256 (a library is code this process runs, as a graph is)."""
-        for name, lib in self.manifest.libraries.items():
-            path = self.directory / lib.file
-            if name not in LIBRARIES:
-                raise ArtifactError(f"{self.directory}: unknown kernel library {name!r}; recompile")
-            with _checked_copy(path, lib.sha256, f"kernel library {name}", f"kernel library {path}") as copy:
-                LIBRARIES[name].register(copy)
 
     def _load_weights(self, rank: int) -> ModelWeights:
         """The artifact's weights (``rank``'s shard), fused once as the layer pieces take them, in
@@ -195,22 +152,8 @@ class BucketRuntime:
             raise ArtifactError(f"weights file {path} is missing")
         if not intact(path, info.sha256):
             raise ArtifactError(f"{path} does not match the manifest's sha256: the weights were changed")
-        if self.tp.size == 1:
-            return load_weights(self.config, load_file(path, device=self.device), pack=self.backend.pack)
-        shard = read_shard(path, self.config, rank, self.tp, self.device)
-        return load_weights(self.tp.local(self.config), shard, pack=self.backend.pack)
-
-    def graph(self, key: str) -> GraphFn:
-        """A piece's graph, loaded on first use after checking its file against the manifest."""
-        if key in self._graphs:
-            return self._graphs[key]
-        rec = self.manifest.pieces[key]
-        path = self.directory / rec.file
-        what = f"graph of piece {rec.name}"
-        with _checked_copy(path, rec.sha256, what, f"graph {path} of piece {rec.name}") as copy:
-            fn = self.backend.load(copy, self.manifest.model.config, self.device)
-        self._graphs[key] = fn
-        return fn
+        config, tensors = rank_tensors(path, self.config, rank, self.tp, self.device)
+        return load_weights(config, tensors, pack=self.backend.pack)
 
     def use_manifest(self, manifest: Manifest) -> None:
         """Serve ``manifest``'s buckets from the next call on: another version of this artifact
@@ -223,25 +166,19 @@ class BucketRuntime:
         ):
             raise ArtifactError(f"{self.directory}: the new manifest is not of this artifact's model, cache "
                                 "geometry, weights and limits; restart the server to serve it")
-        records = {r.bucket: r for r in manifest.buckets if r.status == "ok"}
-        try:
-            buckets = BucketSet.of(records, self.buckets.mix_decode, self.buckets.prefill_only)
-        except ValueError as e:
-            raise ArtifactError(f"{self.directory}: {e}") from None
-        if (buckets.token_budget, buckets.max_rows, buckets.decode_seq) != (
-            self.buckets.token_budget, self.buckets.max_rows, self.buckets.decode_seq
-        ):
+        records, buckets = _buckets(self.directory, manifest, self.buckets.mix_decode,
+                                    self.buckets.prefill_only)
+        if buckets.plan_shape != self.buckets.plan_shape:
             raise ArtifactError(f"{self.directory}: the new buckets change the token budget, rows or decode "
                                 "width the scheduler plans with; restart the server to serve them")
         self.manifest, self.records, self.buckets = manifest, records, buckets
         self.stats |= {b.name: BucketStats() for b in records if b.name not in self.stats}
-        used = {key for r in records.values() for key in r.pieces.values()}
-        self._graphs = {k: fn for k, fn in self._graphs.items() if k in used}
+        self.graphs.use_manifest(manifest)
 
     @property
     def loaded(self) -> list[str]:
         """Keys of the piece graphs loaded so far."""
-        return list(self._graphs)
+        return self.graphs.loaded
 
     def record(self, bucket: Bucket) -> BucketRecord:
         rec = self.records.get(bucket)
@@ -260,8 +197,7 @@ class BucketRuntime:
         if "fresh_layer" in pieces and step.fresh:
             layer_role, step = "fresh_layer", step.without_context()
         # Every graph of the call loads before the first runs: a damaged one writes nothing.
-        out_role = "norm" if self.embeds else "head"
-        embed, layer, out = (self.graph(pieces[role]) for role in ("embed", layer_role, out_role))
+        embed, layer, out = (self.graph(pieces[role]) for role in ("embed", layer_role, self.head.role))
         input_ids, positions, *state, sampling = (t.to(self.device) for t in step.args())
         h, cos, sin = embed(input_ids - self.vocab_start, positions, self.embed_weight)
         lora = self.lora.inputs(step, lora_slots, self.device) if self.lora else repeat(())
@@ -269,17 +205,8 @@ class BucketRuntime:
         for weights, (k_cache, v_cache), extra in zip(self.layer_weights, caches, lora, strict=False):
             h = layer(h, cos, sin, *state, k_cache, v_cache, weights, *extra)
         self.stats[bucket.name].add(int((step.slot_mapping >= 0).sum()), bucket.tokens)
-        if self.embeds:  # real tokens lie at the front of a packed step, in segment order
-            real = int((step.segment_ids < step.num_rows).sum())
-            return out(h, self.head_weights[0])[:real]
-        # One head call returns the bucket's sample count; a step that asks for more (a prompt's
-        # logits) runs the same head over each further group of positions: no graph of its own.
         per_call = sampling.numel() if self.backend.dynamic_shapes else self.buckets.samples(bucket)
-        if sampling.numel() <= per_call:
-            logits = out(h, sampling, *self.head_weights)
-        else:
-            logits = torch.cat([out(h, group, *self.head_weights) for group in sampling.split(per_call)])
-        return logits[: step.num_samples, : self.config.vocab_size]  # a vocabulary-parallel head pads
+        return self.head.finish(out, h, step, sampling, self.head_weights, per_call)
 
     def run_plan(self, plan: StepPlan) -> Tensor:
         """Run a step plan; the logits of each segment's last ``num_samples`` tokens, segment after
@@ -288,7 +215,7 @@ class BucketRuntime:
         self.check_generates()
         check_step(plan, self.limits)
         calls = self.buckets.calls(plan)
-        if self.ranks is not None and self.ranks.leads:  # a plan refused above never reaches them
+        if self.ranks.leads:  # a plan refused above never reaches them
             self.ranks.send(plan)
         samples: dict[int, Tensor] = {}
         for call in calls:
@@ -306,18 +233,14 @@ class BucketRuntime:
 
     def check_generates(self) -> None:
         """Refuse an embedding artifact where logits are wanted: it has no LM head."""
-        if self.embeds:
-            raise ArtifactError(f"{self.directory} is an embedding artifact (model.task = \"embed\"): it has "
-                                "no LM head or decode graphs, so it cannot generate; compile one without it")
+        self.head.check_generates()
 
     @torch.inference_mode()
     def hidden_states(self, plan: StepPlan) -> list[Tensor]:
         """An embedding artifact's final-norm hidden states of every token of each segment,
         (tokens, hidden) float32, in segment order: what pooling reads. The segments' own
         ``num_samples`` are 0; a segment longer than the largest bucket runs as waves."""
-        if not self.embeds:
-            raise ArtifactError(f"{self.directory} was compiled for generation: it has no norm pieces "
-                                "for hidden states; compile it with model.task = \"embed\"")
+        self.head.check_pools()
         check_step(plan, self.limits)
         parts: list[list[Tensor]] = [[] for _ in plan]
         for call in self.buckets.calls(plan):
@@ -328,32 +251,18 @@ class BucketRuntime:
 
     def follow(self) -> None:
         """A follower rank: run each plan rank 0 sends, until it ends the group."""
-        assert self.ranks is not None and not self.ranks.leads, "only a follower rank follows"
+        assert not self.ranks.leads, "only a follower rank follows"
         while (plan := self.ranks.receive()) is not None:
             self.run_plan(plan)
 
     def close(self) -> None:
         """Rank 0 of a tensor-parallel artifact: end the other ranks (else at exit)."""
-        if self.ranks is not None:
-            self.ranks.close()
+        self.ranks.close()
 
     def _run_call(self, plan: StepPlan, call: Call) -> Tensor:
         """Pad the parts of the plan's segments that ``call`` runs to its bucket, and run it."""
-        chunks = [
-            Segment(
-                p.segment,
-                plan[p.segment].token_ids[p.offset : p.offset + p.tokens],
-                plan[p.segment].context_len + p.offset,
-                plan[p.segment].block_ids,
-                self.buckets.part_samples(plan, p),
-            )
-            for p in call.parts
-        ]
         slots = [plan[p.segment].lora_slot for p in call.parts]
-        if call.bucket.kind == "decode":
-            return self.run(call.bucket, pad_decode(chunks, call.bucket, self.block_size), slots)
-        step = pad_prefill(chunks, call.bucket, self.block_size, self.buckets.samples(call.bucket))
-        return self.run(call.bucket, step, slots)
+        return self.run(call.bucket, self.buckets.padded(plan, call, self.block_size), slots)
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> Tensor:
         """Prefill requests, one chunk each; (R, vocab) logits of each chunk's last token.

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from neuron_buckets.core.bucket import Bucket, NoBucketFits, select_bucket
+from neuron_buckets.core.padding import PaddedCall, pad_decode, pad_prefill
 from neuron_buckets.core.step_plan import Segment
 
 
@@ -87,6 +88,11 @@ class BucketSet:
         """Token positions per decode row: 1 + speculation_length (1 without decode buckets)."""
         return self.decode[0].seq if self.decode else 1
 
+    @property
+    def plan_shape(self) -> tuple[int, int, int]:
+        """What the scheduler plans with: the token budget, the rows and the decode width."""
+        return self.token_budget, self.max_rows, self.decode_seq
+
     def is_decode(self, segment: Segment) -> bool:
         return segment.num_samples == len(segment.token_ids) <= self.decode_seq
 
@@ -99,6 +105,27 @@ class BucketSet:
             return len(seg.token_ids)
         first = len(seg.token_ids) - seg.num_samples  # the segment's first token that returns logits
         return max(0, part.offset + part.tokens - max(first, part.offset))
+
+    def chunks(self, plan: Sequence[Segment], call: Call) -> list[Segment]:
+        """The segments ``call`` runs: each part's tokens, as a segment of its own that starts
+        where the part does and returns the part's logits."""
+        return [
+            Segment(
+                p.segment,
+                plan[p.segment].token_ids[p.offset : p.offset + p.tokens],
+                plan[p.segment].context_len + p.offset,
+                plan[p.segment].block_ids,
+                self.part_samples(plan, p),
+            )
+            for p in call.parts
+        ]
+
+    def padded(self, plan: Sequence[Segment], call: Call, block_size: int) -> PaddedCall:
+        """The parts of the plan's segments that ``call`` runs, padded to its bucket."""
+        chunks = self.chunks(plan, call)
+        if call.bucket.kind == "decode":
+            return pad_decode(chunks, call.bucket, block_size)
+        return pad_prefill(chunks, call.bucket, block_size, self.samples(call.bucket))
 
     def samples(self, bucket: Bucket) -> int:
         """Logits one head call of ``bucket`` returns (its head's sample count); a packed call

@@ -19,7 +19,7 @@ from neuron_buckets.config.config import Config
 from neuron_buckets.config.grid import enumerate_grid
 from neuron_buckets.core.bucket import Bucket
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FLOAT32 = 4  # attention scores and logits are float32 whatever the dtype

@@ -26,6 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from neuron_buckets.core.step_plan import Segment, StepPlan
-from neuron_buckets.model.tensor_parallel import GROUP
+from neuron_buckets.model.tp.tensor_parallel import GROUP
 
 # How long a collective (a step's all-reduce) or a store wait may take before the rank gives up:
 # a step's ranks meet every layer, so only a hung (or badly starved) rank comes near it. Rank 0
@@ -105,6 +107,11 @@ def _free_port() -> int:
 class RankGroup:
     """This process's place among the ranks; rank 0 sends plans, the others receive them."""
 
+    # Ranks load every graph, then wait for each other: one loading a graph on first use
+    # mid-step, or its shard after the others' first step began, would keep them waiting in a
+    # collective, towards its timeout.
+    preloads = True
+
     def __init__(self, rank: int, size: int, store: dist.Store, workers: list[subprocess.Popen],
                  wait: timedelta = TIMEOUT) -> None:
         self.rank, self.size, self.workers, self.wait = rank, size, workers, wait
@@ -162,6 +169,16 @@ class RankGroup:
             _meet(self._store(), "loaded", self.size, self.workers, "load the artifact")
         except RuntimeError as e:  # the store itself failed: rank 0, its host, is gone
             raise e if isinstance(e, RankLost) else RankLost("the ranks' store failed", e) from None
+
+    @contextmanager
+    def in_step(self) -> Iterator[None]:
+        """A step that fails leaves the ranks out of step (a rank died, a collective timed out), so
+        no later step can run: the group is abandoned and the failure is ``RankLost``."""
+        try:
+            yield
+        except Exception as e:
+            self.abandon()
+            raise RankLost(f"a step failed across the {self.size} ranks", e) from e
 
     def send(self, plan: StepPlan) -> None:
         """Rank 0: hand the followers the plan it is about to run."""

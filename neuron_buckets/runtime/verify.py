@@ -9,7 +9,7 @@ nothing cached, which is what that piece serves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,11 +118,7 @@ def verify_graphs(
     runtime = BucketRuntime.open(directory)
     manifest = runtime.manifest
     dtype = manifest.cache.dtype
-    weights = runtime.weights  # the runtime's own, not a copy
-    if runtime.embeds:  # its norm piece is the head with an identity for the output projection
-        eye = torch.eye(runtime.config.hidden_size, dtype=weights.norm.dtype, device=weights.norm.device)
-        weights = replace(weights, lm_head=eye)
-    model = Llama(runtime.config, weights)
+    model = Llama(runtime.config, runtime.head.eager_weights(runtime.weights))  # the runtime's own
     gen = torch.Generator().manual_seed(seed)
     vocab = runtime.config.vocab_size
     results = []
@@ -140,9 +136,7 @@ def verify_graphs(
                     for cache in (runtime.k_cache, runtime.v_cache):
                         poison(cache, step)
                 ref_k, ref_v = runtime.k_cache.clone(), runtime.v_cache.clone()
-                got = runtime.run(bucket, step)
-                if runtime.embeds:  # hidden states of every real token: the sampled ones' compared
-                    got = got[step.real_sampling_positions]
+                got = runtime.head.sampled(runtime.run(bucket, step), step)
                 with torch.no_grad():
                     args = [t.to(runtime.device) for t in step.args()]
                     want = model(*args, ref_k, ref_v)[: step.num_samples]

@@ -33,8 +33,9 @@ import numpy as np
 
 from neuron_buckets.config.buckets import DEFAULT_MAX_NUM_SEQS, default_contexts
 from neuron_buckets.core.bucket import powers_of_two
+from neuron_buckets.traffic.bucket_plan import BucketPlan, ContextPlan, DecodePlan, ParetoRow, decode_json
 from neuron_buckets.traffic.compile_cost import CompileCost
-from neuron_buckets.traffic.padding_stats import Concurrency, padding_stats, replay_decode
+from neuron_buckets.traffic.padding_stats import padding_stats, replay_decode
 from neuron_buckets.traffic.traces import Trace
 
 _BLOCK_ELEMENTS = 1 << 22  # bound on the (i, j) slab built per step: 32 MiB of float64
@@ -127,33 +128,24 @@ def _extend(g: np.ndarray, S: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np
     return new, par
 
 
-def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> dict:
-    """The ``nb plan --json`` document: chosen sets, baselines, Pareto table, budget, holdout."""
+def plan(trace: Trace, opts: PlanOptions, cost: CompileCost | None = None) -> BucketPlan:
+    """The chosen sets, with their baselines, Pareto table, budget and holdout."""
     if opts.max_compile_seconds is not None and cost is None:
         raise PlanError("--max-compile-seconds needs a compile-time model: pass --manifest DIR")
     fit, held = trace.split(opts.holdout_split) if opts.holdout_split else (trace, None)
     baseline = powers_of_two_baseline(fit.prompt_lens.max())
     sets = optimal_sets(fit.prompt_lens, opts.graphs, opts.align, opts.max_num_batched_tokens)
     decode, context = _plan_decode(fit, opts), plan_contexts(fit, opts)
-    num_seqs = tuple(decode["buckets"]) if decode else ()
-    contexts = tuple(context["buckets"]) if context else None  # None: the manifest's own
+    num_seqs = decode.buckets if decode else ()
+    contexts = context.buckets if context else None  # None: the manifest's own
     # the grid compiles every num_seqs bucket at every context bucket
     decode_seconds = sum(g.seconds for g in cost.graphs((), num_seqs, contexts)) if cost else None
     distinct = [s for i, s in enumerate(sets) if i == 0 or s != sets[i - 1]]  # k with a gain
-    pareto = [_pareto_row(fit, s, cost, contexts, decode_seconds) for s in distinct]
+    pareto = tuple(_pareto_row(fit, s, cost, contexts, decode_seconds) for s in distinct)
     chosen = _within_budget(pareto, opts.max_compile_seconds)
-    buckets = tuple(chosen["buckets"])
-    prefill = padding_stats(fit.prompt_lens, buckets).to_json("requests", "tokens")
-    prefill |= {
-        "align": opts.align,
-        "max_num_batched_tokens": buckets[-1],
-        "baseline": padding_stats(fit.prompt_lens, baseline).to_json("requests", "tokens"),
-    }
-    out: dict = {"prefill": prefill, "decode": decode, "pareto": pareto, "context": context}
-    out["compile_seconds"] = chosen["total_compile_seconds"]
-    if held is not None:
-        out["holdout"] = _holdout(held, opts, buckets, baseline, decode)
-    return out
+    holdout = None if held is None else _holdout(held, opts, chosen.buckets, baseline, decode)
+    return BucketPlan(chosen, padding_stats(fit.prompt_lens, baseline), opts.align, pareto, decode, context,
+                      holdout)
 
 
 def plan_replayed(
@@ -179,12 +171,7 @@ def plan_replayed(
     # a zero-weight call of the budget itself keeps the largest bucket there
     sets = optimal_sets(np.append(tokens, budget), graphs, align, budget, np.append(np.ones(len(tokens)), 0))
     distinct = [s for i, s in enumerate(sets) if i == 0 or s != sets[i - 1]]
-    pareto = []
-    for s in distinct:
-        stats = padding_stats(tokens, s)
-        pareto.append({"graphs": len(s), "buckets": list(s), "computed_tokens": stats.padded_total,
-                       "padding_share": stats.padding_share, "padded_tokens": stats.padded_total,
-                       "padding_ratio": stats.padding_ratio})  # fmt: skip
+    pareto = [ParetoRow(padding_stats(tokens, s)).padding_json() for s in distinct]
     chosen = sets[-1]
     if len(current) <= graphs and _padded(tokens, current) < _padded(tokens, chosen):
         chosen = tuple(current)  # off --align's grid, the config's own set pads less: never advise worse
@@ -203,7 +190,7 @@ def _padded(sizes: np.ndarray, buckets: Sequence[int]) -> float:
     return padding_stats(sizes, buckets).padded_total
 
 
-def _plan_decode(fit: Trace, opts: PlanOptions) -> dict | None:
+def _plan_decode(fit: Trace, opts: PlanOptions) -> DecodePlan | None:
     """num_seqs buckets minimising padded rows over the replayed decode steps (None without
     arrivals). The largest is ``max_num_seqs`` (a grid rule), and the batches a server meets
     under light load (``LIGHT_LOAD``) always get their own graph while the graph count leaves
@@ -224,14 +211,13 @@ def _plan_decode(fit: Trace, opts: PlanOptions) -> dict | None:
     sizes = np.concatenate([np.arange(1, conc.peak + 1), forced, [top]])
     w = np.concatenate([weights, np.full(len(forced), heavy), [0.0]])
     buckets = optimal_sets(sizes, k, 1, top, w)[-1]
-    doc = _decode_json(conc, buckets, baseline)
-    doc["why_not"] = None
+    why_not = None
     if len(forced) < len(light):
-        doc["why_not"] = (
+        why_not = (
             f"{k} decode graph(s) leave no graph for batches {light[len(forced):]}: they pad to the "
             "next num_seqs bucket (raise --decode-graphs)"
         )
-    return doc
+    return DecodePlan(conc, buckets, baseline, why_not)
 
 
 def decode_contexts(trace: Trace, max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -249,7 +235,7 @@ def decode_contexts(trace: Trace, max_model_len: int) -> tuple[np.ndarray, np.nd
     return contexts, counts[contexts]
 
 
-def plan_contexts(fit: Trace, opts: PlanOptions) -> dict | None:
+def plan_contexts(fit: Trace, opts: PlanOptions) -> ContextPlan | None:
     """``decode_context_length_buckets`` minimising the context positions decode rows attend,
     against the grid's default (powers of two from 256); None when no request decodes."""
     longest = int((fit.prompt_lens + fit.output_lens).max())
@@ -263,15 +249,7 @@ def plan_contexts(fit: Trace, opts: PlanOptions) -> dict | None:
     contexts, rows = np.append(contexts, top), np.append(rows, 0)
     baseline = default_contexts(opts.align, top)
     chosen = optimal_sets(contexts, opts.context_graphs or len(baseline), opts.align, top, rows)[-1]
-    stats = padding_stats(contexts, chosen, rows).to_json("rows", "positions")
-    return stats | {
-        "max_model_len": top,
-        "baseline": padding_stats(contexts, baseline, rows).to_json("rows", "positions"),
-    }
-
-
-def _decode_json(conc: Concurrency, buckets: tuple[int, ...], baseline: tuple[int, ...]) -> dict:
-    return conc.to_json(buckets) | {"baseline": conc.stats(baseline).to_json("steps", "rows")}
+    return ContextPlan(contexts, rows, chosen, tuple(baseline), top)
 
 
 def _pareto_row(
@@ -280,42 +258,31 @@ def _pareto_row(
     cost: CompileCost | None,
     contexts: tuple[int, ...] | None,
     decode_seconds: float | None,
-) -> dict:
+) -> ParetoRow:
     stats = padding_stats(fit.prompt_lens, buckets)
-    row = {
-        "graphs": len(buckets),
-        "buckets": list(buckets),
-        "computed_tokens": stats.padded_total,
-        "padding_share": stats.padding_share,
-        "padded_tokens": stats.padded_total,
-        "padding_ratio": stats.padding_ratio,
-        "compile_seconds": None,
-        "graph_bytes": None,
-        "total_compile_seconds": None,
-    }
-    if cost is not None:
-        graphs = cost.graphs(buckets, (), contexts)  # prefill graphs span the largest context
-        row["compile_seconds"] = sum(g.seconds for g in graphs)
-        row["graph_bytes"] = sum(g.bytes for g in graphs)
-        row["total_compile_seconds"] = row["compile_seconds"] + (decode_seconds or 0.0)
-    return row
+    if cost is None:
+        return ParetoRow(stats)
+    graphs = cost.graphs(buckets, (), contexts)  # prefill graphs span the largest context
+    seconds = sum(g.seconds for g in graphs)
+    return ParetoRow(stats, seconds, sum(g.bytes for g in graphs), seconds + (decode_seconds or 0.0))
 
 
-def _within_budget(pareto: list[dict], budget: float | None) -> dict:
+def _within_budget(pareto: Sequence[ParetoRow], budget: float | None) -> ParetoRow:
     """The least-padding row (fewest graphs on ties) whose estimated compile time, prefill plus
     decode graphs, fits the budget. The budget selects among the per-K optima; it does not
     re-optimise the buckets under the time constraint."""
     if budget is None:
         return pareto[-1]
-    fits = [r for r in pareto if r["total_compile_seconds"] <= budget]
+    priced = [(r.total_compile_seconds, r) for r in pareto if r.total_compile_seconds is not None]
+    fits = [r for seconds, r in priced if seconds <= budget]
     if not fits:
-        least = min(r["total_compile_seconds"] for r in pareto)
+        least = min(seconds for seconds, _ in priced)
         raise PlanError(f"no plan fits --max-compile-seconds {budget}: the cheapest needs {least:.1f}s")
-    return min(fits, key=lambda r: (r["padded_tokens"], r["graphs"]))
+    return min(fits, key=lambda r: (r.stats.padded_total, len(r.buckets)))
 
 
 def _holdout(
-    held: Trace, opts: PlanOptions, buckets: tuple[int, ...], baseline: tuple, decode: dict | None
+    held: Trace, opts: PlanOptions, buckets: tuple[int, ...], baseline: tuple, decode: DecodePlan | None
 ) -> dict:
     """How the plan fitted on the early requests pads the later ones (and the baseline too)."""
     out: dict = {
@@ -327,6 +294,5 @@ def _holdout(
     }
     conc = replay_decode(held, opts.tokens_per_s, opts.max_num_seqs)
     if decode is not None and conc.peak:
-        base = tuple(decode["baseline"]["buckets"])
-        out["decode"] = _decode_json(conc, tuple(decode["buckets"]), base)
+        out["decode"] = decode_json(conc, decode.buckets, decode.baseline)
     return out

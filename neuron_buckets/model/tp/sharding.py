@@ -27,9 +27,9 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from neuron_buckets.model.checkpoint import LAYER_PARTS, SCALE
+from neuron_buckets.model.checkpoint_names import LAYER_PARTS, SCALE
 from neuron_buckets.model.model_config import LlamaConfig
-from neuron_buckets.model.tensor_parallel import TensorParallel
+from neuron_buckets.model.tp.tensor_parallel import TensorParallel
 
 # The dimension a field's parts are split along; fields not named are replicated.
 SPLIT_DIM = {"qkv": 0, "qkv_bias": 0, "gate_up": 0, "o": 1, "down": 1}

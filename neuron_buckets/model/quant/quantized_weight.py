@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 
 
 def runtime_dtype(scheme: QuantScheme, model_dtype: torch.dtype) -> torch.dtype:

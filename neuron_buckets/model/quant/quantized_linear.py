@@ -39,7 +39,7 @@ from torch import Tensor
 
 from neuron_buckets.kernels import int8_linear_cpu
 from neuron_buckets.kernels.linear_choice import FLOAT32, KERNEL_INT8, linear_choice
-from neuron_buckets.model.quantized_weight import QuantizedWeight
+from neuron_buckets.model.quant.quantized_weight import QuantizedWeight
 
 torch.library.define(
     "nb::_qlinear_pointwise_tensor",

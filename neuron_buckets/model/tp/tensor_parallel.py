@@ -2,7 +2,7 @@
 
 Every rank runs the same compiled pieces (SPMD) at rank-local shapes: attention split by heads,
 the MLP by intermediate features, the embedding and the head by vocabulary rows (vLLM's split,
-``model/sharding.py`` cuts the weights). So one graph per piece serves every rank, as one layer
+``model/tp/sharding.py`` cuts the weights). So one graph per piece serves every rank, as one layer
 piece serves every layer, and the graph count does not grow with the degree.
 
 The collectives are torch's functional ones (``_c10d_functional``), called as ops so that tracing
@@ -66,6 +66,10 @@ class TensorParallel:
     def vocab_rows(self, vocab_size: int) -> int:
         """Embedding (and head) rows each rank holds."""
         return -(-vocab_size // self.size)
+
+    def vocab_start(self, rank: int, vocab_size: int) -> int:
+        """The first vocabulary row of ``rank``'s embedding (and head)."""
+        return rank * self.vocab_rows(vocab_size)
 
     def all_reduce(self, t: Tensor) -> Tensor:
         """The sum over ranks of each rank's partial ``t`` (after a row-parallel projection)."""

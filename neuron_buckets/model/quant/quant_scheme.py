@@ -4,7 +4,7 @@ Every projection of every layer shares the one scheme (one compiled layer piece 
 layers), the embedding, norms and LM head stay in the model dtype. The scheme enters the model
 config (``LlamaConfig.quantization``), so it is part of every graph key and of the manifest; nb
 writes it in its own short form (``to_dict``), which reading back needs no compressed-tensors
-import. What a checkpoint's ``quantization_config`` says is ``model/compressed_tensors.py``'s
+import. What a checkpoint's ``quantization_config`` says is ``model/quant/compressed_tensors_format.py``'s
 business.
 """
 

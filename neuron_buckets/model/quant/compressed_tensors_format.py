@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from neuron_buckets.model.quant_scheme import QuantScheme
+from neuron_buckets.model.quant.quant_scheme import QuantScheme
 
 METHOD = "compressed-tensors"
 # The modules of a decoder layer that the scheme must quantize, as transformers names them.
