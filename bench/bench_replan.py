@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -60,6 +59,7 @@ from neuron_buckets.traffic.traces import Trace, load_trace
 from .profile_serve import scrape
 from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 from .servers import free_port, nb_serve_command, serving
+from .sse_tokens import token_events
 
 SERVED = "replan"
 AFTER_SWAP_S = 60.0  # the swap run's load goes on this long after the swap
@@ -132,22 +132,15 @@ def prompts(trace: Trace, requests: int, vocab: int, seed: int = 0) -> list[tupl
 
 
 async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> Streamed:
+    """One greedy streamed answer, each token's arrival stamped; a failed one says why."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "ignore_eos": True}
     out = Streamed()
     try:
-        async with session.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
-            resp.raise_for_status()
-            async for line in resp.content:
-                data = line.decode().removeprefix("data: ").strip()
-                if data == "[DONE]":
-                    return out
-                if data:
-                    ids = [t for c in json.loads(data)["choices"] for t in c.get("token_ids") or ()]
-                    out.tokens += ids
-                    out.times += [time.monotonic()] * len(ids)
-        out.error = "the stream ended before [DONE]"
-    except aiohttp.ClientError as exc:
+        async for ids in token_events(session, url, body, {"Authorization": f"Bearer {KEY}"}):
+            out.tokens += ids
+            out.times += [time.monotonic()] * len(ids)
+    except (aiohttp.ClientError, RuntimeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     return out
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -52,6 +51,7 @@ from .profile_serve import scrape, thread_cpu
 from .real_models import add_size_args
 from .results_table import PROVENANCE, ResultsTable, add_results_argument
 from .servers import free_port
+from .sse_tokens import token_events
 from .workloads import _random_prompts
 
 TABLE = ResultsTable(
@@ -127,17 +127,8 @@ def padded_total(engine: LLMEngine) -> int:
 async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> int:
     """One streamed completion read to ``[DONE]``; the tokens it carried."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    tokens = 0
-    async with session.post(url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            data = line.decode().removeprefix("data: ").strip()
-            if data == "[DONE]":
-                return tokens
-            if data:
-                tokens += sum(len(c.get("token_ids") or ()) for c in json.loads(data)["choices"])
-    raise RuntimeError("the stream ended before [DONE]")
+            "ignore_eos": True}
+    return sum([len(ids) async for ids in token_events(session, url, body)])
 
 
 async def closed_loop(port: int, batch: list[list[int]], concurrency: int, max_tokens: int) -> int:
