@@ -138,7 +138,8 @@ def test_the_padding_terms_agree_between_json_metrics_stats_and_plot(capsys) -> 
     computed = {s.labels["bucket"]: s.value for s in families["nb:bucket_computed_tokens"].samples}
     assert {s.labels["model_name"] for f in families.values() for s in f.samples} == {"tiny"}
     engine = SimpleNamespace(
-        stats=replay.stats, draft_stats={}, pool=replay.pool, spec_stats=SpecDecodeStats(), kv_cache=replay.kv
+        stats=replay.stats, draft_stats={}, pool=replay.pool, spec_stats=SpecDecodeStats(),
+        kv_cache=replay.kv, adapters=SimpleNamespace(requests={}, swaps=0),
     )
     print_stats(engine)
     table = capsys.readouterr().err

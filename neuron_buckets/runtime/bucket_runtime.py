@@ -88,14 +88,12 @@ class BucketRuntime:
             weights = self._load_weights(self.ranks.rank)
             head_weights = self.head.weights(*weights.head, self.backend)
         geo = manifest.cache
-        self.block_size, self.num_blocks = geo.block_size, geo.num_blocks
-        self.max_model_len = geo.max_model_len
-        dtype = getattr(torch, geo.dtype)
-        self.k_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(geo.shape, dtype=dtype, device=device)
+        self.block_size, self.num_blocks, self.max_model_len = (geo.block_size, geo.num_blocks,
+                                                                geo.max_model_len)
+        self.k_cache, self.v_cache = (torch.zeros(geo.shape, dtype=getattr(torch, geo.dtype), device=device)
+                                      for _ in range(2))
         # Each call's inputs, bound once: per-layer weight tuples and cache slices (views).
-        self.embed_weight = weights.embed
-        self.layer_weights = [layer.tensors() for layer in weights.layers]
+        self.embed_weight, self.layer_weights = weights.embed, [layer.tensors() for layer in weights.layers]
         self.head_weights, self.weights = head_weights, weights
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0), strict=True))
         self.lora: LoraSlots | None = open_slots(manifest, self.config, device)
