@@ -34,7 +34,6 @@ import asyncio
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from neuron_buckets.traffic.traces import Trace, load_trace
 
 from .profile_serve import scrape
 from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
+from .rounds import Spread, add_rounds_argument, run_rounds, spreads
 from .servers import free_port, nb_serve_command, serving
 from .sse_tokens import token_events
 
@@ -259,8 +259,8 @@ def p99_ms(gaps: list[float]) -> float:
     return float(np.percentile(gaps, 99)) * 1e3 if gaps else float("nan")
 
 
-def spread(values: list[float], fmt: str) -> str:
-    return " / ".join(format(v, fmt) for v in (min(values), statistics.median(values), max(values)))
+def spread(s: Spread, fmt: str) -> str:
+    return " / ".join(format(v, fmt) for v in (s.low, s.median, s.high))
 
 
 def compile_default(work: Path) -> Path:
@@ -295,14 +295,9 @@ def swap_run(artifact: Path, batch: list, args: argparse.Namespace, log: Path) -
     return run, watch
 
 
-def alternate(dirs: dict[str, Path], batch: list, args: argparse.Namespace, work: Path
-              ) -> dict[str, list[Run]]:
-    """``args.rounds`` rounds of each server, the order swapped every round."""
-    runs: dict[str, list[Run]] = {name: [] for name in dirs}
-    for r in range(args.rounds):
-        for name in list(dirs) if r % 2 == 0 else list(dirs)[::-1]:
-            runs[name].append(serve(dirs[name], batch, args.concurrency, work / f"{name}{r}.log"))
-    return runs
+def figures(run: Run) -> dict[str, dict[str, float]]:
+    """One round's figures of a server, for ``rounds.run_rounds`` (the replay is its one cell)."""
+    return {"replay": {"padding": run.padding, "tok_s": run.tok_s, "startup_s": run.startup_s}}
 
 
 def main() -> None:
@@ -313,7 +308,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--replan-every", type=float, default=30.0, help="seconds; the timer's first fire")
     parser.add_argument("--replan-budget-s", type=float, default=600.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_rounds_argument(parser)
     add_results_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="nb-bench-replan-") as tmp:
@@ -330,23 +325,25 @@ def main() -> None:
         new = newest_complete(dirs["after"])[1]
         during = token_gaps(swap.answers, watch.replan_at, watch.swapped_at)
         before = token_gaps(swap.answers, watch.replan_at - 60, watch.replan_at)
-        runs = alternate(dirs, batch, args, work)
+        def round_of(name: str, r: int) -> dict[str, dict[str, float]]:
+            return figures(serve(dirs[name], batch, args.concurrency, work / f"{name}{r}.log"))
+
+        samples = run_rounds(list(dirs), args.rounds, round_of)
+        stats = {n: cells["replay"] for n, cells in spreads(samples).items()}
         recorded = work / "recorded.jsonl"
         recorded.write_text(watch.trace)
         fresh, over_fresh = fresh_plan(source, prefill_grid(new), recorded)
         same = sum(a.tokens == reference.answers[i % len(batch)].tokens for i, a in enumerate(swap.answers))
         failed = sum(a.error is not None for a in swap.answers)
-        for name, rs in runs.items():
-            print(f"{name}: padding {spread([r.padding for r in rs], '.3f')}, "
-                  f"tok/s {spread([r.tok_s for r in rs], '.1f')}")
-        median = {n: {k: statistics.median(getattr(r, k) for r in rs) for k in ("padding", "tok_s")}
-                  for n, rs in runs.items()}
+        for name, st in stats.items():
+            print(f"{name}: padding {spread(st['padding'], '.3f')}, tok/s {spread(st['tok_s'], '.1f')}")
         row = [args.trace.stem.removeprefix("AzureLLMInferenceTrace_"), str(len(batch)),
                str(args.concurrency), str(args.rounds),
                " ".join(map(str, prefill_grid(old))), " ".join(map(str, prefill_grid(new))),
                ", ".join(f"{k} {v:.0f}" for k, v in sorted(watch.outcomes.items())),
-               *(f"{median[n]['padding']:.3f}" for n in dirs), *(f"{median[n]['tok_s']:.1f}" for n in dirs),
-               *(spread([r.startup_s for r in runs[n]], ".1f") for n in dirs),
+               *(f"{stats[n]['padding'].median:.3f}" for n in dirs),
+               *(f"{stats[n]['tok_s'].median:.1f}" for n in dirs),
+               *(spread(stats[n]["startup_s"], ".1f") for n in dirs),
                str(failed), f"{same}/{len(swap.answers)}", f"{p99_ms(during):.1f} / {p99_ms(before):.1f}",
                " ".join(map(str, fresh)), f"{over_fresh:.2f}"]
         print(dict(zip(TABLE.columns, row, strict=False)))
