@@ -22,10 +22,13 @@ Also printed: prefill calls by how many decode rows rode in them (their mean tim
 prompt, and other prompts packed beside it. Workloads: ``independent`` (random prompts of 225-375
 tokens) and ``shared-prefix`` (two 256-token prefixes + 64 own tokens), ``--output-len`` new
 tokens each, random token ids. The first ``--warmup`` requests are not measured. Schedules
-(``--schedules``): ``fitted`` cuts a step's last prompt chunk at a token bucket where that pads
-less (the engine's own), ``plain`` fills every step to the budget; one engine runs both, in
+(``--schedules``): ``fitted`` is the engine's own (a long prompt waits for the next step when
+another completes in this one, and a step's last prompt chunk is cut at a token bucket where that
+pads less), ``packed`` cuts the same way but packs prompts up to the budget (the engine's rule
+before), ``plain`` fills every step to the budget; one engine runs them, in
 ``--rounds`` alternating runs on the same prompt lengths (other token ids each run, so none
-finds another's prompts cached), and the TTFT ratio of each round is printed. Each schedule's
+finds another's prompts cached), and each schedule's TTFT against the first's, round by round, is
+printed. Each schedule's
 breakdown row goes into ``bench/RESULTS.md`` (``--results`` names another file; ``--tiny``
 writes ``WORK/RESULTS.md``).
 
@@ -53,6 +56,7 @@ from .workloads import TOKEN_LOW
 PARTS = ("running step, a prompt's call", "running step, decode only", "queued, budget",
          "queued, prefix wait", "own: prefill call, riders in it", "own: prefill call, no riders",
          "own: other calls", "own: rest of step", "gaps between steps")
+SCHEDULES = ("fitted", "packed", "plain")
 TABLE = ResultsTable(
     heading="Where an arrival's TTFT goes (profile_ttft.py)",
     about="""
@@ -61,9 +65,11 @@ TABLE = ResultsTable(
 225-375 tokens; `shared-prefix`: two 256-token prefixes + 64 own tokens), `out` new tokens each, an
 arrival joining the engine after the step that was running. The measured requests' mean TTFT,
 cut into where it went: mean seconds (share of the TTFT) of each part. `layers`: the shape's
-decoder layers, or fewer (a shallow twin). `schedule`: `fitted` cuts a
-step's last prompt chunk at a token bucket where that pads less (the engine's own), `plain` fills
-every step to the budget; both run on one engine in `runs` alternating runs each.
+decoder layers, or fewer (a shallow twin). `schedule`: `fitted` is the engine's own (a prompt
+longer than the smallest token bucket waits for the next step when another completes in this one;
+a step's last prompt chunk is cut at a token bucket where that pads less), `packed` cuts the same
+way but packs prompts up to the budget, `plain` fills every step to the budget; all run on one
+engine in `runs` alternating runs each.
 """,
     columns=("shape", "layers", "dtype", "workload", "conc", "out", "schedule", "runs", "requests",
              "TTFT mean s", "TTFT p50 s", *(f"{part} s" for part in PARTS), *PROVENANCE),
@@ -212,21 +218,23 @@ def main() -> None:
     work = prompts(args.workload, args.warmup + args.requests, vocab, args.seed)
     steps: list[StepRecord] = []
     instrument(engine.runtime, steps)
-    fitted = engine.scheduler.token_buckets
+    fitted, pack_limit = engine.scheduler.token_buckets, engine.scheduler.pack_limit
     budget, max_rows = engine.runtime.buckets.token_budget, engine.runtime.buckets.max_rows
     results: dict[str, list[Run]] = defaultdict(list)
     for r in range(args.rounds):  # the schedules alternate, and take turns going first
         for k, schedule in enumerate(args.schedules[::-1] if r % 2 else args.schedules):
-            engine.scheduler.token_buckets = fitted if schedule == "fitted" else ()
+            engine.scheduler.token_buckets = () if schedule == "plain" else fitted
+            engine.scheduler.pack_limit = pack_limit if schedule == "fitted" else None
             start = time.perf_counter()
             run_work = shifted(work, len(args.schedules) * r + k, vocab)
             tracked = drive(engine, steps, run_work, args.concurrency, args.output_len)
             results[schedule].append((tracked, list(steps), time.perf_counter() - start))
     rows = [report(args, schedule, runs, budget, max_rows) for schedule, runs in results.items()]
-    if len(results) == 2:
-        per_round = [statistics.mean(ttfts(f[0], args.warmup)) / statistics.mean(ttfts(p[0], args.warmup))
-                     for f, p in zip(results["fitted"], results["plain"], strict=True)]
-        print(f"\nTTFT mean, fitted / plain, round by round: {', '.join(f'{x:.2f}' for x in per_round)}")
+    first = args.schedules[0]
+    for other in args.schedules[1:]:
+        per_round = [statistics.mean(ttfts(f[0], args.warmup)) / statistics.mean(ttfts(o[0], args.warmup))
+                     for f, o in zip(results[first], results[other], strict=True)]
+        print(f"\nTTFT mean, {first} / {other}, round by round: {', '.join(f'{x:.2f}' for x in per_round)}")
     TABLE.write(args.results, rows)
 
 
@@ -281,8 +289,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="requests before them, not measured")
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--schedules", nargs="+", choices=["fitted", "plain"], default=["fitted", "plain"],
-                   help="steps cut at the token buckets (nb's engine), or filled to the budget")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
+                   help="nb's engine, its cut packing prompts to the budget, or steps filled to it")
     p.add_argument("--rounds", type=int, default=2, help="runs of each schedule, alternating")
     add_results_argument(p)
     args = p.parse_args()

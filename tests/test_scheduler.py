@@ -74,6 +74,29 @@ def test_without_token_buckets_or_where_a_cut_saves_nothing_the_step_is_filled()
     assert shape(unmixed.schedule())[0] == (3, 256, 0, 0)
 
 
+def test_a_long_prompt_waits_for_the_next_step_when_another_completes_in_this_one():
+    """Prompts of 200, 40 and 200 tokens arrive together: the first completes in the step and the
+    40-token one (within the smallest bucket) rides beside it, but the second long one would delay
+    both first tokens by its 200 tokens, so it runs alone next step; without token buckets the step
+    packs all three up to the budget, as before."""
+    def arriving(token_buckets: tuple[int, ...], lens: tuple[int, ...] = (200, 40, 200)) -> Scheduler:
+        sched = Scheduler(KVCacheManager(BlockPool(128, 16)), budget=512, max_rows=8,
+                          token_buckets=token_buckets)
+        for i, n in enumerate(lens):
+            sched.add(Request(i, [i + 1] * n, n, SamplingParams(max_tokens=50)))
+        return sched
+
+    apart = arriving((64, 128, 256, 512))
+    first, second = step(apart), step(apart)
+    assert shape(first) == [(0, 200, 0, 1), (1, 40, 0, 1)]
+    assert shape(second) == [(2, 200, 0, 1), (0, 1, 200, 1), (1, 1, 40, 1)]
+    assert shape(step(arriving(()))) == [(0, 200, 0, 1), (1, 40, 0, 1), (2, 200, 0, 1)]
+    # a prompt cut last step continues first and completes: the long one behind it waits again
+    cut = arriving((64, 128, 256, 512), (600, 200))
+    assert [shape(step(cut)) for _ in range(3)] == [
+        [(0, 512, 0, 0)], [(0, 88, 512, 1)], [(1, 200, 0, 1), (0, 1, 600, 1)]]
+
+
 def test_fit_buckets_cuts_only_where_the_bucket_below_and_the_rests_cost_less():
     buckets = (64, 128, 256, 512)
     cases = {(303, 3): 47, (384, 3): 0, (381, 3): 125, (256, 3): 0, (258, 3): 0, (260, 3): 4, (60, 0): 0,

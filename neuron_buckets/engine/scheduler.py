@@ -7,7 +7,12 @@ the step stays within ``max_num_seqs`` rows either way), then the request whose 
 step continues, then waiting requests are admitted in order (but for one waiting for its prefix,
 below) while the budget ``max_num_batched_tokens``, the row bound ``max_num_seqs`` and the KV cache
 allow; the last one admitted may be cut, to continue next step. Given the runtime's token
-bucket sizes, the step's last chunk may be cut shorter, at a bucket boundary, where the padding
+bucket sizes, a step in which a prompt already completes admits no further prompt longer than the
+smallest bucket (``pack_limit``): packed beside it, that prompt would delay the first one's first
+token by all its own tokens to save itself one step's fixed cost, so prompts complete a step
+apart, the first sooner, and a short one still rides along nearly free (``bench/profile_ttft.py``
+measures the time to first token with and without it). The step's last chunk may also be cut
+shorter, at a bucket boundary, where the padding
 that saves outweighs the call its rest then takes next step (``fit_buckets``): a prompt of 300
 tokens beside 3 decode rows runs as 256 + 64 tokens over two steps, not one call padded to 512.
 The cut request keeps the blocks its admission took for the rest. The caller runs the plan and hands
@@ -78,7 +83,8 @@ class Scheduler:
         """``budget`` bounds a step's tokens and ``max_rows`` its segments (decode rows and prefill
         chunks: the packed call's block-table rows); a
         ``drafter`` proposes up to ``num_speculative_tokens`` tokens per decode row;
-        ``token_buckets`` (the runtime's token bucket sizes) lets a step's last prompt chunk be cut
+        ``token_buckets`` (the runtime's token bucket sizes) keeps a long prompt out of a step where
+        another completes (``pack_limit``) and lets a step's last prompt chunk be cut
         at a bucket boundary (``fit_buckets``), its decode rows counted in the prefill call where
         they ride in it (``mixed``: ``BucketSet.mix_decode``); ``adapters`` gives a request of a
         LoRA adapter its slot as it is admitted (it waits while none is free) and takes it back
@@ -87,6 +93,8 @@ class Scheduler:
         self.token_buckets, self.mixed = tuple(sorted(token_buckets)), mixed
         self.drafter, self.num_speculative_tokens = drafter, num_speculative_tokens
         self.adapters = adapters
+        # the longest prompt (tokens left to compute) admitted beside one that completes in the step
+        self.pack_limit = self.token_buckets[0] if self.token_buckets else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._ended: list[Request] = []  # ended while planning (the pool cannot hold them), for commit
@@ -204,6 +212,12 @@ class Scheduler:
             self.running.remove(req)
         return touched
 
+    def _packs_too_long(self, step: list[tuple[Request, int]], tokens: int) -> bool:
+        """Whether a prompt of ``tokens`` still to compute would wait for the next step: one of
+        ``step``'s chunks completes its prompt and it is longer than ``pack_limit``."""
+        return self.pack_limit is not None and tokens > self.pack_limit and any(
+            self.kv.num_cached(r) + n >= self.kv.prefill_len(r) for r, n in step)
+
     def _release_slot(self, req: Request) -> None:
         if self.adapters is not None:
             self.adapters.release(req)
@@ -241,6 +255,8 @@ class Scheduler:
         while admit and passed < len(self.waiting) and budget > 0 and len(step) < max_rows:
             req = self.waiting[passed]
             prefix = self.kv.lookup(req)
+            if self._packs_too_long(step, self.kv.prefill_len(req) - len(prefix) * self.kv.pool.block_size):
+                break
             if self.kv.in_flight(req, self.running) > len(prefix) or not (
                 self.adapters is None or self.adapters.acquire(req)  # every LoRA slot in use
             ):
