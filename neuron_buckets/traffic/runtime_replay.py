@@ -71,9 +71,10 @@ def replay_runtime(
     fit_buckets: bool = True,
 ) -> Replay:
     """Generate every request through the scheduler and the bucket set, the requests reaching the
-    waiting queue between steps as ``load`` says; ``fit_buckets`` cuts steps at the token buckets
-    as the engine does (off, steps are filled to the budget whatever the buckets: ``nb plan``'s
-    replay, so that its schedule is the same for every bucket list it scores)."""
+    waiting queue between steps as ``load`` says; ``fit_buckets`` gives the scheduler the token
+    buckets as the engine does, so steps are cut at them and keep long prompts apart (off, steps
+    are filled to the budget whatever the buckets: ``nb plan``'s replay, so that its schedule is the
+    same for every bucket list it scores)."""
     bucket_set = BucketSet.of(buckets, prefill_only=all(b.kind == "prefill" for b in buckets))  # embed's
     stats = {b.name: BucketStats() for b in buckets}
     pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
