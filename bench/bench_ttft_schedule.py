@@ -17,11 +17,13 @@ computed its prompt's chunks), and counted two ways:
   its real tokens, decode rows included, and one call; a decode-only step one decode call.
 
 Schedules: ``plain`` fills each step to the token budget whatever the buckets (nb before the step was
-cut at its buckets, and vLLM's), ``fitted`` cuts a step's last chunk at a token bucket where that
-pads less (``Scheduler.fit_buckets``: nb now). A prefill call costs about its tokens x the prefill
-token time plus a fixed time (a pass over the weights and the head, about a decode call), so TTFT
-is about prefill tokens x the token time + calls (prefill and decode) x the fixed time:
-``profile_ttft.py`` measures both on a model. Workloads as
+cut at its buckets, and vLLM's), ``packed`` cuts a step's last chunk at a token bucket where that
+pads less (``Scheduler.fit_buckets``) and packs prompts to the budget (nb before it kept long
+prompts apart), ``fitted`` is nb now: that cut, and a prompt longer than the smallest bucket
+waits for the next step when another completes in this one (``Scheduler.pack_limit``). A prefill
+call costs about its tokens x the prefill token time plus a fixed time (a pass over the weights
+and the head, about a decode call), so TTFT is about prefill tokens x the token time + calls
+(prefill and decode) x the fixed time: ``profile_ttft.py`` measures both on a model. Workloads as
 ``profile_ttft.py``'s (random ids, ``independent`` 225-375 tokens, ``shared-prefix``). Rows go to
 ``bench/RESULTS.md`` (``--results`` names another file).
 
@@ -67,8 +69,9 @@ tokens computed (the running step's, its own steps'; nb: its calls' bucket token
 vLLM: real tokens, the same schedule unpadded), its own real prompt tokens, and graph calls.
 TTFT is about prefill tokens x the prefill token time + calls x a call's fixed time (about a
 decode call's).
-`plain`: steps filled to the budget (nb before, and vLLM); `fitted`: the last chunk cut at a token
-bucket where that pads less (nb now).
+`plain`: steps filled to the budget (nb before, and vLLM); `packed`: the last chunk cut at a token
+bucket where that pads less, prompts packed to the budget; `fitted` (nb now): that cut, and a prompt
+longer than the smallest bucket waits for the next step when another completes in this one.
 """,
     columns=("shape", "workload", "conc", "out", "buckets", "requests", "counted as", "schedule", *COUNTS,
              "prefill tokens to first token", *PROVENANCE),
@@ -94,12 +97,14 @@ class Step:
 
 
 def run(work: list[list[int]], output_len: int, buckets: BucketSet, cache: CacheConfig, concurrency: int,
-        fitted: bool) -> tuple[list[Arrival], list[Step]]:
+        schedule: str) -> tuple[list[Arrival], list[Step]]:
     """Play the closed loop through the scheduler; every arrival and every step."""
     kv = KVCacheManager(BlockPool(cache.num_blocks, cache.block_size, cache.enable_prefix_caching))
-    sizes = [b.seq for b in buckets.prefill] if fitted else []
+    sizes = [b.seq for b in buckets.prefill] if schedule != "plain" else []
     sched = Scheduler(kv, buckets.token_budget, buckets.max_rows, token_buckets=sizes,
                       mixed=buckets.mix_decode)
+    if schedule == "packed":
+        sched.pack_limit = None
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     arrivals: list[Arrival] = []
     requests: dict[int, Request] = {}
@@ -181,15 +186,16 @@ def main() -> None:
     rows = []
     for workload in args.workloads:
         work = prompts(workload, args.warmup + args.requests, shape.get("vocab_size"), args.seed)
-        for fitted in (False, True):
-            arrivals, steps = run(work, OUTPUT_LEN[workload], buckets, config.cache, args.concurrency, fitted)
+        for schedule in ("plain", "packed", "fitted"):
+            arrivals, steps = run(work, OUTPUT_LEN[workload], buckets, config.cache, args.concurrency,
+                                  schedule)
             measured = arrivals[args.warmup:]
-            for padded in (True, False) if not fitted else (True,):
+            for padded in (True, False) if schedule == "plain" else (True,):
                 means = [statistics.mean(col) for col in
                          zip(*(breakdown(a, steps, buckets, padded) for a in measured), strict=True)]
                 rows.append([shape.name, workload, str(args.concurrency), str(OUTPUT_LEN[workload]), sizes,
                              str(len(measured)), "nb, padded" if padded else "vLLM, real tokens",
-                             "fitted" if fitted else "plain", *(f"{m:.1f}" for m in means)])
+                             schedule, *(f"{m:.1f}" for m in means)])
                 print(" | ".join(rows[-1]), flush=True)
     TABLE.write(args.results, rows)
 
