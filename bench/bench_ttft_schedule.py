@@ -49,7 +49,7 @@ from neuron_buckets.engine.sampling_params import SamplingParams
 from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.runtime.bucket_set import BucketSet, Call
 
-from .profile_ttft import prompts
+from .profile_ttft import SCHEDULES, prompts, use_schedule
 from .real_models import SHAPES
 from .results_table import PROVENANCE, ResultsTable, add_results_argument
 from .serve_limits import ServeLimits
@@ -100,11 +100,9 @@ def run(work: list[list[int]], output_len: int, buckets: BucketSet, cache: Cache
         schedule: str) -> tuple[list[Arrival], list[Step]]:
     """Play the closed loop through the scheduler; every arrival and every step."""
     kv = KVCacheManager(BlockPool(cache.num_blocks, cache.block_size, cache.enable_prefix_caching))
-    sizes = [b.seq for b in buckets.prefill] if schedule != "plain" else []
-    sched = Scheduler(kv, buckets.token_budget, buckets.max_rows, token_buckets=sizes,
-                      mixed=buckets.mix_decode)
-    if schedule == "packed":
-        sched.pack_limit = None
+    sched = Scheduler(kv, buckets.token_budget, buckets.max_rows,
+                      token_buckets=[b.seq for b in buckets.prefill], mixed=buckets.mix_decode)
+    use_schedule(sched, schedule)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     arrivals: list[Arrival] = []
     requests: dict[int, Request] = {}
@@ -186,7 +184,7 @@ def main() -> None:
     rows = []
     for workload in args.workloads:
         work = prompts(workload, args.warmup + args.requests, shape.get("vocab_size"), args.seed)
-        for schedule in ("plain", "packed", "fitted"):
+        for schedule in SCHEDULES[::-1]:
             arrivals, steps = run(work, OUTPUT_LEN[workload], buckets, config.cache, args.concurrency,
                                   schedule)
             measured = arrivals[args.warmup:]

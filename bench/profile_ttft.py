@@ -45,6 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from neuron_buckets import LLMEngine, SamplingParams
+from neuron_buckets.engine.scheduler import Scheduler
 from neuron_buckets.runtime.bucket_runtime import BucketRuntime
 
 from .bench_matrix import matrix_artifact
@@ -76,6 +77,16 @@ engine in `runs` alternating runs each.
     key=7,
 )
 
+
+
+def use_schedule(sched: Scheduler, schedule: str) -> None:
+    """Turn a scheduler given the runtime's token buckets (nb's own schedule, ``fitted``) into one of
+    ``SCHEDULES``: ``packed`` packs prompts up to the budget, ``plain`` also cuts no step at a bucket.
+    The one place that says what each schedule is, for this bench and ``bench_ttft_schedule.py``."""
+    if schedule != "fitted":
+        sched.pack_limit = None
+    if schedule == "plain":
+        sched.token_buckets = ()
 
 @dataclass
 class StepRecord:
@@ -223,8 +234,8 @@ def main() -> None:
     results: dict[str, list[Run]] = defaultdict(list)
     for r in range(args.rounds):  # the schedules alternate, and take turns going first
         for k, schedule in enumerate(args.schedules[::-1] if r % 2 else args.schedules):
-            engine.scheduler.token_buckets = () if schedule == "plain" else fitted
-            engine.scheduler.pack_limit = pack_limit if schedule == "fitted" else None
+            engine.scheduler.token_buckets, engine.scheduler.pack_limit = fitted, pack_limit
+            use_schedule(engine.scheduler, schedule)
             start = time.perf_counter()
             run_work = shifted(work, len(args.schedules) * r + k, vocab)
             tracked = drive(engine, steps, run_work, args.concurrency, args.output_len)
