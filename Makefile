@@ -101,6 +101,7 @@ bench:
 	$(PY) -m bench.profile_ttft
 	$(PY) -m bench.bench_ttft_schedule
 	$(PY) -m bench.bench_replan --trace $(TRACE_DIR)/AzureLLMInferenceTrace_code.csv
+	$(PY) -m bench.bench_test_cost
 ifneq ($(VLLM_PYTHON),)
 	$(PY) -m bench.bench_serve $(VLLM_ARG)
 	$(PY) -m bench.profile_serve $(VLLM_ARG) --py-spy $(PY_SPY)
