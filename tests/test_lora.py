@@ -131,6 +131,19 @@ def test_more_adapters_than_slots_in_one_run(lora_setup):
     assert engine.adapters.swaps >= 1
 
 
+def test_inductor_lora_pieces_equal_transformers_peft(lora_setup, tmp_path: Path):
+    """The slots are inputs of the compiled layer piece too: the tiny grid built by inductor (the
+    default backend) serves base and two adapters of other ranks as peft computes them."""
+    _, model_dir, adapters = lora_setup
+    text = TINY_CONFIG + "[lora]\nmax_loras = 2\nmax_lora_rank = 8\n"
+    config = load_config(write_config(tmp_path, model_dir, text))
+    assert config.compile.backend == "inductor"
+    report = Compiler(config, tmp_path / "artifact", tmp_path / "cache").run(jobs=2)
+    assert not report.failed, [o.error for o in report.failed]
+    engine = poisoned_engine(tmp_path / "artifact", {n: adapters[n] for n in ("a2", "a8")})
+    check_against_peft(engine, model_dir, adapters, ["a8", None, "a2"], [13, 6, 9])
+
+
 def test_adapters_never_share_prefix_blocks(lora_setup):
     """The prefix cache is salted by adapter: a prompt cached for one adapter is a hit for the same
     adapter only."""
