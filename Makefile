@@ -116,7 +116,7 @@ else
 endif
 
 # Perplexity of the real model (make real-model) on real text: nb against transformers, by dtype and
-# quantization; then n-gram speculation on it (printed only: its tok/s depend on the machine's load).
+# quantization; then n-gram speculation on it (its tok/s depend on the machine's load: run it quiet).
 bench-quality: real-model
 	$(PY) -m bench.bench_quality
 	$(PY) -m bench.bench_quality --speculation

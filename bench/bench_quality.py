@@ -19,9 +19,9 @@ is no timing: a loaded machine gives the same figures.
 ``--speculation``: greedy chat replies to prompts that summarise or continue a passage of the same
 text (``SPEC_TASKS``), where prompt lookup should pay: the artifact without speculation rows and
 the one whose decode rows carry ``1 + K`` tokens with n-gram drafts, alternating round by round
-(``--rounds``, at least 3), each round every prompt once at concurrency 1. Printed: acceptance,
-mean accepted length, and tok/s of each (min / median / max over the rounds); the greedy texts
-must be identical, or it fails. Timings vary with the machine's load, so these go to stdout only.
+(``--rounds``, at least 3), each round every prompt once at concurrency 1. Its row: acceptance,
+mean accepted length, and tok/s of each (median, min-max) with the ratio of the medians; the
+greedy texts must be identical, or it fails. Timings vary with the machine's load: run it quiet.
 
     python -m bench.bench_quality [--tokens 2048] [--speculation [--rounds 3] [--k 3]]
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from neuron_buckets.utils.files import sha256_file
 from tests.real_model import fetch
 
 from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
+from .rounds import run_rounds, spreads
 
 TEXT = Path(__file__).parents[1] / "docs" / "design.md"
 WINDOW = 256  # tokens per scored window: a prompt of its own, within max_model_len
@@ -91,6 +91,23 @@ the GGUF in float32 (its row only). `/ nb float32` is the row's nb perplexity ov
              "transformers perplexity", *PROVENANCE),
     key=3,
     derived={"/ nb float32": Ratio("nb perplexity", "nb float32 perplexity", digits=4, suffix="")},
+)
+SPEC_TABLE = ResultsTable(
+    heading="n-gram speculation on the real model, --speculation (bench_quality.py)",
+    about="""
+`bench/bench_quality.py` `--speculation`: SmolLM2-135M-Instruct (its GGUF) compiled in float32, greedy
+chat replies (`tokens` new tokens each, or its end of sequence) to `prompts` tasks that summarise,
+continue or quote a 160-token passage of `docs/design.md`, each prompt alone (concurrency 1), in
+process. `plain` is the artifact without speculation; `ngram` the one whose decode rows carry
+1 + `K` tokens, with prompt-lookup drafts. The two alternate over `rounds` rounds (the order
+swapped each round) after an untimed pass each; tok/s are medians with min-max beside them, the
+ratio is of the medians. The bench fails unless every round's greedy texts are identical.
+""",
+    columns=("model", "K", "prompts", "tokens", "rounds", "acceptance", "mean accepted length",
+             "tok/s plain", "tok/s ngram", "tok/s min-max plain ; ngram", "ngram / plain",
+             "greedy texts identical", *PROVENANCE),
+    key=2,
+    derived={"ngram / plain": Ratio("tok/s ngram", "tok/s plain")},
 )
 # Greedy chat tasks over a passage of the text: output that quotes its prompt, where lookup pays.
 SPEC_TASKS = ("Summarise the following passage in two sentences.\n\n{passage}",
@@ -221,32 +238,31 @@ def spec_round(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[l
     return [o.text for o in outs], sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def spread(values: list[float]) -> str:
-    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
-
-
-def speculation(gguf: Path, work: Path, k: int, rounds: int) -> None:
-    """tok/s of greedy replies with n-gram drafts and without, alternating; identical texts."""
+def speculation(gguf: Path, work: Path, k: int, rounds: int) -> list[str]:
+    """The row of greedy replies with n-gram drafts against without, alternating; identical texts."""
     cache, prompts = work / "cache", spec_prompts(gguf)
     plain = LLMEngine.open(compile_artifact(gguf, "float32", work / "float32", cache))
     wide = compile_artifact(gguf, "float32", work / f"float32-k{k}", cache, k)
     drafting = LLMEngine.open(wide, speculative=SpeculativeConfig(num_speculative_tokens=k, auto_off=False))
-    for engine in (plain, drafting):  # a first pass untimed: whatever a first call costs is paid
+    engines = {"plain": plain, "ngram": drafting}
+    for engine in engines.values():  # a first pass untimed: whatever a first call costs is paid
         spec_round(engine, prompts, SPEC_NEW)
-    rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-    for _ in range(rounds):
-        texts = {}
-        for name, engine in (("plain", plain), ("ngram", drafting)):
-            texts[name], rate = spec_round(engine, prompts, SPEC_NEW)
-            rates[name].append(rate)
-        if texts["plain"] != texts["ngram"]:
-            sys.exit("greedy texts differ with n-gram speculation")
+    texts: dict[str, list[list[str]]] = {name: [] for name in engines}
+
+    def run(name: str, _: int) -> dict[str, dict[str, float]]:
+        got, rate = spec_round(engines[name], prompts, SPEC_NEW)
+        texts[name].append(got)
+        return {"replies": {"tok_s": rate}}
+
+    figures = spreads(run_rounds(list(engines), rounds, run))
+    st = {name: cells["replies"]["tok_s"] for name, cells in figures.items()}
+    if texts["plain"] != texts["ngram"]:
+        sys.exit("greedy texts differ with n-gram speculation")
     stats = drafting.spec_stats
-    print(f"n-gram speculation, K = {k}, {len(prompts)} prompts x {SPEC_NEW} tokens, concurrency 1, "
-          f"{rounds} rounds (tok/s min / median / max); greedy texts identical")
-    print(f"acceptance {stats.acceptance_rate:.0%}, mean accepted length {stats.mean_accepted_length:.2f}")
-    print(f"plain {spread(rates['plain'])}   ngram {spread(rates['ngram'])}   median ratio "
-          f"{statistics.median(rates['ngram']) / statistics.median(rates['plain']):.2f}x")
+    return ["SmolLM2-135M-Instruct float32", str(k), str(len(prompts)), str(SPEC_NEW), str(rounds),
+            f"{stats.acceptance_rate:.0%}", f"{stats.mean_accepted_length:.2f}",
+            f"{st['plain'].median:.1f}", f"{st['ngram'].median:.1f}",
+            f"{st['plain'].cell('.1f')} ; {st['ngram'].cell('.1f')}", "yes"]
 
 
 def main() -> None:
@@ -263,7 +279,7 @@ def main() -> None:
     if args.speculation:
         if args.rounds < 3:
             parser.error("--rounds must be at least 3")
-        speculation(gguf, args.work, args.k, args.rounds)
+        SPEC_TABLE.write(args.results, [speculation(gguf, args.work, args.k, args.rounds)])
         return
     TABLE.write(args.results, quality_rows(gguf, args.work, args.tokens))
 
