@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
+from neuron_buckets.artifact.manifest import read_manifest
 from neuron_buckets.backends import get_backend
 from neuron_buckets.compile.build_plan import BuildPlan
 from neuron_buckets.compile.compiler import Compiler
@@ -56,15 +58,22 @@ def save_adapter(model_dir: Path, out: Path, rank: int, targets: list[str], seed
     return out
 
 
+def compile_lora(directory: Path, model_dir: Path, text: str, cache: Path, jobs: int) -> Path:
+    """``text`` compiled for ``model_dir`` into ``directory / "artifact"``, every piece built."""
+    config = load_config(write_config(directory, model_dir, text))
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache) + ".lock"):  # the session's graph cache is shared by the xdist workers
+        report = Compiler(config, directory / "artifact", cache).run(jobs=jobs)
+    assert not report.failed, [o.error for o in report.failed]
+    return directory / "artifact"
+
+
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Path]]:
     """The tiny Llama, its LoRA artifact (eager backend) and the adapters' directories."""
     tmp = tmp_path_factory.mktemp("lora")
     model_dir = save_tiny_llama(tmp / "model")
-    artifact = tmp / "artifact"
-    config = load_config(write_config(tmp, model_dir, LORA_CONFIG))
-    report = Compiler(config, artifact, tmp / "cache").run(jobs=1)
-    assert not report.failed, [o.error for o in report.failed]
+    artifact = compile_lora(tmp, model_dir, LORA_CONFIG, tmp / "cache", jobs=1)
     adapters = {name: save_adapter(model_dir, tmp / name, r, t, seed)
                 for seed, (name, (r, t)) in enumerate(ADAPTERS.items())}
     return artifact, model_dir, adapters
@@ -131,16 +140,15 @@ def test_more_adapters_than_slots_in_one_run(lora_setup):
     assert engine.adapters.swaps >= 1
 
 
-def test_inductor_lora_pieces_equal_transformers_peft(lora_setup, tmp_path: Path):
+def test_inductor_lora_pieces_equal_transformers_peft(lora_setup, graph_cache_dir: Path, tmp_path: Path):
     """The slots are inputs of the compiled layer piece too: the tiny grid built by inductor (the
-    default backend) serves base and two adapters of other ranks as peft computes them."""
+    default backend) serves base and two adapters of other ranks as peft computes them. Its embed
+    and head are the tiny artifact's, taken from the session's graph cache."""
     _, model_dir, adapters = lora_setup
     text = TINY_CONFIG + "[lora]\nmax_loras = 2\nmax_lora_rank = 8\n"
-    config = load_config(write_config(tmp_path, model_dir, text))
-    assert config.compile.backend == "inductor"
-    report = Compiler(config, tmp_path / "artifact", tmp_path / "cache").run(jobs=2)
-    assert not report.failed, [o.error for o in report.failed]
-    engine = poisoned_engine(tmp_path / "artifact", {n: adapters[n] for n in ("a2", "a8")})
+    artifact = compile_lora(tmp_path, model_dir, text, graph_cache_dir, jobs=2)
+    assert read_manifest(artifact).backend.name == "inductor"
+    engine = poisoned_engine(artifact, {n: adapters[n] for n in ("a2", "a8")})
     check_against_peft(engine, model_dir, adapters, ["a8", None, "a2"], [13, 6, 9])
 
 
