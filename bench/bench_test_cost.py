@@ -4,8 +4,8 @@ Until the StableHLO tests covered every piece, ``make test`` ended with ``make t
 builds a second virtualenv (torch and torch-xla 2.9) inside the clone. This bench clones the
 repository twice, at ``--before`` (default: the parent of the commit that took ``$(MAKE) test-xla``
 out of the Makefile's ``test`` target) and at ``--after`` (default: HEAD), and runs ``make test`` in
-each, one run apiece (a run is a whole 20-minute suite; the disk figures do not move between
-runs, the wall seconds are one run's). Each run gets an empty pip cache of its own, so every wheel a
+each, one run apiece (a run is the whole suite; the disk figures do not move between runs, the
+wall seconds are one run's). Each run gets an empty pip cache of its own, so every wheel a
 run installs beyond the main environment is downloaded as on a fresh machine. Recorded per run:
 wall seconds, the clone's size afterwards (its virtualenvs and build outputs included), the pip
 cache it filled, and whether it passed. The main environment (torch 2.13 and the ``dev`` extra) and
@@ -28,7 +28,7 @@ from pathlib import Path
 from .results_table import PROVENANCE, Ratio, ResultsTable, add_results_argument
 
 ROOT = Path(__file__).parents[1]
-XLA_STEP = "\t$(MAKE) test-xla"  # the line of the Makefile's test target that ran the torch-xla tests
+XLA_STEP = "$(MAKE) test-xla"  # the line of the Makefile's test target that ran the torch-xla tests
 
 TABLE = ResultsTable(
     heading="What make test costs a fresh clone (bench_test_cost.py)",
@@ -58,7 +58,7 @@ def git(*args: str) -> str:
 
 def last_commit_with_xla() -> str:
     """The parent of the newest commit that changed whether the Makefile holds ``XLA_STEP``."""
-    changed = git("log", "-S", XLA_STEP.strip(), "--format=%H", "--", "Makefile").split()
+    changed = git("log", "-S", XLA_STEP, "--format=%H", "--", "Makefile").split()
     if not changed:
         raise SystemExit("no commit of this history ran make test-xla from make test")
     return git("rev-parse", "--short", f"{changed[0]}^")

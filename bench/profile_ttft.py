@@ -78,7 +78,6 @@ engine in `runs` alternating runs each.
 )
 
 
-
 def use_schedule(sched: Scheduler, schedule: str) -> None:
     """Turn a scheduler given the runtime's token buckets (nb's own schedule, ``fitted``) into one of
     ``SCHEDULES``: ``packed`` packs prompts up to the budget, ``plain`` also cuts no step at a bucket.
@@ -87,6 +86,7 @@ def use_schedule(sched: Scheduler, schedule: str) -> None:
         sched.pack_limit = None
     if schedule == "plain":
         sched.token_buckets = ()
+
 
 @dataclass
 class StepRecord:
